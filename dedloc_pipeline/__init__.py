@@ -1,0 +1,1 @@
+"""dedloc-pipeline."""

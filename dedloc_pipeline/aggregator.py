@@ -1,0 +1,135 @@
+"""Aggregators: each owns a part (a range of chunks) of the flat vector for one round.
+
+``reduce_part`` takes the sample-weighted mean of the accepted shards over its range;
+``apply_part`` runs the optimizer step on that range and writes the range of the next state.
+Both read only immutable inputs (CLOSE, state r) and write deterministic outputs before their
+marker, so running one twice, or after a crash, gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+
+from . import codec, optim
+from .codec import ErrorFeedback
+from .run import Run, RunError
+
+log = logging.getLogger(__name__)
+
+
+def _close(run: Run, r: int) -> dict:
+    close = run.bucket.read_json(run.keys.close(r))
+    if close is None:
+        raise RunError(f"round {r} is not closed")
+    return close
+
+
+def reduce_part(run: Run, r: int, part: int) -> str:
+    """Mean gradient of round r over this part's chunks, plus the optimizer's partial sums."""
+    keys, bucket = run.keys, run.bucket
+    marker = keys.reduced_marker(r, part)
+    if bucket.exists(marker):
+        return marker
+    close = _close(run, r)
+    chunks = run.part_chunks(part)
+    lo, hi = run.part_bounds(part)
+    total = np.zeros(hi - lo, np.float64)
+    for shard in close["accepted"]:
+        g = codec.read_vector(bucket, shard["key"], run.grad_format, chunks, shard["checksums"])
+        total += shard["samples"] * g.astype(np.float64)
+    grad = (total / close["samples"]).astype(np.float32)
+    codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
+    p, state, _ = _read_state(run, r, part)
+    partials = optim.partials(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1)
+    bucket.write_json(marker, {"part": part, "partials": partials})
+    return marker
+
+
+def _read_state(run: Run, r: int, part: int):
+    chunks = run.part_chunks(part)
+    fmt, keys = run.dense_format, run.keys
+    p = codec.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
+    state = {n: codec.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy() for n in optim.STATE}
+    residual = codec.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy()
+    return p, state, residual
+
+
+def prepare(run: Run, r: int) -> None:
+    """Array metadata of round r's reduction and state r+1, so parts can be filled independently."""
+    keys = run.keys
+    codec.create_vector(run.bucket, keys.reduced(r), run.dense_format)
+    codec.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
+    codec.create_vector(run.bucket, keys.delta(r + 1), run.delta_format)
+    for name in (*optim.STATE, "residual"):
+        codec.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
+
+
+def apply_part(run: Run, r: int, part: int) -> str:
+    """Optimizer step for this range: writes state r+1's params, delta and optimizer state."""
+    keys, bucket = run.keys, run.bucket
+    marker = keys.applied(r + 1, part)
+    if bucket.exists(marker):
+        return marker
+    chunks = run.part_chunks(part)
+    lo, _ = run.part_bounds(part)
+    grad = codec.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
+    norms = None
+    if run.config.optimizer.name == "lamb":
+        found = bucket.read_many([keys.reduced_marker(r, k) for k in range(run.n_parts)])
+        if any(v is None for v in found.values()):
+            raise RunError(f"round {r}: LAMB needs every part reduced first")
+        norms = optim.merge_partials([json.loads(v)["partials"] for v in found.values()])
+    p_old, state, residual = _read_state(run, r, part)
+    p = p_old.copy()
+    optim.apply(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
+    # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.
+    fb = ErrorFeedback(run.config.param_codec, run.config.block_size, residual)
+    q = fb.encode(p - p_old)
+    p_new = p_old + codec.decode(q, run.config.param_codec, run.config.block_size)
+    fmt = run.dense_format
+    sums = {"params": codec.write_vector(bucket, keys.params(r + 1), fmt, {"values": p_new}, chunks)["values"],
+            "delta": codec.write_vector(bucket, keys.delta(r + 1), run.delta_format, q, chunks)}
+    for name, arr in (*state.items(), ("residual", fb.residual if fb.residual is not None else residual)):
+        codec.write_vector(bucket, keys.optim(r + 1, name), fmt, {"values": arr}, chunks)
+    bucket.write_json(marker, {"part": part, "checksums": sums})
+    return marker
+
+
+def commit_state(run: Run, r: int, opened_at: float | None = None) -> dict:
+    """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
+    keys, bucket = run.keys, run.bucket
+    existing = bucket.read_json(keys.commit(r + 1))
+    if existing is None:
+        close = _close(run, r)
+        found = bucket.read_many([keys.applied(r + 1, k) for k in range(run.n_parts)])
+        missing = [k for k, v in found.items() if v is None]
+        if missing:
+            raise RunError(f"state {r + 1}: parts not applied: {missing}")
+        applied = [json.loads(found[keys.applied(r + 1, k)]) for k in range(run.n_parts)]
+        delta_sums: dict[str, list[str]] = {}
+        for a in applied:
+            for name, s in a["checksums"]["delta"].items():
+                delta_sums.setdefault(name, []).extend(s)
+        shards = [{k: s[k] for k in ("key", "peer", "samples", "loss", "manifest_sha", "late")}
+                  for s in close["accepted"]]
+        loss = sum(s["samples"] * s["loss"] for s in shards) / close["samples"]
+        commit = {
+            "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],
+            "loss": loss, "contributors": [s["peer"] for s in shards], "shards": shards,
+            "rejected": close["rejected"], "lr": optim.lr_at(run.config.optimizer, r + 1),
+            "opened_at": close.get("opened_at"), "closed_at": close["closed_at"],
+            "committed_at": time.time(),
+            "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
+                          "delta": delta_sums},
+        }
+        if not bucket.create_json(keys.commit(r + 1), commit):
+            log.info("state %d was committed by another scheduler", r + 1)
+        existing = bucket.read_json(keys.commit(r + 1))
+    hint = bucket.read_json(keys.latest) or {"round": -1}
+    if hint["round"] < r + 1:
+        bucket.write_json(keys.latest, {"round": r + 1})
+    return existing

@@ -1,0 +1,152 @@
+"""``dedloc``: the command line of organizers and volunteers."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from enum import Enum
+from typing import Optional
+
+import typer
+from pydantic import ValidationError
+
+from .config import CloseRule, OptimizerConfig, RunConfig
+from .run import Run, RunError, init_run
+from .storage import Bucket, StorageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Volunteer pretraining through an object-storage bucket.")
+
+
+class CodecName(str, Enum):
+    none = "none"
+    fp16 = "fp16"
+    int8 = "int8"
+
+
+class OptimizerName(str, Enum):
+    adamw = "adamw"
+    lamb = "lamb"
+
+
+BucketOpt = typer.Option(..., "--bucket", help="fsspec URL: a path, file://, s3://bucket/prefix, memory://")
+RunOpt = typer.Option(..., "--run", help="run name inside the bucket")
+EndpointOpt = typer.Option(None, "--endpoint-url", envvar="AWS_ENDPOINT_URL",
+                           help="S3 endpoint (MinIO, R2); credentials come from the usual AWS variables")
+
+
+def _setup(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _fail(exc: BaseException) -> None:
+    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    typer.echo(f"error: {msg}", err=True)
+    raise typer.Exit(2)
+
+
+def _open(bucket: str, run: str, endpoint: str | None) -> Run:
+    return Run(Bucket(bucket, endpoint_url=endpoint), run)
+
+
+_ERRORS = (RunError, StorageError, ValueError, ValidationError, FileNotFoundError, PermissionError)
+
+
+@app.command()
+def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+         preset: str = "tiny", target_batch: int = typer.Option(256, "--target-batch"),
+         micro_batch: int = 8, codec: CodecName = CodecName.int8,
+         optimizer: OptimizerName = OptimizerName.adamw, lr: float = 2e-3, seed: int = 0,
+         seq_len: Optional[int] = None, chunk_size: int = 1 << 20, chunks_per_part: int = 1,
+         close_timeout: Optional[float] = typer.Option(None, help="close a short round after SECONDS"),
+         min_fraction: float = typer.Option(0.5, help="... if this share of the target is in"),
+         late_shards: str = typer.Option("reject", help="reject | fold (count in the next round)"),
+         delayed_updates: bool = typer.Option(True, help="keep computing while a round is reduced"),
+         peer_timeout: float = typer.Option(20.0, help="seconds before a silent peer counts as gone"),
+         verbose: bool = False):
+    """Create a run in the bucket and commit state 0."""
+    _setup(verbose)
+    try:
+        cfg = RunConfig(run=run, preset=preset, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
+                        micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
+                        block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
+                        delayed_updates=delayed_updates, peer_timeout_s=peer_timeout,
+                        optimizer=OptimizerConfig(name=optimizer.value, lr=lr),
+                        close=CloseRule(timeout_s=close_timeout, min_fraction=min_fraction,
+                                        late_shards=late_shards))
+        r = init_run(Bucket(bucket, endpoint_url=endpoint_url), cfg)
+        typer.echo(f"run {run} ready in {bucket}: {r.flat.n:,} parameters, state 0 committed")
+    except _ERRORS as exc:
+        _fail(exc)
+
+
+@app.command()
+def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           peer_id: Optional[str] = typer.Option(None, help="stable id (default: random)"),
+           until_round: Optional[int] = typer.Option(None, help="exit once state R is committed"),
+           threads: Optional[int] = typer.Option(None, help="torch threads"),
+           micro_batch: Optional[int] = typer.Option(None, help="this volunteer's micro-batch"),
+           poll: float = typer.Option(1.0, help="seconds between bucket polls"),
+           verbose: bool = True):
+    """Join a run as a volunteer: compute gradients and upload shards."""
+    _setup(verbose)
+    from .shard import PEER_ID
+    import re
+    from .worker import Worker
+    try:
+        if peer_id is not None and not re.match(PEER_ID, peer_id):
+            raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
+        w = Worker(_open(bucket, run, endpoint_url), peer_id, micro_batch, threads, poll_s=poll)
+        state = w.serve(until_round)
+        typer.echo(f"{w.peer}: stopped at state {state}; uploaded {w.uploaded_samples} samples")
+    except _ERRORS as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+
+
+@app.command()
+def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+              until_round: Optional[int] = typer.Option(None, help="exit once state R is committed"),
+              parallel: int = typer.Option(2, help="aggregator threads"),
+              poll: float = typer.Option(1.0, help="seconds between bucket polls"),
+              verbose: bool = True):
+    """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
+    _setup(verbose)
+    from .scheduler import Scheduler
+    try:
+        state = Scheduler(_open(bucket, run, endpoint_url), parallel, poll).serve(until_round)
+        typer.echo(f"state {state} committed")
+    except _ERRORS as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+
+
+@app.command()
+def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           as_json: bool = typer.Option(False, "--json", help="one JSON object")):
+    """Where a run stands: open round, peers, history."""
+    _setup(False)
+    from .status import status as get_status
+    try:
+        s = get_status(_open(bucket, run, endpoint_url))
+    except _ERRORS as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(s))
+        return
+    p = s["progress"]
+    typer.echo(f"run {s['run']}: state {s['round']}, round {p['round']} at {p['samples']}/"
+               f"{s['target_batch_size']} samples from {p['peers']} live peers")
+    for h in s["history"][-10:]:
+        typer.echo(f"  round {h['round']:>5}: loss {h['loss']:.4f}, {h['samples']} samples, "
+                   f"{len(h['contributors'])} shards")
+    for q in s["peers"]:
+        typer.echo(f"  peer {q['peer_id']}: {q['samples']} samples in {q['rounds']} rounds")
+
+
+def main() -> None:  # pragma: no cover
+    app()

@@ -1,0 +1,73 @@
+"""Run configuration: written once to ``run.json`` by ``dedloc init``; every process reads it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .layout import LAYOUT_VERSION
+
+Codec = Literal["none", "fp16", "int8"]
+
+
+class OptimizerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["adamw", "lamb"] = "adamw"
+    lr: float = Field(2e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int | None = Field(None, gt=0, description="linear decay to 0 over this many steps")
+    clamp: float = Field(10.0, gt=0, description="LAMB: upper bound of the trust ratio")
+
+
+class CloseRule(BaseModel):
+    """When the scheduler closes a round."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float | None = Field(None, gt=0, description="close anyway after this long ...")
+    min_fraction: float = Field(0.5, gt=0, le=1, description="... if this share of the target is in")
+    late_shards: Literal["reject", "fold"] = Field(
+        "reject", description="a shard that misses its round: dropped, or counted in the next one"
+    )
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    layout_version: int = LAYOUT_VERSION
+    run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+    preset: str = "tiny"
+    seq_len: int | None = Field(None, gt=8, description="default: the preset's")
+    data: str = "synthetic"
+    seed: int = 0
+    target_batch_size: int = Field(256, gt=0)
+    micro_batch: int = Field(8, gt=0)
+    codec: Codec = "int8"
+    download_codec: Codec | None = Field(None, description="parameter deltas; default: codec")
+    block_size: int = Field(4096, gt=0, description="int8: elements per absmax scale")
+    chunk_size: int = Field(1 << 20, gt=0, description="elements per zarr chunk of the flat vector")
+    chunks_per_part: int = Field(1, gt=0, description="chunks one aggregator task reduces")
+    max_grad_norm: float = Field(1e4, gt=0, description="a shard above this L2 norm is rejected")
+    delayed_updates: bool = True
+    peer_timeout_s: float = Field(20.0, gt=0, description="progress older than this is a gone peer")
+    optimizer: OptimizerConfig = OptimizerConfig()
+    close: CloseRule = CloseRule()
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        if self.chunk_size % self.block_size:
+            raise ValueError("chunk_size must be a multiple of block_size")
+        if self.layout_version != LAYOUT_VERSION:
+            raise ValueError(
+                f"run uses bucket layout v{self.layout_version}; this dedloc reads v{LAYOUT_VERSION}"
+            )
+        return self
+
+    @property
+    def param_codec(self) -> Codec:
+        return self.download_codec or self.codec

@@ -1,0 +1,87 @@
+"""Bucket keys of one run. Every path the protocol touches is spelled here, and only here."""
+
+from __future__ import annotations
+
+LAYOUT_VERSION = 1
+
+
+def _r(r: int) -> str:
+    return f"{r:08d}"
+
+
+class RunLayout:
+    """Keys under ``runs/{run}/`` (see DESIGN.md, "Bucket layout")."""
+
+    def __init__(self, run: str):
+        self.run = run
+        self.root = f"runs/{run}"
+
+    # run-wide
+    @property
+    def config(self) -> str:
+        return f"{self.root}/run.json"
+
+    @property
+    def latest(self) -> str:
+        return f"{self.root}/state/LATEST.json"
+
+    @property
+    def states(self) -> str:
+        return f"{self.root}/state"
+
+    @property
+    def rounds(self) -> str:
+        return f"{self.root}/rounds"
+
+    # state r: what round r's gradients are computed against
+    def state(self, r: int) -> str:
+        return f"{self.root}/state/{_r(r)}"
+
+    def params(self, r: int) -> str:
+        return f"{self.state(r)}/params"
+
+    def delta(self, r: int) -> str:
+        """Compressed difference state r - state (r-1): what a synced peer downloads."""
+        return f"{self.state(r)}/delta"
+
+    def optim(self, r: int, name: str) -> str:
+        return f"{self.state(r)}/optim/{name}"
+
+    def applied(self, r: int, part: int) -> str:
+        """Marker: the aggregator of chunk range ``part`` wrote its slice of state r."""
+        return f"{self.state(r)}/applied/{part:05d}.json"
+
+    def commit(self, r: int) -> str:
+        return f"{self.state(r)}/COMMIT.json"
+
+    # round r: gradients computed against state r
+    def round(self, r: int) -> str:
+        return f"{self.root}/rounds/{_r(r)}"
+
+    def progress_dir(self, r: int) -> str:
+        return f"{self.round(r)}/progress"
+
+    def progress(self, r: int, peer: str) -> str:
+        return f"{self.progress_dir(r)}/{peer}.json"
+
+    def shards_dir(self, r: int) -> str:
+        return f"{self.round(r)}/shards"
+
+    def shard(self, r: int, peer: str, part: str) -> str:
+        return f"{self.shards_dir(r)}/{peer}/{part}"
+
+    def manifest(self, shard: str) -> str:
+        return f"{shard}/MANIFEST.json"
+
+    def close(self, r: int) -> str:
+        return f"{self.round(r)}/CLOSE.json"
+
+    def reduced(self, r: int) -> str:
+        """Scratch: the round's mean gradient, written range by range by the aggregators."""
+        return f"{self.round(r)}/reduced/grad"
+
+    def reduced_marker(self, r: int, part: int) -> str:
+        return f"{self.round(r)}/reduced/{part:05d}.json"
+
+    def stop(self) -> str:
+        return f"{self.root}/STOP.json"

@@ -1,0 +1,108 @@
+"""ALBERT masked-LM presets and the flat parameter vector the protocol exchanges.
+
+The protocol sees the model as one float32 vector; ``FlatLayout`` maps it to named tensors in a
+fixed (sorted) order, so every peer and aggregator cuts it the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import AlbertConfig, AlbertForMaskedLM
+
+PRESETS: dict[str, dict] = {
+    # ~1.9M parameters: the protocol's workhorse for tests and CPU demos.
+    "tiny": dict(vocab_size=8000, embedding_size=128, hidden_size=256, num_hidden_layers=4,
+                 num_attention_heads=4, intermediate_size=1024, max_position_embeddings=128),
+}
+SPECIAL_TOKENS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+
+
+def albert_config(preset: str, seq_len: int | None = None) -> AlbertConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    kw = dict(PRESETS[preset])
+    if seq_len:
+        kw["max_position_embeddings"] = max(seq_len, kw["max_position_embeddings"])
+    return AlbertConfig(**kw, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        classifier_dropout_prob=0.0, pad_token_id=SPECIAL_TOKENS["pad"],
+                        bos_token_id=SPECIAL_TOKENS["cls"], eos_token_id=SPECIAL_TOKENS["sep"])
+
+
+def seq_len_of(preset: str, seq_len: int | None = None) -> int:
+    return seq_len or PRESETS[preset]["max_position_embeddings"]
+
+
+def build_model(preset: str, seed: int, seq_len: int | None = None) -> AlbertForMaskedLM:
+    """Same preset and seed give the same initial weights on every machine."""
+    torch.manual_seed(seed)
+    model = AlbertForMaskedLM(albert_config(preset, seq_len))
+    model.train()  # dropout is 0, so train and eval agree; train keeps autograd paths standard
+    return model
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    size: int
+    decay: bool  # weight decay applies (not to biases and LayerNorm)
+
+
+class FlatLayout:
+    """Named tensors <-> one flat float32 vector."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.tensors: list[Tensor] = []
+        offset = 0
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            decay = p.ndim > 1 and "LayerNorm" not in name and "norm" not in name.lower()
+            self.tensors.append(Tensor(name, tuple(p.shape), offset, p.numel(), decay))
+            offset += p.numel()
+        self.n = offset
+        self._params = dict(model.named_parameters())
+
+    def pieces(self, lo: int, hi: int):
+        """(tensor, start, stop) for every tensor overlapping [lo, hi), in flat coordinates."""
+        for t in self.tensors:
+            a, b = max(lo, t.offset), min(hi, t.offset + t.size)
+            if a < b:
+                yield t, a, b
+
+    def get(self) -> np.ndarray:
+        out = np.empty(self.n, np.float32)
+        for t in self.tensors:
+            out[t.offset:t.offset + t.size] = self._params[t.name].detach().reshape(-1).numpy()
+        return out
+
+    def set(self, flat: np.ndarray) -> None:
+        with torch.no_grad():
+            for t in self.tensors:
+                src = torch.from_numpy(np.ascontiguousarray(flat[t.offset:t.offset + t.size]))
+                self._params[t.name].copy_(src.view(t.shape))
+
+    def grad(self) -> np.ndarray:
+        out = np.zeros(self.n, np.float32)
+        for t in self.tensors:
+            g = self._params[t.name].grad
+            if g is not None:
+                out[t.offset:t.offset + t.size] = g.reshape(-1).numpy()
+        return out
+
+
+def mlm_loss_sum(model: AlbertForMaskedLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over samples of each sample's mean loss over its masked tokens.
+
+    Summing per-sample means (instead of one mean over all masked tokens) makes the gradient of a
+    batch the sample-weighted sum of its parts: the invariant that lets peers split a batch.
+    """
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"]
+    tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                          ignore_index=-100, reduction="none").view(labels.shape)
+    mask = (labels != -100).float()
+    return (tok.sum(1) / mask.sum(1).clamp(min=1)).sum()

@@ -1,0 +1,122 @@
+"""The round scheduler: close a round when enough samples are in, reduce, apply, commit.
+
+Everything it knows comes from the bucket, so it can be killed and started again anywhere: a
+closed round is finished from its CLOSE marker, a half-applied state from its part markers, and
+COMMIT is created at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import aggregator
+from .run import Run
+from .shard import Rejected, validate
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, run: Run, parallel: int = 2, poll_s: float = 1.0):
+        self.run, self.parallel, self.poll_s = run, parallel, poll_s
+        self._seen: dict[str, tuple[str, dict | str]] = {}  # manifest key -> (raw, verdict)
+
+    # closing
+    def _verdicts(self, r: int, skip: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
+        """Validate every manifest of round r (each new one once); (accepted, rejected)."""
+        bucket, keys = self.run.bucket, self.run.keys
+        manifests = [k for k in bucket.find(keys.shards_dir(r)) if k.endswith("/MANIFEST.json")]
+        manifests = [k for k in manifests if k.rsplit("/", 1)[0] not in skip]
+        raw = bucket.read_many(manifests)
+        accepted, rejected = [], []
+        for mkey, data in raw.items():
+            if data is None:
+                continue
+            shard = mkey.rsplit("/", 1)[0]
+            seen = self._seen.get(mkey)
+            if seen is None or seen[0] != data:
+                try:
+                    verdict: dict | str = validate(self.run, r, shard, data)
+                except Rejected as exc:
+                    verdict = str(exc)
+                    log.warning("round %d: rejected shard %s: %s", r, shard, verdict)
+                self._seen[mkey] = (data, verdict)
+            verdict = self._seen[mkey][1]
+            if isinstance(verdict, str):
+                rejected.append({"key": shard, "reason": verdict})
+            else:
+                accepted.append(verdict)
+        return accepted, rejected
+
+    def _late(self, r: int) -> list[dict]:
+        """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``)."""
+        if r == 0 or self.run.config.close.late_shards != "fold":
+            return []
+        prev = self.run.bucket.read_json(self.run.keys.close(r - 1)) or {}
+        listed = {s["key"] for s in prev.get("accepted", []) + prev.get("rejected", [])}
+        late, _ = self._verdicts(r - 1, skip=listed)
+        return [dict(s, late=True) for s in late]
+
+    def try_close(self, r: int, now: float | None = None) -> dict | None:
+        """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one."""
+        bucket, keys, rule = self.run.bucket, self.run.keys, self.run.config.close
+        close = bucket.read_json(keys.close(r))
+        if close is not None:
+            return close
+        accepted, rejected = self._verdicts(r)
+        accepted += self._late(r)
+        samples = sum(s["samples"] for s in accepted)
+        target = self.run.config.target_batch_size
+        opened = self.run.commit_of(r)["committed_at"]
+        now = time.time() if now is None else now
+        timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
+        if samples < target and not (timed_out and samples >= rule.min_fraction * target):
+            return None
+        accepted.sort(key=lambda s: s["key"])
+        close = {"round": r, "samples": samples, "target": target, "accepted": accepted,
+                 "rejected": sorted(rejected, key=lambda s: s["key"]), "opened_at": opened,
+                 "closed_at": now, "reason": "target" if samples >= target else "timeout"}
+        if not bucket.create_json(keys.close(r), close):
+            log.info("round %d was closed by another scheduler", r)
+        close = bucket.read_json(keys.close(r))
+        log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close["samples"],
+                 len(close["accepted"]), len(close["rejected"]))
+        return close
+
+    # finishing a closed round
+    def finish(self, r: int, pool: ThreadPoolExecutor) -> dict:
+        """Reduce, apply and commit closed round r; safe to repeat after any crash."""
+        run = self.run
+        aggregator.prepare(run, r)
+        parts = range(run.n_parts)
+        list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))
+        list(pool.map(lambda k: aggregator.apply_part(run, r, k), parts))
+        commit = aggregator.commit_state(run, r)
+        log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
+                 commit["loss"], commit["samples"], len(commit["contributors"]))
+        return commit
+
+    def step(self, pool: ThreadPoolExecutor) -> bool:
+        """One unit of progress; False when the open round is still filling."""
+        r = self.run.latest()
+        if self.try_close(r) is None:
+            return False
+        self.finish(r, pool)
+        return True
+
+    def serve(self, until_round: int | None = None, max_wait_s: float | None = None) -> int:
+        """Schedule rounds until state ``until_round`` is committed (or forever)."""
+        idle_since = time.monotonic()
+        with ThreadPoolExecutor(self.parallel) as pool:
+            while True:
+                r = self.run.latest()
+                if until_round is not None and r >= until_round:
+                    return r
+                if self.step(pool):
+                    idle_since = time.monotonic()
+                    continue
+                if max_wait_s is not None and time.monotonic() - idle_since > max_wait_s:
+                    raise TimeoutError(f"round {r} did not fill within {max_wait_s:.0f}s")
+                time.sleep(self.poll_s)

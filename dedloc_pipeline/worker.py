@@ -1,0 +1,249 @@
+"""A volunteer: pull the latest state, accumulate gradients, upload a shard when the round fills.
+
+The only coordination is through the bucket. A worker counts the samples already in manifests
+plus the fresh progress of the other peers; once that reaches the target it uploads what it has.
+If a peer vanishes its progress goes stale, the round falls short, and the others keep
+computing and upload a second part: they make up the missing samples. With delayed updates on,
+a worker that is waiting for the next state keeps computing on the one it has and counts those
+samples (one step stale) toward the next round.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from . import shard
+from .codec import ErrorFeedback
+from .data import make_source
+from .model import FlatLayout, mlm_loss_sum
+from .run import Run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Accumulator:
+    """Gradient sums in ``model.grad`` for one round, and the samples they came from."""
+
+    round: int
+    samples: int = 0
+    stale_samples: int = 0
+    loss_sum: float = 0.0
+    ranges: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class RoundView:
+    manifest_samples: int = 0
+    fresh_samples: int = 0  # other peers' un-uploaded samples, from live heartbeats
+    closed: bool = False
+    at: float = 0.0
+
+
+class Worker:
+    def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
+                 threads: int | None = None, delayed: bool | None = None, poll_s: float = 1.0):
+        self.run = run
+        self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
+        self.micro_batch = micro_batch or run.config.micro_batch
+        self.delayed = run.config.delayed_updates if delayed is None else delayed
+        self.poll_s = poll_s
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = run.build_model()
+        self.flat = FlatLayout(self.model)
+        cfg = run.config
+        self.source = make_source(cfg.data, self.model.config.vocab_size, run.seq_len, cfg.seed)
+        self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
+        self.state: int | None = None
+        self.params = None
+        self.acc: Accumulator | None = None
+        self.cursor = 0
+        self._view: RoundView | None = None
+        self._manifests: dict[str, int] = {}
+        self._last_upload: dict[int, float] = {}
+        self._last_progress = 0.0
+        self._last_sync = 0.0
+        self._rate = (time.monotonic(), 0)
+        self.uploaded_samples = 0
+        self.computed_samples = 0
+
+    # state
+    def sync(self) -> bool:
+        """Move to the newest committed state; True if it changed."""
+        self._last_sync = time.time()
+        latest = self.run.latest()
+        if latest == self.state:
+            return False
+        commit = self.run.commit_of(latest)
+        params = None
+        if self.state is not None and latest == self.state + 1:
+            try:
+                params = self.run.apply_delta(latest, self.params, commit)
+            except Exception as exc:  # any mismatch: the snapshot is the truth
+                log.warning("%s: delta of state %d unusable (%s); reading the snapshot", self.peer, latest, exc)
+        if params is None:
+            params = self.run.load_params(latest, commit)
+        if self.state is None:
+            self.cursor = self._resume_cursor(latest)
+        self.params, self.state = params, latest
+        self.flat.set(params)
+        self._view = None
+        self._retarget()
+        log.info("%s: at state %d", self.peer, latest)
+        return True
+
+    def _retarget(self) -> None:
+        acc = self.acc
+        if acc is None or acc.round >= self.state:
+            return
+        if self.delayed and acc.round == self.state - 1:
+            acc.round, acc.stale_samples = self.state, acc.samples  # missed its round: one step stale
+        else:
+            log.info("%s: dropping %d samples of closed round %d", self.peer, acc.samples, acc.round)
+            self._drop()
+
+    def _resume_cursor(self, r: int) -> int:
+        """Continue this peer's stream after the samples it already uploaded."""
+        keys, end = self.run.keys, 0
+        for rr in (r - 1, r):
+            if rr < 0:
+                continue
+            mkeys = [k for k in self.run.bucket.find(f"{keys.shards_dir(rr)}/{self.peer}")
+                     if k.endswith("/MANIFEST.json")]
+            for raw in self.run.bucket.read_many(mkeys).values():
+                try:
+                    m = shard.Manifest.model_validate_json(raw)
+                    end = max([end] + [a + c for a, c in m.data.ranges])
+                except ValueError:
+                    continue
+        return end
+
+    # what the others are doing
+    def view(self, r: int) -> RoundView:
+        now = time.time()
+        if self._view is not None and now - self._view.at < self.poll_s:
+            return self._view
+        bucket, keys = self.run.bucket, self.run.keys
+        v = RoundView(at=now, closed=bucket.exists(keys.close(r)))
+        mkeys = [k for k in bucket.find(keys.shards_dir(r)) if k.endswith("/MANIFEST.json")]
+        new = [k for k in mkeys if k not in self._manifests]
+        for k, raw in bucket.read_many(new).items():
+            try:
+                self._manifests[k] = shard.Manifest.model_validate_json(raw).samples
+            except ValueError:
+                self._manifests[k] = 0
+        v.manifest_samples = sum(self._manifests.get(k, 0) for k in mkeys)
+        pkeys = [k for k in bucket.find(keys.progress_dir(r)) if not k.endswith(f"/{self.peer}.json")]
+        timeout = self.run.config.peer_timeout_s
+        for raw in bucket.read_many(pkeys).values():
+            try:
+                p = json.loads(raw)
+                if p.get("round") == r and now - float(p["time"]) < timeout:
+                    v.fresh_samples += int(p["samples"])
+            except (ValueError, KeyError, TypeError):
+                continue
+        self._view = v
+        return v
+
+    # work
+    def step(self) -> bool:
+        """One decision, and one micro-batch if there is work. False while only waiting."""
+        if time.time() - self._last_sync >= self.poll_s:
+            self.sync()
+        r, target = self.state, self.run.config.target_batch_size
+        v = self.view(r)
+        full = v.closed or v.manifest_samples >= target
+        acc = self.acc
+        if full and acc is not None and acc.round == r:
+            if self.delayed:
+                acc.round, acc.stale_samples = r + 1, acc.samples
+            else:
+                self._upload(acc)  # may still make it before CLOSE; late otherwise
+        if full and not self.delayed:
+            self._report(force=False)
+            return False
+        self._compute(r + 1 if full else r)
+        acc = self.acc
+        self._report(force=False)
+        if acc.round == r and v.manifest_samples + v.fresh_samples + acc.samples >= target:
+            again = time.time() - self._last_upload.get(r, 0.0) >= self.run.config.peer_timeout_s
+            if r not in self._last_upload or again:
+                self._upload(acc)
+        return True
+
+    def _compute(self, round_: int) -> None:
+        if self.acc is None:
+            self.acc = Accumulator(round=round_)
+            self.model.zero_grad(set_to_none=False)
+        acc, n = self.acc, self.micro_batch
+        batch = self.source.batch(self.peer, self.cursor, n)
+        loss = mlm_loss_sum(self.model, batch)
+        loss.backward()
+        loss = loss.detach()
+        acc.loss_sum += loss.item()
+        if acc.ranges and acc.ranges[-1][0] + acc.ranges[-1][1] == self.cursor:
+            acc.ranges[-1][1] += n
+        else:
+            acc.ranges.append([self.cursor, n])
+        acc.samples += n
+        acc.stale_samples += n if round_ > self.state else 0
+        self.cursor += n
+        self.computed_samples += n
+
+    def _upload(self, acc: Accumulator) -> None:
+        grad = self.flat.grad() / acc.samples
+        arrays = self.feedback.encode(grad)
+        part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+        key = shard.upload(self.run, acc.round, self.peer, part, grad, arrays, acc.samples,
+                           acc.loss_sum / acc.samples,
+                           shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
+                           stale_samples=acc.stale_samples)
+        self._last_upload[acc.round] = time.time()
+        self.uploaded_samples += acc.samples
+        log.info("%s: uploaded %d samples to round %d (%s)", self.peer, acc.samples, acc.round, key)
+        self._drop()
+        self._view = None
+        self._report(force=True, round_=acc.round)
+
+    def _drop(self) -> None:
+        self.acc = None
+        self.model.zero_grad(set_to_none=False)
+
+    def _report(self, force: bool, round_: int | None = None) -> None:
+        """Heartbeat for the round being accumulated: pending samples and speed."""
+        now = time.time()
+        if not force and now - self._last_progress < self.poll_s:
+            return
+        acc = self.acc
+        r = acc.round if acc is not None else (round_ if round_ is not None else self.state)
+        t0, c0 = self._rate
+        rate = (self.computed_samples - c0) / max(1e-9, time.monotonic() - t0)
+        self._rate = (time.monotonic(), self.computed_samples)
+        self.run.bucket.write_json(self.run.keys.progress(r, self.peer), {
+            "peer": self.peer, "round": r, "samples": acc.samples if acc and acc.round == r else 0,
+            "samples_per_s": rate, "time": now, "uploaded_samples": self.uploaded_samples})
+        self._last_progress = now
+
+    def leave(self) -> None:
+        """Tell the others this peer's pending samples will not come."""
+        if self.state is not None:
+            self._drop()
+            self._report(force=True)
+
+    def serve(self, until_round: int | None = None) -> int:
+        """Work until state ``until_round`` is committed (or forever); returns the last state."""
+        self.sync()
+        try:
+            while until_round is None or self.state < until_round:
+                if not self.step():
+                    time.sleep(self.poll_s / 4)
+        finally:
+            self.leave()
+        return self.state

@@ -15,7 +15,6 @@ import time
 import numpy as np
 
 from . import codec, optim
-from .codec import ErrorFeedback
 from .run import Run, RunError
 
 log = logging.getLogger(__name__)
@@ -87,19 +86,20 @@ def apply_part(run: Run, r: int, part: int) -> str:
     p = p_old.copy()
     optim.apply(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
     # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.
-    fb = ErrorFeedback(run.config.param_codec, run.config.block_size, residual)
-    q = fb.encode(p - p_old)
-    p_new = p_old + codec.decode(q, run.config.param_codec, run.config.block_size)
+    cfg = run.config
+    q, p_new, residual = codec.delta_encode(p_old, p, cfg.param_codec, cfg.block_size, residual)
     fmt = run.dense_format
     sums = {"params": codec.write_vector(bucket, keys.params(r + 1), fmt, {"values": p_new}, chunks)["values"],
             "delta": codec.write_vector(bucket, keys.delta(r + 1), run.delta_format, q, chunks)}
-    for name, arr in (*state.items(), ("residual", fb.residual if fb.residual is not None else residual)):
+    if residual is not None:
+        state["residual"] = residual
+    for name, arr in state.items():
         codec.write_vector(bucket, keys.optim(r + 1, name), fmt, {"values": arr}, chunks)
     bucket.write_json(marker, {"part": part, "checksums": sums})
     return marker
 
 
-def commit_state(run: Run, r: int, opened_at: float | None = None) -> dict:
+def commit_state(run: Run, r: int) -> dict:
     """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
     keys, bucket = run.keys, run.bucket
     existing = bucket.read_json(keys.commit(r + 1))

@@ -98,6 +98,28 @@ class ErrorFeedback:
         return arrays
 
 
+def delta_encode(p_old: np.ndarray, p_new: np.ndarray, codec: str, block: int,
+                 residual: np.ndarray | None) -> tuple[dict, np.ndarray, np.ndarray | None]:
+    """Compress a parameter update for download: (arrays, committed params, new residual).
+
+    ``none`` stores the XOR of the float32 bit patterns: exact, and the unchanged sign and
+    exponent bits compress. Lossy codecs quantize the difference (with error feedback), and the
+    committed parameters are what a peer rebuilds from it, bit for bit.
+    """
+    if codec == "none":
+        xor = p_old.view(np.uint32) ^ p_new.view(np.uint32)
+        return {"values": xor.view(np.float32)}, p_new.copy(), None
+    fb = ErrorFeedback(codec, block, residual)
+    arrays = fb.encode(p_new - p_old)
+    return arrays, delta_apply(p_old, arrays, codec, block), fb.residual
+
+
+def delta_apply(p_old: np.ndarray, arrays: dict, codec: str, block: int) -> np.ndarray:
+    if codec == "none":
+        return (p_old.view(np.uint32) ^ arrays["values"].view(np.uint32)).view(np.float32)
+    return p_old + decode(arrays, codec, block)
+
+
 def checksum(a: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).hexdigest()
 

@@ -107,9 +107,10 @@ class Run:
     def apply_delta(self, r: int, params: np.ndarray, commit: dict | None = None) -> np.ndarray:
         """State r from state r-1 and r's compressed delta; bit-identical to the snapshot."""
         commit = commit or self.commit_of(r)
-        d = codec.read_vector(self.bucket, self.keys.delta(r), self.delta_format,
+        fmt = self.delta_format
+        d = codec.read_vector(self.bucket, self.keys.delta(r), fmt, raw=True,
                               checksums=commit["checksums"]["delta"])
-        new = params + d
+        new = codec.delta_apply(params, d, fmt.codec, fmt.block)
         sums = codec.chunk_checksums(self.dense_format, {"values": new}, range(self.dense_format.n_chunks))
         if sums["values"] != commit["checksums"]["params"]:
             raise codec.CorruptShard(f"state {r}: delta does not reproduce the committed parameters")

@@ -92,6 +92,8 @@ class Worker:
             params = self.run.load_params(latest, commit)
         if self.state is None:
             self.cursor = self._resume_cursor(latest)
+        elif latest > self.state + 1 and self.acc is not None:
+            self._drop()  # more than one step behind: those gradients are too stale to use
         self.params, self.state = params, latest
         self.flat.set(params)
         self._view = None

@@ -1,0 +1,26 @@
+"""Run workers and a scheduler in one process, in lock-step: deterministic collaborations."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from dedloc_pipeline.scheduler import Scheduler
+from dedloc_pipeline.worker import Worker
+
+
+def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | None = None,
+                max_steps: int = 2000, scheduler_every: int = 2) -> list[Worker]:
+    """Every worker takes one step, and every few such steps the scheduler one (so workers see
+    full rounds that are not yet committed), until state ``rounds`` is committed."""
+    workers = [Worker(run, name, micro_batch=mb, threads=1, delayed=delayed, poll_s=0)
+               for name, mb in peers]
+    sched = Scheduler(run, parallel=2, poll_s=0)
+    with ThreadPoolExecutor(2) as pool:
+        for i in range(max_steps):
+            if run.latest() >= rounds:
+                return workers
+            for w in workers:
+                w.step()
+            if i % scheduler_every == 0:
+                sched.step(pool)
+    raise AssertionError(f"state {rounds} not reached in {max_steps} steps")

@@ -1,0 +1,109 @@
+"""Codec round trips, error feedback, chunked storage and the exact parameter delta."""
+
+import numpy as np
+import pytest
+
+from dedloc_pipeline import codec
+from dedloc_pipeline.codec import CorruptShard, VectorFormat
+
+
+def _vec(n, seed=0, scale=1e-2):
+    return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_round_trip_error_bounds(name):
+    x = _vec(10_001)
+    x[17] = 0.5  # an outlier block
+    y = codec.decode(codec.encode(x, name, 256), name, 256)
+    assert y.dtype == np.float32 and y.shape == x.shape
+    err = np.abs(y - x)
+    if name == "none":
+        assert np.array_equal(y, x)
+    elif name == "fp16":
+        assert err.max() <= np.abs(x).max() * 2 ** -10
+    else:  # half a quantization step of each block's absmax / 127
+        blocks = np.abs(np.pad(x, (0, (-len(x)) % 256))).reshape(-1, 256).max(1)
+        assert np.all(err <= np.repeat(blocks / 127 / 2, 256)[: len(x)] * (1 + 1e-6))
+
+
+def test_int8_zero_block_and_fp16_overflow():
+    x = np.zeros(1000, np.float32)
+    arrays = codec.encode(x, "int8", 128)
+    assert np.array_equal(codec.decode(arrays, "int8", 128), x)
+    big = np.array([1e6, -1e6, 1.0], np.float32)
+    assert np.isfinite(codec.decode(codec.encode(big, "fp16", 4), "fp16", 4)).all()
+
+
+def test_error_feedback_keeps_the_sum():
+    """What int8 drops in one step is carried to the next: the running sums stay close."""
+    fb = codec.ErrorFeedback("int8", 64)
+    total_in = np.zeros(4096, np.float64)
+    total_out = np.zeros(4096, np.float64)
+    for i in range(50):
+        g = _vec(4096, seed=i)
+        total_in += g
+        total_out += codec.decode(fb.encode(g), "int8", 64)
+    drift = np.abs(total_in - total_out).max()
+    one_step = np.abs(_vec(4096) - codec.decode(codec.encode(_vec(4096), "int8", 64), "int8", 64)).max()
+    assert drift <= 1.01 * np.abs(fb.residual).max() + 1e-7
+    assert drift < 3 * one_step  # bounded, not growing with the number of steps
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_chunked_storage_reads_any_range(bucket, name):
+    fmt = VectorFormat(name, 10_000, 2048, 512)
+    x = _vec(10_000)
+    arrays = codec.encode(x, name, 512)
+    sums = codec.write_vector(bucket, "v", fmt, arrays)
+    assert all(len(s) == fmt.n_chunks == 5 for s in sums.values())
+    whole = codec.read_vector(bucket, "v", fmt, checksums=sums)
+    assert np.array_equal(whole, codec.decode(arrays, name, 512))
+    part = codec.read_vector(bucket, "v", fmt, range(2, 5), checksums=sums)
+    assert np.array_equal(part, whole[4096:])
+
+
+def test_partial_writes_fill_one_array(bucket):
+    """Aggregators write disjoint chunk ranges of one array after its metadata exists."""
+    fmt = VectorFormat("none", 5000, 1024, 256)
+    x = _vec(5000)
+    codec.create_vector(bucket, "p", fmt)
+    codec.write_vector(bucket, "p", fmt, {"values": x[3072:]}, range(3, 5))
+    codec.write_vector(bucket, "p", fmt, {"values": x[:3072]}, range(0, 3))
+    codec.create_vector(bucket, "p", fmt)  # a restarted writer does not wipe it
+    assert np.array_equal(codec.read_vector(bucket, "p", fmt), x)
+
+
+def test_corrupted_chunk_is_caught(bucket):
+    fmt = VectorFormat("int8", 4096, 1024, 256)
+    sums = codec.write_vector(bucket, "s", fmt, codec.encode(_vec(4096), "int8", 256))
+    path = bucket.path("s/codes/c/2")
+    other = codec.encode(_vec(4096, seed=9), "int8", 256)
+    codec.write_vector(bucket, "t", fmt, other)
+    with open(bucket.path("t/codes/c/2"), "rb") as f, open(path, "wb") as g:
+        g.write(f.read())  # valid zarr bytes, wrong content
+    codec.read_vector(bucket, "s", fmt, range(0, 2), checksums=sums)  # other chunks still fine
+    with pytest.raises(CorruptShard, match="checksum"):
+        codec.read_vector(bucket, "s", fmt, checksums=sums)
+    with pytest.raises(CorruptShard, match="missing"):
+        codec.read_vector(bucket, "nothing", fmt)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
+    """A peer holding state r and the stored delta gets exactly the committed state r+1."""
+    fmt = VectorFormat(name, 9000, 2048, 512)
+    p_old = _vec(9000, seed=1, scale=0.05)
+    residual = None
+    for step in range(3):
+        p_new = p_old - 1e-3 * np.sign(_vec(9000, seed=10 + step))
+        arrays, committed, residual = codec.delta_encode(p_old, p_new, name, 512, residual)
+        sums = codec.write_vector(bucket, f"d{step}", fmt, arrays)
+        stored = codec.read_vector(bucket, f"d{step}", fmt, checksums=sums, raw=True)
+        rebuilt = codec.delta_apply(p_old, stored, name, 512)
+        assert rebuilt.tobytes() == committed.tobytes()
+        if name == "none":
+            assert committed.tobytes() == p_new.tobytes()
+        else:
+            assert np.abs(committed - p_new).max() <= 2e-3 / 127 * (1.01 if name == "int8" else 1) + 1e-6
+        p_old = committed

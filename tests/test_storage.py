@@ -1,0 +1,110 @@
+"""The bucket: create-once markers, whole writes, bounded retries, on every backend."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from dedloc_pipeline.storage import Bucket, StorageError
+
+
+@pytest.fixture(params=["file", "memory", "s3"])
+def any_bucket(request, tmp_path):
+    if request.param == "file":
+        return Bucket(str(tmp_path / "b"))  # a plain path is a local bucket
+    if request.param == "memory":
+        return Bucket(f"memory://dedloc-{time.time_ns()}")
+    return request.getfixturevalue("s3_bucket")
+
+
+def test_read_write_list(any_bucket):
+    b = any_bucket
+    assert b.read_bytes("a/x.json") is None and b.read_json("a/x.json") is None
+    b.write_json("a/x.json", {"v": 1})
+    b.write_bytes("a/y/z.bin", b"zz")
+    assert b.read_json("a/x.json") == {"v": 1}
+    assert b.list("a") == ["x.json", "y"]
+    assert b.find("a") == ["a/x.json", "a/y/z.bin"]
+    assert b.read_many(["a/x.json", "a/missing"]) == {"a/x.json": b'{\n "v": 1\n}', "a/missing": None}
+    b.delete("a/y")
+    assert b.find("a") == ["a/x.json"]
+
+
+def test_create_happens_once(any_bucket):
+    b = any_bucket
+    assert b.create_json("m/COMMIT.json", {"who": 1})
+    assert not b.create_json("m/COMMIT.json", {"who": 2})
+    assert b.read_json("m/COMMIT.json") == {"who": 1}
+
+
+def test_concurrent_creates_have_one_winner(tmp_path):
+    b = Bucket(f"file://{tmp_path}/b")
+    wins = []
+    barrier = threading.Barrier(8)
+
+    def race(i):
+        barrier.wait()
+        if b.create_json("CLOSE.json", {"i": i}):
+            wins.append(i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(wins) == 1 and b.read_json("CLOSE.json") == {"i": wins[0]}
+
+
+def test_local_writes_land_whole(tmp_path):
+    """Readers never see half a file: writes go to a temporary name, then are renamed."""
+    b = Bucket(str(tmp_path / "b"))
+    b.write_bytes("k", b"1" * 1000)
+    b.write_bytes("k", b"2" * 1000)
+    assert b.read_bytes("k") == b"2" * 1000
+    assert [f for f in os.listdir(tmp_path / "b") if f.startswith(".")] == []
+
+
+def test_transient_errors_are_retried(tmp_path, monkeypatch):
+    b = Bucket(str(tmp_path / "b"))
+    b.write_json("k", {"ok": True})
+    real, calls = b.fs.cat_file, []
+
+    def flaky(path, *a, **kw):
+        calls.append(path)
+        if len(calls) < 3:
+            raise ConnectionError("connection reset")
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(b.fs, "cat_file", flaky)
+    assert b.read_json("k") == {"ok": True} and len(calls) == 3
+
+
+def test_permanent_errors_are_not_retried(tmp_path, monkeypatch):
+    b = Bucket(str(tmp_path / "b"))
+    calls = []
+
+    def denied(path, *a, **kw):
+        calls.append(path)
+        raise PermissionError("access denied")
+
+    monkeypatch.setattr(b.fs, "cat_file", denied)
+    with pytest.raises(PermissionError):
+        b.read_bytes("k")
+    assert len(calls) == 1
+
+
+def test_unreachable_bucket_gives_up_with_a_clear_error(tmp_path, monkeypatch):
+    b = Bucket(str(tmp_path / "b"))
+    monkeypatch.setattr(b.fs, "cat_file", lambda *a, **k: (_ for _ in ()).throw(TimeoutError("timed out")))
+    t = time.monotonic()
+    with pytest.raises(StorageError, match="unreachable"):
+        b.read_bytes("k")
+    assert time.monotonic() - t < 60
+
+
+def test_s3_markers_use_conditional_writes(s3_bucket):
+    """On S3 the create-once rule is the server's If-None-Match, not a check-then-write."""
+    assert s3_bucket.create("x/M.json", b"1")
+    with pytest.raises(FileExistsError):
+        s3_bucket.fs.pipe_file(s3_bucket.path("x/M.json"), b"2", mode="create")
+    assert json.loads(s3_bucket.read_bytes("x/M.json")) == 1

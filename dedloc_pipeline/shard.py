@@ -51,7 +51,7 @@ class Manifest(BaseModel):
     created_at: float
 
 
-def upload(run: Run, r: int, peer: str, part: str, grad: np.ndarray, arrays: dict,
+def upload(run: Run, r: int, peer: str, part: str, arrays: dict,
            samples: int, loss: float, data: DataRef, stale_samples: int = 0) -> str:
     """Write a shard: chunks first, then the manifest. Returns the shard's key."""
     key = run.keys.shard(r, peer, part)

@@ -200,10 +200,9 @@ class Worker:
         self.computed_samples += n
 
     def _upload(self, acc: Accumulator) -> None:
-        grad = self.flat.grad() / acc.samples
-        arrays = self.feedback.encode(grad)
+        arrays = self.feedback.encode(self.flat.grad() / acc.samples)
         part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
-        key = shard.upload(self.run, acc.round, self.peer, part, grad, arrays, acc.samples,
+        key = shard.upload(self.run, acc.round, self.peer, part, arrays, acc.samples,
                            acc.loss_sum / acc.samples,
                            shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
                            stale_samples=acc.stale_samples)

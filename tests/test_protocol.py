@@ -1,0 +1,280 @@
+"""The round protocol's invariants, driven in one process against a real local bucket."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from dedloc_pipeline import aggregator, codec, shard
+from dedloc_pipeline.run import Run, RunError, init_run
+from dedloc_pipeline.scheduler import Scheduler
+from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.worker import Worker
+
+from .conftest import small_config
+from .protocol_driver import collaborate
+
+
+def put_shard(run, r, peer, grad=None, samples=4, part="0001", manifest=None):
+    """Upload a hand-made shard (chunks, then manifest), optionally with manifest fields forced."""
+    grad = np.full(run.flat.n, 1e-4, np.float32) if grad is None else grad
+    arrays = codec.encode(grad, run.config.codec, run.config.block_size)
+    key = shard.upload(run, r, peer, part, arrays, samples, 5.0,
+                       shard.DataRef(stream=peer, ranges=[(0, samples)]))
+    if manifest:
+        m = run.bucket.read_json(run.keys.manifest(key))
+        m.update(manifest)
+        run.bucket.write_json(run.keys.manifest(key), m)
+    return key
+
+
+def finish(run, r):
+    with ThreadPoolExecutor(2) as pool:
+        return Scheduler(run, 2, 0).finish(r, pool)
+
+
+# invariant 1: data first, marker last; only markers are trusted
+
+def test_markers_are_written_after_their_data(make_run):
+    run = make_run()
+    collaborate(run, [("a", 4), ("b", 3)], rounds=2)
+    root = run.bucket.root
+
+    def mtime(key):
+        return os.stat(os.path.join(root, key)).st_mtime_ns
+
+    keys = run.bucket.find(run.keys.root)
+    for r in range(2):
+        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            data = [k for k in keys if k.startswith(s["key"] + "/") and not k.endswith("MANIFEST.json")]
+            assert data and max(map(mtime, data)) <= mtime(run.keys.manifest(s["key"]))
+            assert mtime(run.keys.manifest(s["key"])) <= mtime(run.keys.close(r))
+        state = run.keys.state(r + 1)
+        written = [k for k in keys if k.startswith(state + "/") and not k.endswith("COMMIT.json")]
+        assert max(map(mtime, written)) <= mtime(run.keys.commit(r + 1))
+    assert mtime(run.keys.commit(2)) <= mtime(run.keys.latest)
+
+
+def test_shard_without_manifest_is_never_read(make_run):
+    run = make_run()
+    torn = run.keys.shard(0, "torn", "0001")
+    codec.write_vector(run.bucket, torn, run.grad_format,
+                       codec.encode(np.full(run.flat.n, np.nan, np.float32), "none", 4096))
+    put_shard(run, 0, "good", samples=24)
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert [s["peer"] for s in close["accepted"]] == ["good"] and close["rejected"] == []
+
+
+# invariant 2: validation at close
+
+@pytest.mark.parametrize("fault,reason", [
+    ("bad_json", "malformed manifest"),
+    ("truncated", "malformed manifest"),
+    ("wrong_codec", "codec"),
+    ("wrong_round", "round"),
+    ("wrong_peer", "peer"),
+    ("nan", "non-finite gradient"),
+    ("huge", "gradient norm"),
+    ("corrupt_chunk", "checksum"),
+    ("zero_samples", "malformed manifest"),
+])
+def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
+    run = make_run(max_grad_norm=100.0)
+    put_shard(run, 0, "honest", samples=24)
+    grad = None
+    if fault == "nan":
+        grad = np.zeros(run.flat.n, np.float32)
+        grad[123] = np.nan
+    if fault == "huge":
+        grad = np.full(run.flat.n, 1.0, np.float32)
+    forced = {"wrong_codec": {"codec": "fp16"}, "wrong_round": {"round": 3},
+              "wrong_peer": {"peer": "someone-else"}, "zero_samples": {"samples": 0}}.get(fault, {})
+    key = put_shard(run, 0, "bad", grad=grad, manifest=forced)
+    mkey = run.keys.manifest(key)
+    if fault == "bad_json":
+        run.bucket.write_bytes(mkey, b"{not json")
+    if fault == "truncated":
+        run.bucket.write_bytes(mkey, run.bucket.read_bytes(mkey)[:40])
+    if fault == "corrupt_chunk":
+        other = put_shard(run, 0, "other", grad=np.full(run.flat.n, 2e-4, np.float32), part="0002")
+        shutil.copy(run.bucket.path(f"{other}/values/c/1"), run.bucket.path(f"{key}/values/c/1"))
+        run.bucket.delete(other)
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
+        close = Scheduler(run, 1, 0).try_close(0)
+    assert [s["peer"] for s in close["accepted"]] == ["honest"]
+    assert len(close["rejected"]) == 1 and reason in close["rejected"][0]["reason"]
+    assert any("rejected shard" in r.message and key in r.message for r in caplog.records)
+    commit = finish(run, 0)  # the round goes on without it
+    assert commit["contributors"] == ["honest"] and commit["rejected"] == close["rejected"]
+
+
+def test_round_waits_for_the_target_then_closes(make_run):
+    run = make_run()
+    sched = Scheduler(run, 1, 0)
+    put_shard(run, 0, "a", samples=12)
+    assert sched.try_close(0) is None and not run.bucket.exists(run.keys.close(0))
+    put_shard(run, 0, "b", samples=12)
+    assert sched.try_close(0)["samples"] == 24
+
+
+def test_timeout_closes_a_short_round_above_the_minimum(make_run):
+    run = make_run(close={"timeout_s": 5, "min_fraction": 0.5})
+    sched = Scheduler(run, 1, 0)
+    opened = run.commit_of(0)["committed_at"]
+    put_shard(run, 0, "a", samples=8)
+    assert sched.try_close(0, now=opened + 10) is None  # 8 < half of 24
+    put_shard(run, 0, "b", samples=4)
+    assert sched.try_close(0, now=opened + 1) is None  # not timed out yet
+    close = sched.try_close(0, now=opened + 10)
+    assert close["samples"] == 12 and close["reason"] == "timeout"
+
+
+# late shards
+
+@pytest.mark.parametrize("policy", ["reject", "fold"])
+def test_late_shard_never_joins_its_closed_round(make_run, policy):
+    run = make_run(close={"late_shards": policy})
+    put_shard(run, 0, "a", samples=24)
+    finish(run, 0) if Scheduler(run, 1, 0).try_close(0) else None
+    late = put_shard(run, 0, "slow", samples=4, grad=np.full(run.flat.n, 3e-4, np.float32))
+    assert late not in [s["key"] for s in run.bucket.read_json(run.keys.close(0))["accepted"]]
+    put_shard(run, 1, "a", samples=24)
+    close1 = Scheduler(run, 1, 0).try_close(1)
+    folded = [s for s in close1["accepted"] if s["key"] == late]
+    if policy == "fold":
+        assert folded and folded[0]["late"] and close1["samples"] == 28
+    else:
+        assert not folded and close1["samples"] == 24
+    commit = finish(run, 1)
+    assert ("slow" in commit["contributors"]) == (policy == "fold")
+    assert run.bucket.read_json(run.keys.close(0))["samples"] == 24  # round 0 untouched
+
+
+# invariant 4: idempotent, restartable, committed once
+
+def _fill_round(run, r, peers=(("a", 4), ("b", 3), ("c", 5))):
+    for i, (name, n) in enumerate(peers):
+        g = np.random.default_rng(r * 10 + i).standard_normal(run.flat.n).astype(np.float32) * 1e-3
+        put_shard(run, r, name, grad=g, samples=8 + n)
+
+
+@pytest.mark.parametrize("crash_after", ["close", "one_reduce", "all_reduce", "one_apply", "all_apply"])
+def test_scheduler_killed_between_close_and_commit_gives_the_same_state(tmp_path, crash_after):
+    cfg = small_config(codec="int8", optimizer={"name": "lamb"})
+    ref, crashed = Bucket(str(tmp_path / "ref")), Bucket(str(tmp_path / "crash"))
+    ref_run = init_run(ref, cfg)
+    _fill_round(ref_run, 0)
+    shutil.copytree(ref.root, crashed.root, dirs_exist_ok=True)
+    run = Run(crashed, cfg.run)
+    assert Scheduler(ref_run, 1, 0).try_close(0)
+    finish(ref_run, 0)
+
+    # the first scheduler gets this far, then dies
+    Scheduler(run, 1, 0).try_close(0)
+    aggregator.prepare(run, 0)
+    parts = range(run.n_parts)
+    if crash_after != "close":
+        for k in (parts[:1] if crash_after == "one_reduce" else parts):
+            aggregator.reduce_part(run, 0, k)
+    if crash_after in ("one_apply", "all_apply"):
+        for k in (parts[:1] if crash_after == "one_apply" else parts):
+            aggregator.apply_part(run, 0, k)
+    assert not crashed.exists(run.keys.commit(1))
+    # a new scheduler, knowing nothing but the bucket
+    with ThreadPoolExecutor(2) as pool:
+        assert Scheduler(Run(crashed, cfg.run), 2, 0).step(pool)
+    assert run.latest() == 1
+    for name in ("params", "delta/codes", "optim/exp_avg", "optim/exp_avg_sq", "optim/residual"):
+        a = run.keys.state(1) + f"/{name}"
+        assert sorted(ref.find(a)) == sorted(crashed.find(a))
+        for key in ref.find(a):
+            assert ref.read_bytes(key) == crashed.read_bytes(key), key
+    assert ref_run.commit_of(1)["checksums"] == run.commit_of(1)["checksums"]
+
+
+def test_two_schedulers_commit_each_state_once(make_run):
+    run = make_run(codec="int8")
+    _fill_round(run, 0)
+    s1, s2 = Scheduler(run, 1, 0), Scheduler(Run(run.bucket, run.name), 1, 0)
+    c1, c2 = s1.try_close(0), s2.try_close(0)
+    assert c1 == c2
+    with ThreadPoolExecutor(2) as pool:
+        a = s1.finish(0, pool)
+        b = s2.finish(0, pool)
+        assert a == b and s1.step(pool) is False  # round 1 is open and empty
+    assert run.latest() == 1 and run.bucket.read_json(run.keys.latest) == {"round": 1}
+    commit = run.bucket.read_bytes(run.keys.commit(1))
+    finish(run, 0)  # finishing a committed round again changes nothing
+    assert run.bucket.read_bytes(run.keys.commit(1)) == commit
+
+
+def test_latest_is_a_hint_and_commits_are_the_truth(make_run):
+    run = make_run()
+    _fill_round(run, 0)
+    Scheduler(run, 1, 0).try_close(0)
+    finish(run, 0)
+    run.bucket.write_json(run.keys.latest, {"round": 0})  # a stale pointer (crash before LATEST)
+    assert run.latest() == 1
+
+
+# peers: download, join, restart
+
+def test_synced_peers_rebuild_each_state_from_its_delta(make_run):
+    run = make_run(codec="int8")
+    workers = collaborate(run, [("a", 4), ("b", 3)], rounds=4)
+    latest = run.latest()
+    for w in workers:
+        w.sync()
+        assert w.params.tobytes() == run.load_params(latest).tobytes()
+    delta = sum(os.path.getsize(os.path.join(run.bucket.root, k)) for k in run.bucket.find(run.keys.delta(latest)))
+    snap = sum(os.path.getsize(os.path.join(run.bucket.root, k)) for k in run.bucket.find(run.keys.params(latest)))
+    assert delta < snap / 3  # peers download about a byte per parameter, not four
+
+
+def test_a_peer_that_joins_later_pulls_the_snapshot_and_contributes(make_run):
+    run = make_run()
+    collaborate(run, [("a", 4), ("b", 3)], rounds=2)
+    workers = collaborate(run, [("a", 4), ("b", 3), ("late", 4)], rounds=4)
+    assert workers[2].sync() and workers[2].state == 4
+    assert workers[2].params.tobytes() == run.load_params(4).tobytes()
+    assert "late" in run.commit_of(3)["contributors"] + run.commit_of(4)["contributors"]
+
+
+def test_a_restarted_peer_continues_its_data_stream(make_run):
+    run = make_run()
+    collaborate(run, [("a", 4), ("b", 4)], rounds=2)
+    collaborate(run, [("a", 4), ("b", 4)], rounds=4)  # same peer ids, new processes
+    seen = []
+    for r in range(4):
+        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            if s["peer"] == "a":
+                seen += [i for start, n in s["data"]["ranges"] for i in range(start, start + n)]
+    assert len(seen) == len(set(seen))  # no sample counted twice
+
+
+def test_a_bucket_of_another_layout_version_is_refused_untouched(bucket):
+    bucket.write_json("runs/old/run.json", {"layout_version": 0, "run": "old"})
+    before = bucket.find("runs")
+    with pytest.raises(RunError, match="layout v0"):
+        Run(bucket, "old")
+    assert bucket.find("runs") == before
+
+
+def test_init_is_idempotent_and_refuses_another_config(bucket):
+    run = init_run(bucket, small_config())
+    p0 = run.load_params(0)
+    again = init_run(bucket, small_config())
+    assert again.load_params(0).tobytes() == p0.tobytes()
+    with pytest.raises(RunError, match="another config"):
+        init_run(bucket, small_config(target_batch_size=99))
+
+
+def test_missing_run_is_a_clear_error(bucket):
+    with pytest.raises(RunError, match="no run 'nope'"):
+        Run(bucket, "nope")

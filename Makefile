@@ -4,7 +4,14 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install test clean
+BUCKET  ?= file://$(CURDIR)/.dedloc/bucket
+RUN     ?= demo
+ROUNDS  ?= 10
+WORKERS ?= 2
+PRESET  ?= tiny
+export BUCKET RUN ROUNDS WORKERS PRESET
+
+.PHONY: install test pretrain worker status clean
 
 install: $(STAMP)
 
@@ -17,6 +24,17 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: install
 	$(BIN)/python -m pytest -q -ra tests
+
+# A local collaboration end to end (run, workers, scheduler) on the embedded default bucket.
+pretrain: install
+	BIN=$(BIN) bash infra/local_collab.sh
+
+# One volunteer worker: make worker BUCKET=s3://bucket/prefix RUN=name
+worker: install
+	$(BIN)/dedloc worker --bucket "$(BUCKET)" --run "$(RUN)"
+
+status: install
+	$(BIN)/dedloc status --bucket "$(BUCKET)" --run "$(RUN)"
 
 clean:
 	rm -rf $(VENV) .dedloc .pytest_cache *.egg-info

@@ -54,6 +54,8 @@ class RunConfig(BaseModel):
     chunks_per_part: int = Field(1, gt=0, description="chunks one aggregator task reduces")
     max_grad_norm: float = Field(1e4, gt=0, description="a shard above this L2 norm is rejected")
     delayed_updates: bool = True
+    keep_states: int = Field(3, ge=2, description="recent states kept whole; older ones are pruned")
+    checkpoint_every: int = Field(100, gt=0, description="states whose params and optimizer stay")
     peer_timeout_s: float = Field(20.0, gt=0, description="progress older than this is a gone peer")
     optimizer: OptimizerConfig = OptimizerConfig()
     close: CloseRule = CloseRule()

@@ -104,6 +104,7 @@ class Scheduler:
         if self.try_close(r) is None:
             return False
         self.finish(r, pool)
+        prune(self.run, r + 1)
         return True
 
     def serve(self, until_round: int | None = None, max_wait_s: float | None = None) -> int:
@@ -120,3 +121,23 @@ class Scheduler:
                 if max_wait_s is not None and time.monotonic() - idle_since > max_wait_s:
                     raise TimeoutError(f"round {r} did not fill within {max_wait_s:.0f}s")
                 time.sleep(self.poll_s)
+
+
+def prune(run: Run, newest: int, window: int = 3) -> None:
+    """Drop bulk data no peer or scheduler will read again once state ``newest`` is committed.
+
+    Kept forever: every COMMIT and CLOSE (the ledger), and the parameters and optimizer state of
+    every ``checkpoint_every``-th state. Kept whole: the last ``keep_states`` states and their
+    rounds (late shards fold one round later; restarted peers resume from their manifests).
+    """
+    keys, bucket, cfg = run.keys, run.bucket, run.config
+    last = newest - cfg.keep_states
+    for s in range(max(1, last - window), last + 1):
+        bucket.delete(f"{keys.state(s)}/applied")
+        bucket.delete(keys.delta(s))
+        if s % cfg.checkpoint_every:
+            bucket.delete(keys.params(s))
+            bucket.delete(f"{keys.state(s)}/optim")
+        r = s - 1
+        for sub in ("shards", "reduced", "progress"):
+            bucket.delete(f"{keys.round(r)}/{sub}")

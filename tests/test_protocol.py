@@ -278,3 +278,20 @@ def test_init_is_idempotent_and_refuses_another_config(bucket):
 def test_missing_run_is_a_clear_error(bucket):
     with pytest.raises(RunError, match="no run 'nope'"):
         Run(bucket, "nope")
+
+
+def test_old_rounds_are_pruned_but_the_ledger_and_checkpoints_stay(make_run):
+    run = make_run(keep_states=2, checkpoint_every=3)
+    collaborate(run, [("a", 4), ("b", 3)], rounds=7)
+    b, k = run.bucket, run.keys
+    for s in range(8):
+        assert b.exists(k.commit(s))
+    for r in range(7):
+        assert b.exists(k.close(r))
+    # states 1..5 are older than the last 2: only checkpoints 0 and 3 keep their parameters
+    assert [s for s in range(6) if b.find(k.params(s))] == [0, 3]
+    assert run.load_params(3).shape == (run.flat.n,)
+    assert b.find(k.shards_dir(0)) == [] and b.find(k.shards_dir(6))
+    assert not b.find(k.delta(4)) and b.find(k.delta(7))
+    from dedloc_pipeline.status import status
+    assert [h["round"] for h in status(run)["history"]] == list(range(7))

@@ -42,8 +42,10 @@ def reduce_part(run: Run, r: int, part: int) -> str:
         total += shard["samples"] * g.astype(np.float64)
     grad = (total / close["samples"]).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
-    p, state, _ = _read_state(run, r, part)
-    partials = optim.partials(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1)
+    partials = {}
+    if run.config.optimizer.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
+        p, state, _ = _read_state(run, r, part)
+        partials = optim.partials(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1)
     bucket.write_json(marker, {"part": part, "partials": partials})
     return marker
 

@@ -46,9 +46,7 @@ def _lamb_direction(cfg: OptimizerConfig, p, m, v, g, step: int, decay: bool):
 
 def partials(cfg: OptimizerConfig, layout: FlatLayout, lo: int, p: np.ndarray, state: dict,
              g: np.ndarray, step: int) -> dict[str, list[float]]:
-    """Per-tensor [sum p^2, sum u^2] over this range (LAMB); empty for elementwise optimizers."""
-    if cfg.name != "lamb":
-        return {}
+    """Per-tensor [sum p^2, sum u^2] over this range, for LAMB's trust ratios."""
     out: dict[str, list[float]] = {}
     for t, a, b in layout.pieces(lo, lo + len(p)):
         s = slice(a - lo, b - lo)

@@ -8,6 +8,7 @@ S3, a hard link on local disks.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -50,6 +51,7 @@ def _retried(fn):
         reraise=True,
     )(fn)
 
+    @functools.wraps(fn)
     def wrapper(self, *a, **kw):
         try:
             return inner(self, *a, **kw)
@@ -58,8 +60,6 @@ def _retried(fn):
                 raise StorageError(f"bucket {self.url} unreachable: {exc}") from exc
             raise
 
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
     return wrapper
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import shard
-from .codec import ErrorFeedback
+from .codec import CorruptShard, ErrorFeedback
 from .data import make_source
 from .model import FlatLayout, mlm_loss_sum
 from .run import Run
@@ -89,7 +89,12 @@ class Worker:
             except Exception as exc:  # any mismatch: the snapshot is the truth
                 log.warning("%s: delta of state %d unusable (%s); reading the snapshot", self.peer, latest, exc)
         if params is None:
-            params = self.run.load_params(latest, commit)
+            try:
+                params = self.run.load_params(latest, commit)
+            except CorruptShard:
+                if self.run.latest() == latest:
+                    raise
+                return self.sync()  # pruned under our feet by newer commits: take the newest
         if self.state is None:
             self.cursor = self._resume_cursor(latest)
         elif latest > self.state + 1 and self.acc is not None:
@@ -97,6 +102,7 @@ class Worker:
         self.params, self.state = params, latest
         self.flat.set(params)
         self._view = None
+        self._manifests.clear()
         self._retarget()
         log.info("%s: at state %d", self.peer, latest)
         return True

@@ -295,3 +295,23 @@ def test_old_rounds_are_pruned_but_the_ledger_and_checkpoints_stay(make_run):
     assert not b.find(k.delta(4)) and b.find(k.delta(7))
     from dedloc_pipeline.status import status
     assert [h["round"] for h in status(run)["history"]] == list(range(7))
+
+
+@pytest.mark.parametrize("delayed", [True, False])
+def test_delayed_updates_keep_computing_while_a_round_is_reduced(make_run, delayed):
+    """Invariant 5: a full, uncommitted round does not stall a delayed-update worker."""
+    run = make_run(delayed_updates=delayed)
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
+    put_shard(run, 0, "other", samples=24)  # the round is full; no scheduler is running
+    worked = [w.step() for _ in range(3)]
+    assert worked == [delayed] * 3
+    if delayed:
+        assert w.acc.round == 1 and w.acc.stale_samples == w.acc.samples == 12
+        progress = run.bucket.read_json(run.keys.progress(1, "a"))
+        assert progress["samples"] == 12  # and the others can count them toward round 1
+        Scheduler(run, 1, 0).try_close(0)
+        finish(run, 0)
+        w.step()
+        assert w.state == 1 and w.acc.round == 1 and w.acc.samples == 16 and w.acc.stale_samples == 12
+    else:
+        assert w.acc is None and w.computed_samples == 0

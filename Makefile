@@ -9,9 +9,12 @@ RUN     ?= demo
 ROUNDS  ?= 10
 WORKERS ?= 2
 PRESET  ?= tiny
-export BUCKET RUN ROUNDS WORKERS PRESET
+TARGET  ?= 128
+PREFECT_PORT ?= 4200
+export BUCKET RUN ROUNDS WORKERS PRESET TARGET PREFECT_PORT
+PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install test pretrain worker status clean
+.PHONY: install test pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -25,16 +28,26 @@ $(STAMP): pyproject.toml constraints.txt
 test: install
 	$(BIN)/python -m pytest -q -ra tests
 
-# A local collaboration end to end (run, workers, scheduler) on the embedded default bucket.
+# A whole collaboration on this machine through the Prefect deployment (infra/local_pretrain.py).
 pretrain: install
-	BIN=$(BIN) bash infra/local_collab.sh
+	$(BIN)/python infra/local_pretrain.py
 
 # One volunteer worker: make worker BUCKET=s3://bucket/prefix RUN=name
 worker: install
 	$(BIN)/dedloc worker --bucket "$(BUCKET)" --run "$(RUN)"
 
+# The evaluate flow alone (against the local server): make eval RUN=demo [ROUND=5]
+eval: install server
+	$(PREFECT_ENV) $(BIN)/python -c "from flows.evaluation import evaluate; evaluate('$(BUCKET)', '$(RUN)', $(if $(ROUND),$(ROUND),None))"
+
 status: install
 	$(BIN)/dedloc status --bucket "$(BUCKET)" --run "$(RUN)"
+
+server: install
+	$(BIN)/python infra/prefect_local.py start --port $(PREFECT_PORT)
+
+stop:
+	$(BIN)/python infra/prefect_local.py stop
 
 clean:
 	rm -rf $(VENV) .dedloc .pytest_cache *.egg-info

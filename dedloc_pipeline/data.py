@@ -72,3 +72,13 @@ def make_source(data: str, vocab_size: int, seq_len: int, seed: int):
     if data == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
     raise ValueError(f"unknown data source {data!r}")
+
+
+def data_card(data: str, vocab_size: int, seq_len: int, seed: int) -> dict:
+    """What a data set is and a few of its samples, for people reading the bucket."""
+    source = make_source(data, vocab_size, seq_len, seed)
+    preview = [source.sample("preview", i)[0][:16].tolist() for i in range(3)]
+    return {"name": data, "kind": "generated on the fly: a sparse Markov chain over a Zipf vocabulary",
+            "vocab_size": vocab_size, "seq_len": seq_len, "seed": seed,
+            "streams": "one per peer id (disjoint); '~heldout' is reserved for evaluation",
+            "preview_input_ids": preview}

@@ -84,4 +84,8 @@ class RunLayout:
         return f"{self.round(r)}/reduced/{part:05d}.json"
 
     def stop(self) -> str:
+        """Marker: the organizer ended the run; schedulers stop after the open round."""
         return f"{self.root}/STOP.json"
+
+    def eval(self, r: int, task: str) -> str:
+        return f"{self.root}/evals/{_r(r)}/{task}.json"

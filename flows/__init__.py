@@ -1,0 +1,1 @@
+"""Prefect flows: thin wiring of dedloc_pipeline's library calls (tokenize, pretrain, evaluate)."""

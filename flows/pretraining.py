@@ -1,0 +1,116 @@
+"""The round loop as Prefect flows: each round is its own subflow of tens of tasks."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+
+from dedloc_pipeline import aggregator
+from dedloc_pipeline.config import RunConfig
+from dedloc_pipeline.run import init_run
+from dedloc_pipeline.scheduler import prune
+from dedloc_pipeline.storage import Bucket
+
+from flows.common import artifact_key, open_run, scheduler, task_runner
+
+
+@task(retries=3, retry_delay_seconds=2)
+def wait_and_close(bucket: str, run: str, r: int, poll_s: float, max_wait_s: float) -> dict | None:
+    """Poll until round r closes (its summary), the run is stopped, or ``max_wait_s`` passes."""
+    sched, rn = scheduler(bucket, run), open_run(bucket, run)
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        close = sched.try_close(r)
+        if close is not None:
+            return {"round": r, "samples": close["samples"], "shards": len(close["accepted"]),
+                    "rejected": len(close["rejected"]), "reason": close["reason"]}
+        if rn.bucket.exists(rn.keys.stop()) or time.monotonic() > deadline:
+            return None
+        time.sleep(poll_s)
+
+
+@task(retries=3, retry_delay_seconds=2)
+def prepare(bucket: str, run: str, r: int) -> None:
+    aggregator.prepare(open_run(bucket, run), r)
+
+
+@task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
+def reduce_part(bucket: str, run: str, r: int, part: int) -> str:
+    return aggregator.reduce_part(open_run(bucket, run), r, part)
+
+
+@task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
+def apply_part(bucket: str, run: str, r: int, part: int) -> str:
+    return aggregator.apply_part(open_run(bucket, run), r, part)
+
+
+@task(retries=3, retry_delay_seconds=2)
+def commit(bucket: str, run: str, r: int) -> dict:
+    rn = open_run(bucket, run)
+    c = aggregator.commit_state(rn, r)
+    prune(rn, r + 1)
+    return {k: c[k] for k in ("state", "round", "samples", "loss", "contributors", "closed_at",
+                              "committed_at")}
+
+
+@flow(name="dedloc-round", log_prints=True)
+def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: float = 300.0) -> dict | None:
+    """Close round r, reduce and apply every part in parallel, commit state r+1."""
+    close = wait_and_close(bucket, run, r, poll_s, max_wait_s)
+    if close is None:
+        return None
+    parts = list(range(open_run(bucket, run).n_parts))
+    ready = prepare.submit(bucket, run, r)
+    reduced = reduce_part.map(bucket, run, r, parts, wait_for=[ready])
+    applied = apply_part.map(bucket, run, r, parts, wait_for=reduced)
+    summary = commit.submit(bucket, run, r, wait_for=applied).result()
+    summary["duration_s"] = summary["committed_at"] - summary["closed_at"]
+    create_table_artifact(
+        key=artifact_key(run, "round"), description=f"round {r} of run {run}",
+        table=[{"round": r, "samples": summary["samples"], "shards": close["shards"],
+                "rejected": close["rejected"], "contributors": ", ".join(sorted(set(summary["contributors"]))),
+                "loss": round(summary["loss"], 4), "reduce+commit s": round(summary["duration_s"], 2)}])
+    return summary
+
+
+@flow(name="pretrain", log_prints=True)
+def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | None = 10,
+             max_minutes: float | None = None, config: dict | None = None, poll_s: float = 1.0,
+             parallel: int = 2, runner: str = "threads", dask_address: str | None = None) -> dict:
+    """Schedule rounds until state ``rounds`` is committed, ``max_minutes`` pass, or STOP.
+
+    Creates the run from ``config`` (RunConfig fields) if the bucket has none. Restartable: it
+    continues from whatever the bucket holds.
+    """
+    log = get_run_logger()
+    if config is not None:
+        init_run(Bucket(bucket), RunConfig(run=run, **config))
+    rn = open_run(bucket, run)
+    start, t0 = rn.latest(), time.monotonic()
+    total = (rounds - start) if rounds and rounds > start else None
+    progress = create_progress_artifact(0.0, key=artifact_key(run, "progress"),
+                                        description=f"run {run}: rounds toward state {rounds}")
+    one_round = round_flow.with_options(task_runner=task_runner(runner, parallel, dask_address))
+    summaries = []
+    while True:
+        r = rn.latest()
+        if rounds is not None and r >= rounds:
+            reason = "rounds"
+            break
+        if max_minutes is not None and time.monotonic() - t0 > 60 * max_minutes:
+            reason = "wall time"
+            break
+        if rn.bucket.exists(rn.keys.stop()):
+            reason = "STOP marker"
+            break
+        s = one_round(bucket, run, r, poll_s=poll_s)
+        if s is None:
+            continue
+        summaries.append(s)
+        log.info("state %d committed: loss %.4f from %d samples", s["state"], s["loss"], s["samples"])
+        if total:
+            update_progress_artifact(progress, 100.0 * min(1.0, (s["state"] - start) / total))
+    return {"run": run, "state": rn.latest(), "rounds_done": len(summaries), "stopped_by": reason,
+            "losses": [s["loss"] for s in summaries]}

@@ -1,0 +1,156 @@
+"""`make pretrain`: a whole collaboration on this machine through the Prefect deployment.
+
+Starts (or reuses) the local Prefect server, serves the flows, runs ``tokenize``, triggers
+``pretrain`` on the bucket, starts local volunteer workers, waits for the flow run, runs
+``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C.
+Settings come from the environment (the Makefile's variables).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "infra"))
+
+import prefect_local  # noqa: E402
+
+BIN = Path(sys.executable).parent
+
+
+def env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def wait_for(what: str, check, timeout: float, procs=()) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args[1] if len(p.args) > 1 else p.args[0]} exited ({p.returncode}) "
+                                   f"while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gave up waiting for {what} after {timeout:.0f}s")
+        time.sleep(0.5)
+
+
+async def _deployment_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    async with get_client() as c:
+        try:
+            await c.read_deployment_by_name(name)
+            return True
+        except Exception:
+            return False
+
+
+async def _state(flow_run_id):
+    from prefect.client.orchestration import get_client
+    async with get_client() as c:
+        return (await c.read_flow_run(flow_run_id)).state
+
+
+def main() -> int:
+    bucket = env("BUCKET", f"file://{ROOT}/.dedloc/bucket")
+    run, rounds, workers = env("RUN", "demo"), int(env("ROUNDS", "10")), int(env("WORKERS", "2"))
+    preset, target = env("PRESET", "tiny"), int(env("TARGET", "128"))
+    port, home = int(env("PREFECT_PORT", "4200")), env("DEDLOC_PREFECT_HOME", str(ROOT / ".dedloc/prefect"))
+    logs = Path(env("LOGS", str(ROOT / ".dedloc/logs")))
+    logs.mkdir(parents=True, exist_ok=True)
+    os.environ.update(prefect_local.settings(home, port))
+    started_server = False
+    procs: list[subprocess.Popen] = []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        print(f"Prefect server on http://127.0.0.1:{port} (home {home})", flush=True)
+        started_server = prefect_local.start(home, port, ui=env("PREFECT_UI", "1") == "1")
+        serve = subprocess.Popen([sys.executable, "-m", "flows.serve"], cwd=ROOT,
+                                 stdout=open(logs / "serve.log", "ab"), stderr=subprocess.STDOUT)
+        procs.append(serve)
+        for name in ("tokenize/local", "pretrain/local", "evaluate/local"):
+            wait_for(f"deployment {name}", lambda n=name: asyncio.run(_deployment_exists(n)), 120, procs)
+
+        from prefect.deployments import run_deployment
+        from dedloc_pipeline.run import Run
+        from dedloc_pipeline.storage import Bucket
+
+        model_seq = 128
+        fr = run_deployment("tokenize/local", parameters={"bucket": bucket, "seq_len": model_seq},
+                            timeout=600, poll_interval=1, as_subflow=False)
+        if not fr.state.is_completed():
+            raise RuntimeError(f"tokenize flow ended {fr.state.name}")
+        config = {"preset": preset, "target_batch_size": target}
+        fr = run_deployment("pretrain/local", parameters={"bucket": bucket, "run": run, "rounds": rounds,
+                                                          "config": config},
+                            timeout=0, as_subflow=False)
+        print(f"pretrain flow run {fr.name} ({fr.id}) triggered: {rounds} rounds, target batch {target}",
+              flush=True)
+        b = Bucket(bucket)
+        wait_for(f"run {run} in {bucket}", lambda: b.exists(f"runs/{run}/state/LATEST.json"), 300, procs)
+        for i in range(1, workers + 1):
+            procs.append(subprocess.Popen(
+                [str(BIN / "dedloc"), "worker", "--bucket", bucket, "--run", run, "--peer-id", f"local-{i}",
+                 "--threads", "1", "--until-round", str(rounds)],
+                stdout=open(logs / f"worker-{i}.log", "ab"), stderr=subprocess.STDOUT))
+        print(f"{workers} volunteer workers started (logs in {logs})", flush=True)
+        r = Run(b, run)
+        last = -1
+        while True:
+            state = asyncio.run(_state(fr.id))
+            now = r.latest()
+            if now != last:
+                c = r.commit_of(now)
+                loss = f"loss {c['loss']:.4f}" if c.get("loss") is not None else "initial state"
+                print(f"  state {now}/{rounds}: {loss}", flush=True)
+                last = now
+            if state.is_final():
+                break
+            time.sleep(2)
+        if not state.is_completed():
+            raise RuntimeError(f"pretrain flow run ended {state.name}; see the Prefect UI")
+        ev = run_deployment("evaluate/local", parameters={"bucket": bucket, "run": run},
+                            timeout=900, poll_interval=1, as_subflow=False)
+        if not ev.state.is_completed():
+            raise RuntimeError(f"evaluate flow ended {ev.state.name}")
+        result = b.read_json(f"runs/{run}/evals/{rounds:08d}/mlm-heldout.json")
+        hist = [r.commit_of(s) for s in range(1, r.latest() + 1)]
+        samples = sum(h["samples"] for h in hist)
+        peers = sorted({p for h in hist for p in h["contributors"]})
+        print("\n".join([
+            "", f"run {run}: {len(hist)} rounds, {samples} samples from {len(peers)} peers ({', '.join(peers)})",
+            f"  training loss: {hist[0]['loss']:.4f} (round 0) -> {hist[-1]['loss']:.4f} (round {len(hist) - 1})",
+            f"  held-out MLM loss at state {result['state']}: {result['loss']:.4f} "
+            f"(random init {result['random_init_loss']:.4f})",
+            f"  bucket: {bucket}/runs/{run}   evaluation: {bucket}/runs/{run}/evals/",
+            f"  Prefect UI: http://127.0.0.1:{port} (flow runs, round tables, progress) "
+            + ("is still up: `make stop` ends it" if not started_server or env("KEEP_SERVER", "0") == "1"
+               else "closes now; KEEP_SERVER=1 keeps it up")]))
+        print(json.dumps({"rounds": len(hist), "samples": samples, "first_loss": hist[0]["loss"],
+                          "last_loss": hist[-1]["loss"], "eval": result}), file=open(logs / "summary.json", "w"))
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping workers and the deployment", file=sys.stderr)
+        return 130
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        if started_server and env("KEEP_SERVER", "0") != "1":
+            prefect_local.stop(home)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""A local Prefect server for one machine: SQLite under .dedloc/prefect, started in the
+background, waited for until it answers, and stopped by its pid.
+
+    python infra/prefect_local.py start|stop|status [--port 4200] [--home .dedloc/prefect]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def settings(home: str | os.PathLike, port: int) -> dict[str, str]:
+    """Environment for the server and every client of it (see ../shared/NOTES.md)."""
+    return {
+        "PREFECT_HOME": str(Path(home).resolve()),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "100",
+        "PREFECT_LOGGING_LEVEL": os.environ.get("PREFECT_LOGGING_LEVEL", "WARNING"),
+    }
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(home: str = ".dedloc/prefect", port: int = 4200, ui: bool = True, timeout: float = 120) -> bool:
+    """Start the server unless one answers already. True if this call started it."""
+    if healthy(port):
+        return False
+    home_p = Path(home)
+    home_p.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, **settings(home, port))
+    with open(home_p / "server.log", "ab") as log:
+        proc = subprocess.Popen(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+             "--ui" if ui else "--no-ui"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    (home_p / "server.pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + timeout
+    while not healthy(port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(home)
+            tail = (home_p / "server.log").read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"Prefect server did not come up on port {port}:\n{tail}")
+        time.sleep(0.5)
+    return True
+
+
+def stop(home: str = ".dedloc/prefect") -> None:
+    pidfile = Path(home) / "server.pid"
+    if not pidfile.exists():
+        return
+    pid = int(pidfile.read_text())
+    try:
+        os.killpg(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.killpg(pid, 0)
+            time.sleep(0.1)
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    pidfile.unlink(missing_ok=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("action", choices=["start", "stop", "status"])
+    ap.add_argument("--port", type=int, default=int(os.environ.get("PREFECT_PORT", 4200)))
+    ap.add_argument("--home", default=os.environ.get("DEDLOC_PREFECT_HOME", ".dedloc/prefect"))
+    a = ap.parse_args()
+    if a.action == "start":
+        started = start(a.home, a.port)
+        print(f"Prefect server {'started' if started else 'already running'}: http://127.0.0.1:{a.port}")
+    elif a.action == "stop":
+        stop(a.home)
+        print("Prefect server stopped")
+    else:
+        up = healthy(a.port)
+        print(f"Prefect server on port {a.port}: {'up' if up else 'down'}")
+        sys.exit(0 if up else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The Prefect flows against Prefect's test harness (a real temporary API), with volunteer
+workers running beside them as threads on a local bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+from dedloc_pipeline.run import Run
+from dedloc_pipeline.scheduler import Scheduler
+from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.worker import Worker
+
+from .conftest import SMALL
+
+CONFIG = dict(SMALL, target_batch_size=24, micro_batch=4, codec="int8", peer_timeout_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def harness():
+    from prefect.testing.utilities import prefect_test_harness
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+class Volunteers:
+    """Worker threads that join once the run exists and leave at state ``until``."""
+
+    def __init__(self, bucket: str, run: str, peers: list[str], until: int):
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._work, args=(bucket, run, p, until), daemon=True)
+                        for p in peers]
+
+    def _work(self, bucket, run, peer, until):
+        try:
+            b = Bucket(bucket)
+            while not b.exists(f"runs/{run}/state/LATEST.json"):
+                threading.Event().wait(0.2)
+            Worker(Run(b, run), peer, threads=1, poll_s=0.2).serve(until)
+        except BaseException as exc:  # surfaced by the test
+            self.errors.append(exc)
+
+    def __enter__(self):
+        [t.start() for t in self.threads]
+        return self
+
+    def __exit__(self, *exc):
+        [t.join(120) for t in self.threads]
+        assert not self.errors, self.errors
+
+
+def _artifacts(key: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as c:
+            return await c.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    return asyncio.run(read())
+
+
+def test_pretrain_flow_commits_rounds_and_publishes_artifacts(harness, tmp_path):
+    from flows.pretraining import pretrain
+    url = f"file://{tmp_path}/bucket"
+    with Volunteers(url, "flow", ["a", "b"], until=3):
+        out = pretrain(bucket=url, run="flow", rounds=3, config=CONFIG, poll_s=0.2)
+    assert out["state"] == 3 and out["rounds_done"] == 3 and out["stopped_by"] == "rounds"
+    run = Run(Bucket(url), "flow")
+    assert [run.commit_of(s)["loss"] for s in (1, 2, 3)] == out["losses"]
+    rounds = _artifacts("flow-round")
+    assert len(rounds) == 3 and all(a.type == "table" for a in rounds)
+    rows = [row for a in rounds for row in (json.loads(a.data) if isinstance(a.data, str) else a.data)]
+    assert sorted(row["round"] for row in rows) == [0, 1, 2]
+    progress = _artifacts("flow-progress")
+    assert progress and progress[0].data == 100.0
+
+
+def test_pretrain_flow_continues_a_run_stopped_mid_round(harness, tmp_path):
+    """A cancelled flow leaves at most a closed, half-reduced round; a new one finishes it."""
+    from flows.pretraining import pretrain
+    url = f"file://{tmp_path}/bucket"
+    with Volunteers(url, "resume", ["a", "b"], until=1):
+        pretrain(bucket=url, run="resume", rounds=1, config=CONFIG, poll_s=0.2)
+    run = Run(Bucket(url), "resume")
+    with Volunteers(url, "resume", ["a", "b"], until=3):
+        sched = Scheduler(run, 1, 0.1)
+        while sched.try_close(1) is None:  # the old flow closed round 1, reduced one part, died
+            threading.Event().wait(0.2)
+        from dedloc_pipeline import aggregator
+        aggregator.prepare(run, 1)
+        aggregator.reduce_part(run, 1, 0)
+        close = Bucket(url).read_bytes(run.keys.close(1))
+        out = pretrain(bucket=url, run="resume", rounds=3, poll_s=0.2)
+    assert out["state"] == 3 and out["rounds_done"] == 2
+    assert Bucket(url).read_bytes(run.keys.close(1)) == close
+
+
+def test_stop_marker_ends_the_flow(harness, tmp_path):
+    from flows.pretraining import pretrain
+    from dedloc_pipeline.config import RunConfig
+    from dedloc_pipeline.run import init_run
+    b = Bucket(f"file://{tmp_path}/bucket")
+    run = init_run(b, RunConfig(run="stopped", **CONFIG))
+    b.write_json(run.keys.stop(), {"by": "organizer"})
+    out = pretrain(bucket=b.url, run="stopped", rounds=5, poll_s=0.1)
+    assert out["stopped_by"] == "STOP marker" and out["state"] == 0
+
+
+def test_tokenize_and_evaluate_flows(harness, tmp_path):
+    from flows.evaluation import evaluate
+    from flows.pretraining import pretrain
+    from flows.tokenization import tokenize
+    url = f"file://{tmp_path}/bucket"
+    key = tokenize(bucket=url, seq_len=32)
+    card = Bucket(url).read_json(key)
+    assert card["name"] == "synthetic" and len(card["preview_input_ids"]) == 3
+    with Volunteers(url, "ev", ["a", "b"], until=4):
+        pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, optimizer={"lr": 5e-3}), poll_s=0.2)
+    res = evaluate(bucket=url, run="ev", samples=32)
+    assert res["state"] == 4 and res["loss"] < res["random_init_loss"] - 0.1
+    assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == res["loss"]
+    assert _artifacts("ev-eval")

@@ -1,0 +1,118 @@
+"""The deployment path on a real local Prefect server: served flows triggered by name, a
+cancelled pretrain run restarted, and `make pretrain` itself in a short form."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dedloc_pipeline.run import Run
+from dedloc_pipeline.storage import Bucket
+
+from .conftest import _free_port
+from .test_flows import CONFIG, Volunteers
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "infra"))
+import prefect_local  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(what, check, timeout):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A local server on a free port, and `python -m flows.serve` serving the deployments."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    port, home = _free_port(), tmp_path / "prefect"
+    prefect_local.start(home, port, ui=False)
+    env = dict(os.environ, **prefect_local.settings(home, port))
+    log = open(tmp_path / "serve.log", "wb")
+    serve = subprocess.Popen([sys.executable, "-m", "flows.serve"], cwd=ROOT, env=env, stdout=log,
+                             stderr=subprocess.STDOUT)
+    try:
+        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            from prefect.client.orchestration import get_client
+
+            async def deployed():
+                async with get_client() as c:
+                    try:
+                        await c.read_deployment_by_name("pretrain/local")
+                        return True
+                    except Exception:
+                        return False
+            _wait("the served deployments", lambda: asyncio.run(deployed()), 120)
+            yield
+    finally:
+        serve.terminate()
+        serve.wait(30)
+        prefect_local.stop(home)
+        print((tmp_path / "serve.log").read_text(errors="replace")[-3000:])
+
+
+async def _cancel(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+    async with get_client() as c:
+        await c.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+
+
+async def _state(flow_run_id):
+    from prefect.client.orchestration import get_client
+    async with get_client() as c:
+        return (await c.read_flow_run(flow_run_id)).state
+
+
+def test_served_pretrain_survives_cancel_and_restart(served, tmp_path):
+    from prefect.deployments import run_deployment
+    url = f"file://{tmp_path}/bucket"
+    with Volunteers(url, "dep", ["a", "b"], until=4):
+        first = run_deployment("pretrain/local", timeout=0, as_subflow=False, parameters={
+            "bucket": url, "run": "dep", "rounds": 4, "config": CONFIG, "poll_s": 0.2})
+        b = Bucket(url)
+        _wait("state 1", lambda: b.exists("runs/dep/state/00000001/COMMIT.json"), 240)
+        asyncio.run(_cancel(first.id))
+        _wait("the cancelled run to end", lambda: asyncio.run(_state(first.id)).is_final(), 120)
+        assert asyncio.run(_state(first.id)).is_cancelled()
+        stopped_at = Run(b, "dep").latest()
+        assert stopped_at < 4
+        second = run_deployment("pretrain/local", timeout=600, poll_interval=1, as_subflow=False,
+                                parameters={"bucket": url, "run": "dep", "rounds": 4, "poll_s": 0.2})
+        assert second.state.is_completed(), second.state
+    run = Run(b, "dep")
+    assert run.latest() == 4
+    commits = [run.commit_of(s) for s in range(1, 5)]
+    assert [c["round"] for c in commits] == [0, 1, 2, 3]
+    assert all(c["samples"] >= CONFIG["target_batch_size"] for c in commits)
+
+
+def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
+    port = _free_port()
+    env = dict(os.environ, BUCKET=f"file://{tmp_path}/bucket", RUN="ci", ROUNDS="2", WORKERS="2",
+               TARGET="32", PREFECT_PORT=str(port), DEDLOC_PREFECT_HOME=str(tmp_path / "prefect"),
+               LOGS=str(tmp_path / "logs"), PREFECT_UI="0")
+    res = subprocess.run(["make", "--no-print-directory", "pretrain"], cwd=ROOT, env=env, text=True,
+                         capture_output=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run = Run(Bucket(env["BUCKET"]), "ci")
+    assert run.latest() == 2
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert summary["rounds"] == 2
+    assert summary["samples"] == run.commit_of(1)["samples"] + run.commit_of(2)["samples"]
+    assert summary["first_loss"] == run.commit_of(1)["loss"] and summary["last_loss"] == run.commit_of(2)["loss"]
+    assert summary["eval"]["loss"] < summary["eval"]["random_init_loss"]
+    assert "run ci: 2 rounds" in res.stdout and "held-out MLM loss at state 2" in res.stdout
+    assert not prefect_local.healthy(port)  # it shut the server down

@@ -2,20 +2,59 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import sys
+import traceback
 from enum import Enum
 from typing import Optional
 
 import typer
 from pydantic import ValidationError
+from typer.core import TyperGroup
 
 from .config import CloseRule, OptimizerConfig, RunConfig
 from .run import Run, RunError, init_run
 from .storage import Bucket, StorageError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+
+# click's exceptions, wherever this typer takes click from (recent typers vendor it)
+_cx = importlib.import_module(typer.BadParameter.__module__)
+_PASS = tuple({typer.Exit, typer.Abort, *(getattr(_cx, n) for n in ("Exit", "Abort", "NoArgsIsHelpError")
+                                          if hasattr(_cx, n))})
+
+
+class _Group(TyperGroup):
+    """Every failure ends in one line on stderr, ``error: ...``, and a non-zero exit status.
+
+    Usage errors (a bad flag value, a missing option) come from click, which would otherwise draw
+    a multi-line panel; anything the commands did not anticipate (a botocore error, a bug) would
+    otherwise print only a traceback. The traceback is still shown first when logging is verbose.
+    """
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except _PASS:
+            raise
+        except _cx.ClickException as exc:
+            msg = _one_line(exc.format_message()).replace("Value error, ", "")
+            sub = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else ctx.command_path
+            if isinstance(exc, _cx.UsageError):
+                msg += f" (see '{sub} --help')"
+            typer.echo(f"error: {msg}", err=True)
+            raise typer.Exit(exc.exit_code or 2)
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:
+            if logging.getLogger().isEnabledFor(logging.INFO):
+                traceback.print_exc()
+            typer.echo(f"error: {type(exc).__name__}: {_one_line(str(exc))}", err=True)
+            raise typer.Exit(1)
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True,
                   help="Volunteer pretraining through an object-storage bucket.")
 
 
@@ -41,9 +80,33 @@ def _setup(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# config fields as the flags of `dedloc init` spell them
+_FLAGS = {"run": "--run", "preset": "--preset", "seed": "--seed", "seq_len": "--seq-len",
+          "target_batch_size": "--target-batch", "micro_batch": "--micro-batch", "codec": "--codec",
+          "chunk_size": "--chunk-size", "block_size": "--chunk-size", "chunks_per_part": "--chunks-per-part",
+          "peer_timeout_s": "--peer-timeout", "lr": "--lr", "timeout_s": "--close-timeout",
+          "min_fraction": "--min-fraction", "late_shards": "--late-shards"}
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ValidationError):
+        parts = []
+        for e in exc.errors():
+            loc = [str(x) for x in e.get("loc", ())]
+            where = _FLAGS.get(loc[-1], ".".join(loc)) if loc else ""
+            msg = e.get("msg", "invalid").removeprefix("Value error, ")
+            parts.append(f"{where}: {msg}" if where else msg)
+        return "invalid value: " + "; ".join(parts)
+    text = _one_line(str(exc))
+    return text or type(exc).__name__
+
+
 def _fail(exc: BaseException) -> None:
-    msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    typer.echo(f"error: {msg}", err=True)
+    typer.echo(f"error: {_describe(exc)}", err=True)
     raise typer.Exit(2)
 
 

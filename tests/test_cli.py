@@ -1,0 +1,227 @@
+"""The command line: `dedloc status` against the COMMIT markers, and how every failure is reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from typer.testing import CliRunner
+
+from .conftest import small_config
+from dedloc_pipeline.cli import app
+from dedloc_pipeline.run import Run, init_run
+from dedloc_pipeline.scheduler import Scheduler
+from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.worker import Worker
+
+ROUNDS = 3
+MICRO = {"p0": 4, "p1": 8}  # different micro-batches, so the peers' sample counts differ
+DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def error_line(result) -> str:
+    """The failure is one line on stderr, starting with ``error:``; returns it."""
+    assert result.exit_code != 0, result.output
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run with ROUNDS committed rounds from two in-process peers, and a fresh heartbeat each
+    in the open round. Returns (bucket URL, Run, pending samples per peer)."""
+    url = f"file://{tmp_path_factory.mktemp('cli')}/bucket"
+    run = init_run(Bucket(url), small_config("cli-run"))
+    workers = [Worker(run, p, micro_batch=mb, threads=1, poll_s=0) for p, mb in MICRO.items()]
+    sched = Scheduler(run, 2, 0)
+    deadline = time.monotonic() + 120
+    with ThreadPoolExecutor(2) as pool:
+        while run.latest() < ROUNDS:
+            assert time.monotonic() < deadline, "the in-process run did not reach its rounds"
+            for w in workers:
+                w.sync()
+                w.step()
+            sched.step(pool)
+    assert run.latest() == ROUNDS
+    # one micro-batch each in the open round: live progress, too little to upload (4 + 8 < 24)
+    for w in workers:
+        w.sync()
+        w.step()
+    pending = {w.peer: w.acc.samples for w in workers}
+    assert all(w.acc.round == ROUNDS for w in workers) and sum(pending.values()) < 24
+    return url, run, pending
+
+
+# status --json
+
+def test_status_json_matches_commit_markers(trained):
+    url, run, pending = trained
+    res = cli("status", "--bucket", url, "--run", run.name, "--json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)  # one JSON object, nothing else on stdout
+
+    assert {"run", "round", "target_batch_size", "progress", "peers", "history"} <= s.keys()
+    assert s["run"] == "cli-run"
+    assert s["round"] == run.latest() == ROUNDS
+    assert s["target_batch_size"] == 24
+
+    # the open round: heartbeats of both peers, nothing uploaded yet
+    assert s["progress"]["peers"] == len(MICRO)
+    assert s["progress"]["samples"] == sum(pending.values())
+
+    # the ledger: one entry per closed round, equal to its COMMIT
+    commits = [run.commit_of(r) for r in range(1, ROUNDS + 1)]
+    assert [h["round"] for h in s["history"]] == list(range(ROUNDS))
+    for h, c in zip(s["history"], commits):
+        assert {"round", "samples", "contributors", "loss", "committed_at"} <= h.keys()
+        assert h["round"] == c["round"]
+        assert h["samples"] == c["samples"] >= 24
+        assert h["contributors"] == c["contributors"] and h["contributors"]
+        assert h["loss"] == pytest.approx(c["loss"]) and isinstance(h["loss"], float)
+        assert h["committed_at"] == pytest.approx(c["committed_at"])
+        assert h["samples"] == sum(sh["samples"] for sh in c["shards"])
+
+    # peers: what each contributed, summed over the COMMITs
+    peers = {p["peer_id"]: p for p in s["peers"]}
+    assert set(peers) == set(MICRO)
+    for p in s["peers"]:
+        assert {"peer_id", "samples", "rounds", "last_seen"} <= p.keys()
+        mine = [sh for c in commits for sh in c["shards"] if sh["peer"] == p["peer_id"]]
+        assert p["samples"] == sum(sh["samples"] for sh in mine) > 0
+        assert p["rounds"] == sum(p["peer_id"] in c["contributors"] for c in commits) > 0
+        assert p["last_seen"] >= max(c["closed_at"] for c in commits if p["peer_id"] in c["contributors"])
+        assert p["last_seen"] <= time.time()
+    assert sum(p["samples"] for p in s["peers"]) == sum(h["samples"] for h in s["history"])
+    assert peers["p0"]["samples"] != peers["p1"]["samples"] or peers["p0"]["rounds"] != peers["p1"]["rounds"]
+
+
+def test_status_human_readable(trained):
+    url, run, _ = trained
+    res = cli("status", "--bucket", url, "--run", run.name)
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    assert "cli-run" in lines[0]
+    assert f"state {ROUNDS}" in lines[0] and f"round {ROUNDS}" in lines[0]
+    assert f"/{run.config.target_batch_size}" in lines[0]
+    for r in range(ROUNDS):
+        c = run.commit_of(r + 1)
+        line = next((ln for ln in lines if ln.split(":")[0].split() == ["round", str(r)]), None)
+        assert line is not None, res.stdout
+        assert f"{c['loss']:.4f}" in line and f"{c['samples']} samples" in line
+    for peer in MICRO:
+        assert any(peer in ln for ln in lines[1:]), res.stdout
+    assert not res.stderr
+
+
+# errors
+
+@pytest.mark.parametrize("command", ["status", "worker", "aggregate"])
+def test_unknown_run(trained, command):
+    url, _, _ = trained
+    line = error_line(cli(command, "--bucket", url, "--run", "no-such-run"))
+    assert "no-such-run" in line
+
+
+def test_unknown_run_in_empty_bucket(tmp_path):
+    line = error_line(cli("status", "--bucket", f"file://{tmp_path}/empty", "--run", "r"))
+    assert "'r'" in line
+
+
+def test_bad_peer_id(trained):
+    url, run, _ = trained
+    line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--peer-id", "no spaces/please"))
+    assert "peer id" in line
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--codec", "bogus"], "--codec"),
+    (["--target-batch", "0"], "--target-batch"),
+    (["--micro-batch", "many"], "--micro-batch"),
+    (["--lr", "0"], "--lr"),
+    (["--peer-timeout", "-1"], "--peer-timeout"),
+    (["--late-shards", "maybe"], "--late-shards"),
+    (["--chunk-size", "5000"], "chunk_size"),
+    (["--run", "bad name!"], "--run"),
+    (["--run", "-leading-dash"], "--run"),
+])
+def test_bad_init_values(tmp_path, args, flag):
+    url = f"file://{tmp_path}/bucket"
+    argv = ["init", "--bucket", url, "--run", "ok", "--seq-len", "32", "--chunk-size", "262144"]
+    for i in range(0, len(args), 2):  # override, don't duplicate
+        if args[i] in argv:
+            j = argv.index(args[i])
+            argv[j + 1] = args[i + 1]
+        else:
+            argv += args[i:i + 2]
+    line = error_line(cli(*argv))
+    assert flag in line
+    assert Bucket(url).find("runs") == []  # nothing was written
+
+
+def test_missing_option():
+    line = error_line(cli("status", "--run", "x"))
+    assert "--bucket" in line
+
+
+def test_init_is_idempotent_and_refuses_another_config(tmp_path):
+    url = f"file://{tmp_path}/bucket"
+    base = ["init", "--bucket", url, "--run", "twice", "--seq-len", "32", "--chunk-size", "262144",
+            "--target-batch", "48", "--micro-batch", "4"]
+    first = cli(*base)
+    assert first.exit_code == 0, first.output
+    assert "twice" in first.stdout
+    bucket = Bucket(url)
+    run = Run(bucket, "twice")
+    commit0, config = run.commit_of(0), bucket.read_bytes(run.keys.config)
+
+    again = cli(*base)  # same config: a no-op success
+    assert again.exit_code == 0, again.output
+    assert not again.stderr
+    assert Run(bucket, "twice").commit_of(0) == commit0
+    assert bucket.read_bytes(run.keys.config) == config
+
+    other = base[:base.index("--target-batch")] + ["--target-batch", "64", "--micro-batch", "4"]
+    line = error_line(cli(*other))
+    assert "already exists" in line and "twice" in line
+    assert bucket.read_bytes(run.keys.config) == config
+    assert Run(bucket, "twice").config.target_batch_size == 48
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # released on close: nothing listens there
+
+
+def test_unreachable_bucket(tmp_path):
+    """An S3 endpoint that refuses connections: a bounded wait (retries), then one error line."""
+    port = _closed_port()
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1")
+    env.pop("AWS_ENDPOINT_URL", None)
+    t0 = time.monotonic()
+    proc = subprocess.run([DEDLOC, "status", "--bucket", "s3://nowhere-bucket/x", "--run", "r",
+                           "--endpoint-url", f"http://127.0.0.1:{port}"],
+                          env=env, capture_output=True, text=True, timeout=150)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert not proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], proc.stderr  # retry warnings may precede it
+    assert "Traceback" not in proc.stderr
+    assert str(port) in errors[0] or "nowhere-bucket" in errors[0], errors[0]
+    assert took < 120, f"gave up only after {took:.0f}s"

@@ -189,6 +189,20 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
 
 
 @app.command()
+def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+         reason: str = typer.Option("stopped by the organizer", help="recorded in the marker")):
+    """End a run: schedulers and the pretrain flow stop after the open round."""
+    _setup(False)
+    import time
+    try:
+        r = _open(bucket, run, endpoint_url)
+        r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": time.time(), "state": r.latest()})
+        typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
+    except _ERRORS as exc:
+        _fail(exc)
+
+
+@app.command()
 def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            as_json: bool = typer.Option(False, "--json", help="one JSON object")):
     """Where a run stands: open round, peers, history."""

@@ -84,7 +84,7 @@ class RunLayout:
         return f"{self.round(r)}/reduced/{part:05d}.json"
 
     def stop(self) -> str:
-        """Marker: the organizer ended the run; schedulers stop after the open round."""
+        """Marker: the organizer ended the run; workers leave, schedulers commit what is closed and stop."""
         return f"{self.root}/STOP.json"
 
     def eval(self, r: int, task: str) -> str:

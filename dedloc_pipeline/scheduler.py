@@ -108,7 +108,8 @@ class Scheduler:
         return True
 
     def serve(self, until_round: int | None = None, max_wait_s: float | None = None) -> int:
-        """Schedule rounds until state ``until_round`` is committed (or forever)."""
+        """Schedule rounds until state ``until_round`` is committed, or the run is stopped (a
+        round already closed is still committed), or forever."""
         idle_since = time.monotonic()
         with ThreadPoolExecutor(self.parallel) as pool:
             while True:
@@ -118,6 +119,9 @@ class Scheduler:
                 if self.step(pool):
                     idle_since = time.monotonic()
                     continue
+                if self.run.bucket.exists(self.run.keys.stop()):
+                    log.info("run %s stopped at state %d", self.run.name, r)
+                    return r
                 if max_wait_s is not None and time.monotonic() - idle_since > max_wait_s:
                     raise TimeoutError(f"round {r} did not fill within {max_wait_s:.0f}s")
                 time.sleep(self.poll_s)

@@ -33,11 +33,20 @@ _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryE
               NotADirectoryError, ValueError, TypeError, KeyError)
 
 
+try:  # botocore's network errors are not OSErrors
+    from botocore.exceptions import ConnectionError as _BotoConnection, HTTPClientError as _BotoHTTP
+    _NETWORK: tuple = (_BotoConnection, _BotoHTTP)
+except ImportError:  # pragma: no cover - s3fs brings botocore
+    _NETWORK = ()
+
+
 class StorageError(RuntimeError):
     """The bucket did not answer after the retries."""
 
 
 def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, _NETWORK):
+        return True
     return isinstance(exc, (OSError, TimeoutError, ConnectionError)) and not isinstance(exc, _PERMANENT)
 
 

@@ -62,6 +62,7 @@ class Worker:
         self.source = make_source(cfg.data, self.model.config.vocab_size, run.seq_len, cfg.seed)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
         self.state: int | None = None
+        self.stopped = False  # the organizer wrote the run's STOP marker
         self.params = None
         self.acc: Accumulator | None = None
         self.cursor = 0
@@ -78,6 +79,7 @@ class Worker:
     def sync(self) -> bool:
         """Move to the newest committed state; True if it changed."""
         self._last_sync = time.time()
+        self.stopped = self.run.bucket.exists(self.run.keys.stop())
         latest = self.run.latest()
         if latest == self.state:
             return False
@@ -248,7 +250,7 @@ class Worker:
         """Work until state ``until_round`` is committed (or forever); returns the last state."""
         self.sync()
         try:
-            while until_round is None or self.state < until_round:
+            while (until_round is None or self.state < until_round) and not self.stopped:
                 if not self.step():
                     time.sleep(self.poll_s / 4)
         finally:

@@ -315,3 +315,15 @@ def test_delayed_updates_keep_computing_while_a_round_is_reduced(make_run, delay
         assert w.state == 1 and w.acc.round == 1 and w.acc.samples == 16 and w.acc.stale_samples == 12
     else:
         assert w.acc is None and w.computed_samples == 0
+
+
+def test_stop_marker_sends_workers_and_scheduler_home(make_run):
+    from typer.testing import CliRunner
+    from dedloc_pipeline.cli import app
+    run = make_run()
+    collaborate(run, [("a", 4)], rounds=1)
+    res = CliRunner().invoke(app, ["stop", "--bucket", run.bucket.url, "--run", run.name])
+    assert res.exit_code == 0 and "STOP" in res.output
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
+    assert w.serve(until_round=5) == 1 and w.stopped and w.computed_samples == 0
+    assert Scheduler(run, 1, 0).serve(until_round=5) == 1

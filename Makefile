@@ -22,7 +22,7 @@ install: $(STAMP)
 # same version comes from PyPI.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale]'
 	touch $(STAMP)
 
 test: install

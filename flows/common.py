@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -23,9 +24,20 @@ def scheduler(bucket: str, run: str) -> Scheduler:
     return Scheduler(open_run(bucket, run))
 
 
+@contextlib.contextmanager
+def dask_address(kind: str, parallel: int, address: str | None):
+    """The Dask scheduler to aggregate on: the given one, or a local cluster for the whole flow
+    run (a fresh cluster per round would spend seconds starting worker processes each time)."""
+    if kind != "dask" or address:
+        yield address
+        return
+    from distributed import LocalCluster
+    with LocalCluster(n_workers=parallel, threads_per_worker=1, dashboard_address=None) as cluster:
+        yield cluster.scheduler_address
+
+
 def task_runner(kind: str, parallel: int, address: str | None = None):
-    """``threads`` (default), ``processes``, or ``dask`` (the ``scale`` extra; ``address`` of a
-    running Dask scheduler, or a local cluster when empty)."""
+    """``threads`` (default), ``processes``, or ``dask`` (the ``scale`` extra) at ``address``."""
     if kind == "threads":
         return ThreadPoolTaskRunner(max_workers=parallel)
     if kind == "processes":
@@ -33,9 +45,7 @@ def task_runner(kind: str, parallel: int, address: str | None = None):
         return ProcessPoolTaskRunner(max_workers=parallel)
     if kind == "dask":
         from prefect_dask import DaskTaskRunner
-        if address:
-            return DaskTaskRunner(address=address)
-        return DaskTaskRunner(cluster_kwargs={"n_workers": parallel, "threads_per_worker": 1})
+        return DaskTaskRunner(address=address)
     raise ValueError(f"unknown task runner {kind!r}: threads, processes or dask")
 
 

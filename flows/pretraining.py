@@ -13,7 +13,7 @@ from dedloc_pipeline.run import init_run
 from dedloc_pipeline.scheduler import prune
 from dedloc_pipeline.storage import Bucket
 
-from flows.common import artifact_key, open_run, scheduler, task_runner
+from flows.common import artifact_key, dask_address, open_run, scheduler, task_runner
 
 
 @task(retries=3, retry_delay_seconds=2)
@@ -78,7 +78,7 @@ def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: f
 @flow(name="pretrain", log_prints=True)
 def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | None = 10,
              max_minutes: float | None = None, config: dict | None = None, poll_s: float = 1.0,
-             parallel: int = 2, runner: str = "threads", dask_address: str | None = None) -> dict:
+             parallel: int = 2, runner: str = "threads", dask_scheduler: str | None = None) -> dict:
     """Schedule rounds until state ``rounds`` is committed, ``max_minutes`` pass, or STOP.
 
     Creates the run from ``config`` (RunConfig fields) if the bucket has none. Restartable: it
@@ -88,29 +88,30 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
     if config is not None:
         init_run(Bucket(bucket), RunConfig(run=run, **config))
     rn = open_run(bucket, run)
-    start, t0 = rn.latest(), time.monotonic()
-    total = (rounds - start) if rounds and rounds > start else None
+    first = rn.latest()
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     progress = create_progress_artifact(0.0, key=artifact_key(run, "progress"),
                                         description=f"run {run}: rounds toward state {rounds}")
-    one_round = round_flow.with_options(task_runner=task_runner(runner, parallel, dask_address))
-    summaries = []
-    while True:
-        r = rn.latest()
-        if rounds is not None and r >= rounds:
-            reason = "rounds"
-            break
-        if max_minutes is not None and time.monotonic() - t0 > 60 * max_minutes:
-            reason = "wall time"
-            break
-        if rn.bucket.exists(rn.keys.stop()):
-            reason = "STOP marker"
-            break
-        s = one_round(bucket, run, r, poll_s=poll_s)
-        if s is None:
-            continue
-        summaries.append(s)
-        log.info("state %d committed: loss %.4f from %d samples", s["state"], s["loss"], s["samples"])
-        if total:
-            update_progress_artifact(progress, 100.0 * min(1.0, (s["state"] - start) / total))
+    summaries: list[dict] = []
+    with dask_address(runner, parallel, dask_scheduler) as address:
+        one_round = round_flow.with_options(task_runner=task_runner(runner, parallel, address))
+        while (reason := _stop_reason(rn, rounds, deadline)) is None:
+            s = one_round(bucket, run, rn.latest(), poll_s=poll_s)
+            if s is None:  # no round closed within the wait: check the stop rules again
+                continue
+            summaries.append(s)
+            log.info("state %d committed: loss %.4f from %d samples", s["state"], s["loss"], s["samples"])
+            if rounds and rounds > first:
+                update_progress_artifact(progress, 100.0 * min(1.0, (s["state"] - first) / (rounds - first)))
     return {"run": run, "state": rn.latest(), "rounds_done": len(summaries), "stopped_by": reason,
             "losses": [s["loss"] for s in summaries]}
+
+
+def _stop_reason(rn, rounds: int | None, deadline: float | None) -> str | None:
+    if rounds is not None and rn.latest() >= rounds:
+        return "rounds"
+    if deadline is not None and time.monotonic() > deadline:
+        return "wall time"
+    if rn.bucket.exists(rn.keys.stop()):
+        return "STOP marker"
+    return None

@@ -123,3 +123,15 @@ def test_tokenize_and_evaluate_flows(harness, tmp_path):
     assert res["state"] == 4 and res["loss"] < res["random_init_loss"] - 0.1
     assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == res["loss"]
     assert _artifacts("ev-eval")
+
+
+def test_aggregation_scales_out_to_a_dask_cluster(harness, tmp_path):
+    """runner="dask": the reduce and apply tasks run in a Dask cluster's worker processes."""
+    pytest.importorskip("prefect_dask", reason="the 'scale' extra is not installed")
+    from flows.pretraining import pretrain
+    url = f"file://{tmp_path}/bucket"
+    with Volunteers(url, "dask", ["a", "b"], until=2):
+        out = pretrain(bucket=url, run="dask", rounds=2, config=CONFIG, poll_s=0.2, runner="dask", parallel=2)
+    assert out["state"] == 2 and out["rounds_done"] == 2
+    run = Run(Bucket(url), "dask")
+    assert all(run.bucket.exists(run.keys.applied(2, k)) for k in range(run.n_parts))

@@ -223,7 +223,3 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
                    f"{len(h['contributors'])} shards")
     for q in s["peers"]:
         typer.echo(f"  peer {q['peer_id']}: {q['samples']} samples in {q['rounds']} rounds")
-
-
-def main() -> None:  # pragma: no cover
-    app()

@@ -29,10 +29,6 @@ class RunLayout:
     def states(self) -> str:
         return f"{self.root}/state"
 
-    @property
-    def rounds(self) -> str:
-        return f"{self.root}/rounds"
-
     # state r: what round r's gradients are computed against
     def state(self, r: int) -> str:
         return f"{self.root}/state/{_r(r)}"

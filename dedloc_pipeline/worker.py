@@ -2,8 +2,8 @@
 
 The only coordination is through the bucket. A worker counts the samples already in manifests
 plus the fresh progress of the other peers; once that reaches the target it uploads what it has.
-If a peer vanishes its progress goes stale, the round falls short, and the others keep
-computing and upload a second part: they make up the missing samples. With delayed updates on,
+If a peer vanishes, the others keep computing and upload a second part as soon as their pending
+samples are needed: they make up the missing samples. With delayed updates on,
 a worker that is waiting for the next state keeps computing on the one it has and counts those
 samples (one step stale) toward the next round.
 """
@@ -68,7 +68,7 @@ class Worker:
         self.cursor = 0
         self._view: RoundView | None = None
         self._manifests: dict[str, int] = {}
-        self._last_upload: dict[int, float] = {}
+        self._uploaded: set[int] = set()  # rounds this worker sent a part to
         self._last_progress = 0.0
         self._last_sync = 0.0
         self._rate = (time.monotonic(), 0)
@@ -105,6 +105,7 @@ class Worker:
         self.flat.set(params)
         self._view = None
         self._manifests.clear()
+        self._uploaded = {x for x in self._uploaded if x >= latest}
         self._retarget()
         log.info("%s: at state %d", self.peer, latest)
         return True
@@ -182,11 +183,19 @@ class Worker:
         self._compute(r + 1 if full else r)
         acc = self.acc
         self._report(force=False)
-        if acc.round == r and v.manifest_samples + v.fresh_samples + acc.samples >= target:
-            again = time.time() - self._last_upload.get(r, 0.0) >= self.run.config.peer_timeout_s
-            if r not in self._last_upload or again:
-                self._upload(acc)
+        if acc.round == r and self._should_upload(v, acc.samples, target, first=r not in self._uploaded):
+            self._upload(acc)
         return True
+
+    @staticmethod
+    def _should_upload(v: RoundView, mine: int, target: int, first: bool) -> bool:
+        """Upload once the round can fill. A peer that already uploaded sends another part only
+        when its pending samples are needed: they alone cover what the manifests lack, or the
+        live peers' pending samples fall short without them (a peer vanished)."""
+        expected = v.manifest_samples + v.fresh_samples
+        if first:
+            return expected + mine >= target
+        return mine >= target - v.manifest_samples or expected < target <= expected + mine
 
     def _compute(self, round_: int) -> None:
         if self.acc is None:
@@ -214,7 +223,7 @@ class Worker:
                            acc.loss_sum / acc.samples,
                            shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
                            stale_samples=acc.stale_samples)
-        self._last_upload[acc.round] = time.time()
+        self._uploaded.add(acc.round)
         self.uploaded_samples += acc.samples
         log.info("%s: uploaded %d samples to round %d (%s)", self.peer, acc.samples, acc.round, key)
         self._drop()

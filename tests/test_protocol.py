@@ -327,3 +327,17 @@ def test_stop_marker_sends_workers_and_scheduler_home(make_run):
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
     assert w.serve(until_round=5) == 1 and w.stopped and w.computed_samples == 0
     assert Scheduler(run, 1, 0).serve(until_round=5) == 1
+
+
+@pytest.mark.parametrize("manifests,fresh,mine,first,upload", [
+    (0, 16, 8, True, True),     # the round can fill: everyone uploads what they have
+    (0, 8, 8, True, False),     # not yet
+    (16, 8, 4, False, False),   # after my part: the others' pending parts will fill it
+    (16, 8, 8, False, True),    # my pending alone covers what the manifests lack
+    (16, 0, 8, False, True),    # a peer vanished (no fresh progress): mine is needed now
+    (16, 2, 4, False, False),   # still short even with mine: keep computing
+])
+def test_when_a_worker_uploads(manifests, fresh, mine, first, upload):
+    from dedloc_pipeline.worker import RoundView
+    v = RoundView(manifest_samples=manifests, fresh_samples=fresh)
+    assert Worker._should_upload(v, mine, target=24, first=first) is upload

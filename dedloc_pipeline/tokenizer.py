@@ -1,0 +1,85 @@
+"""The sahajBERT tokenizer: its normalization, Unigram training, and a home in the bucket.
+
+Normalization follows sahajBERT: NMT and NFKC, repeated spaces collapsed, the Bengali danda
+variants (৤, |, ৷ → ।; ৥ → ॥), a colon right after a Bengali letter read as visarga (ঃ), lowercase.
+Pre-tokenization marks whitespace (▁), splits digits one by one and isolates punctuation.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable
+
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
+
+from .storage import Bucket
+
+# Same ids as model.SPECIAL_TOKENS: pad 0, unk 1, cls 2, sep 3, mask 4.
+SPECIALS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
+BENGALI_LETTER = "[\u0980-\u09FF]"
+
+
+def normalizer() -> normalizers.Normalizer:
+    return normalizers.Sequence([
+        normalizers.Nmt(), normalizers.NFKC(),
+        normalizers.Replace(Regex(" {2,}"), " "),
+        normalizers.Replace("৤", "।"), normalizers.Replace("|", "।"), normalizers.Replace("৷", "।"),
+        normalizers.Replace("৥", "॥"),
+        normalizers.Replace(Regex(f"(?<={BENGALI_LETTER}):"), "ঃ"),
+        normalizers.Lowercase(),
+    ])
+
+
+def _backend() -> Tokenizer:
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizer()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Metaspace(prepend_scheme="always"),
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.Punctuation(),
+    ])
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    return tok
+
+
+def train(texts: Iterable[str], vocab_size: int = 32000) -> PreTrainedTokenizerFast:
+    """A Unigram model over ``texts``; ``vocab_size`` counts the special tokens."""
+    tok = _backend()
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, unk_token="<unk>")
+    tok.train_from_iterator(texts, trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    return _wrap(tok)
+
+
+def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+def save(tok: PreTrainedTokenizerFast, bucket: Bucket, key: str) -> list[str]:
+    """Write the tokenizer's files (``save_pretrained``) under ``key``; the list of keys."""
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        keys = []
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), "rb") as f:
+                bucket.write_bytes(f"{key}/{name}", f.read())
+            keys.append(f"{key}/{name}")
+    return keys
+
+
+def load(bucket: Bucket, key: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved under ``key``, as a transformers fast tokenizer."""
+    names = bucket.list(key)
+    if "tokenizer.json" not in names:
+        raise FileNotFoundError(f"no tokenizer at {bucket.url}/{key}")
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(bucket.read_bytes(f"{key}/{name}"))
+        return PreTrainedTokenizerFast.from_pretrained(d)

@@ -14,7 +14,7 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install test pretrain worker eval status server stop clean
+.PHONY: install corpus test pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -25,7 +25,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale]'
 	touch $(STAMP)
 
-test: install
+# The embedded Bengali corpus, extracted from registry packages (dedloc_pipeline/corpus.py).
+CORPUS := .dedloc/corpus
+corpus: $(CORPUS)/PROVENANCE.json
+$(CORPUS)/PROVENANCE.json: | $(STAMP)
+	$(BIN)/python -m dedloc_pipeline.corpus $(CORPUS)
+
+test: install corpus
 	$(BIN)/python -m pytest -q -ra tests
 
 # A whole collaboration on this machine through the Prefect deployment (infra/local_pretrain.py).

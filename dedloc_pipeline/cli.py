@@ -14,7 +14,7 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-from .config import CloseRule, OptimizerConfig, RunConfig
+from .config import CloseRule, recipe_config
 from .run import Run, RunError, init_run
 from .storage import Bucket, StorageError
 
@@ -119,9 +119,11 @@ _ERRORS = (RunError, StorageError, ValueError, ValidationError, FileNotFoundErro
 
 @app.command()
 def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
-         preset: str = "tiny", target_batch: int = typer.Option(256, "--target-batch"),
+         preset: str = typer.Option("tiny", help="tiny | small | sahajbert (sets its recipe's defaults)"),
+         target_batch: Optional[int] = typer.Option(None, "--target-batch", help="default: the preset's (tiny 256)"),
          micro_batch: int = 8, codec: CodecName = CodecName.int8,
-         optimizer: OptimizerName = OptimizerName.adamw, lr: float = 2e-3, seed: int = 0,
+         optimizer: Optional[OptimizerName] = typer.Option(None, help="default: the preset's (tiny adamw)"),
+         lr: Optional[float] = typer.Option(None, help="default: the preset's (tiny 2e-3)"), seed: int = 0,
          seq_len: Optional[int] = None, chunk_size: int = 1 << 20, chunks_per_part: int = 1,
          close_timeout: Optional[float] = typer.Option(None, help="close a short round after SECONDS"),
          min_fraction: float = typer.Option(0.5, help="... if this share of the target is in"),
@@ -132,13 +134,13 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
     """Create a run in the bucket and commit state 0."""
     _setup(verbose)
     try:
-        cfg = RunConfig(run=run, preset=preset, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
-                        micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
-                        block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
-                        delayed_updates=delayed_updates, peer_timeout_s=peer_timeout,
-                        optimizer=OptimizerConfig(name=optimizer.value, lr=lr),
-                        close=CloseRule(timeout_s=close_timeout, min_fraction=min_fraction,
-                                        late_shards=late_shards))
+        cfg = recipe_config(run, preset, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
+                            micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
+                            block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
+                            delayed_updates=delayed_updates, peer_timeout_s=peer_timeout,
+                            optimizer={"name": optimizer.value if optimizer else None, "lr": lr},
+                            close=CloseRule(timeout_s=close_timeout, min_fraction=min_fraction,
+                                            late_shards=late_shards))
         r = init_run(Bucket(bucket, endpoint_url=endpoint_url), cfg)
         typer.echo(f"run {run} ready in {bucket}: {r.flat.n:,} parameters, state 0 committed")
     except _ERRORS as exc:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .layout import LAYOUT_VERSION
+from .model import PRESETS
 
 Codec = Literal["none", "fp16", "int8"]
 
@@ -62,6 +63,8 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         if self.chunk_size % self.block_size:
             raise ValueError("chunk_size must be a multiple of block_size")
         if self.layout_version != LAYOUT_VERSION:
@@ -73,3 +76,22 @@ class RunConfig(BaseModel):
     @property
     def param_codec(self) -> Codec:
         return self.download_codec or self.codec
+
+
+# Run defaults that belong to a preset: the DeDLOC recipe for sahajBERT (LAMB, target batch 4096).
+RECIPES: dict[str, dict] = {
+    "tiny": {},
+    "small": {"target_batch_size": 512, "optimizer": {"lr": 1e-3}},
+    "sahajbert": {"target_batch_size": 4096,
+                  "optimizer": {"name": "lamb", "lr": 0.00176, "warmup_steps": 5000, "weight_decay": 0.01,
+                                "eps": 1e-6, "clamp": 10000.0}},
+}
+
+
+def recipe_config(run: str, preset: str = "tiny", optimizer: dict | None = None, **fields) -> RunConfig:
+    """A RunConfig from the preset's recipe, with explicitly given values (not None) on top."""
+    base = RECIPES.get(preset, {})
+    opt = {**base.get("optimizer", {}), **{k: v for k, v in (optimizer or {}).items() if v is not None}}
+    given = {k: v for k, v in fields.items() if v is not None}
+    return RunConfig(run=run, preset=preset, **{**{k: v for k, v in base.items() if k != "optimizer"}, **given},
+                     optimizer=OptimizerConfig(**opt))

@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
 from dedloc_pipeline import aggregator
-from dedloc_pipeline.config import RunConfig
+from dedloc_pipeline.config import recipe_config
 from dedloc_pipeline.run import init_run
 from dedloc_pipeline.scheduler import prune
 from dedloc_pipeline.storage import Bucket
@@ -81,12 +81,12 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
              parallel: int = 2, runner: str = "threads", dask_scheduler: str | None = None) -> dict:
     """Schedule rounds until state ``rounds`` is committed, ``max_minutes`` pass, or STOP.
 
-    Creates the run from ``config`` (RunConfig fields) if the bucket has none. Restartable: it
-    continues from whatever the bucket holds.
+    Creates the run from ``config`` (RunConfig fields over the preset's recipe) if the bucket has
+    none. Restartable: it continues from whatever the bucket holds.
     """
     log = get_run_logger()
     if config is not None:
-        init_run(Bucket(bucket), RunConfig(run=run, **config))
+        init_run(Bucket(bucket), recipe_config(run, **config))
     rn = open_run(bucket, run)
     first = rn.latest()
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes

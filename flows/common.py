@@ -32,7 +32,9 @@ def dask_address(kind: str, parallel: int, address: str | None):
         yield address
         return
     from distributed import LocalCluster
-    with LocalCluster(n_workers=parallel, threads_per_worker=1, dashboard_address=None) as cluster:
+    # In-process workers: no process start-up per worker; numpy and zarr release the GIL.
+    with LocalCluster(n_workers=parallel, threads_per_worker=1, processes=False,
+                      dashboard_address=None) as cluster:
         yield cluster.scheduler_address
 
 

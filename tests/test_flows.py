@@ -125,8 +125,9 @@ def test_tokenize_and_evaluate_flows(harness, tmp_path):
     assert _artifacts("ev-eval")
 
 
+@pytest.mark.timeout(300)
 def test_aggregation_scales_out_to_a_dask_cluster(harness, tmp_path):
-    """runner="dask": the reduce and apply tasks run in a Dask cluster's worker processes."""
+    """runner="dask": the reduce and apply tasks run on a Dask cluster's workers."""
     pytest.importorskip("prefect_dask", reason="the 'scale' extra is not installed")
     from flows.pretraining import pretrain
     url = f"file://{tmp_path}/bucket"

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from .config import CloseRule, recipe_config
+from .data import DataError
 from .run import Run, RunError, init_run
 from .storage import Bucket, StorageError
 
@@ -114,13 +115,14 @@ def _open(bucket: str, run: str, endpoint: str | None) -> Run:
     return Run(Bucket(bucket, endpoint_url=endpoint), run)
 
 
-_ERRORS = (RunError, StorageError, ValueError, ValidationError, FileNotFoundError, PermissionError)
+_ERRORS = (RunError, DataError, StorageError, ValueError, ValidationError, FileNotFoundError, PermissionError)
 
 
 @app.command()
 def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
          preset: str = typer.Option("tiny", help="tiny | small | sahajbert (sets its recipe's defaults)"),
          target_batch: Optional[int] = typer.Option(None, "--target-batch", help="default: the preset's (tiny 256)"),
+         data: str = typer.Option("synthetic", help="a data set in the bucket (the tokenize flow writes one)"),
          micro_batch: int = 8, codec: CodecName = CodecName.int8,
          optimizer: Optional[OptimizerName] = typer.Option(None, help="default: the preset's (tiny adamw)"),
          lr: Optional[float] = typer.Option(None, help="default: the preset's (tiny 2e-3)"), seed: int = 0,
@@ -134,7 +136,7 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
     """Create a run in the bucket and commit state 0."""
     _setup(verbose)
     try:
-        cfg = recipe_config(run, preset, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
+        cfg = recipe_config(run, preset, data=data, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
                             micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
                             block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
                             delayed_updates=delayed_updates, peer_timeout_s=peer_timeout,

@@ -1,19 +1,37 @@
 """Training samples, addressed as (stream, index) so every sample a round used can be named.
 
 Each peer reads its own stream (its peer id), so peers never share samples, and a manifest can
-list exactly which samples a shard was computed from. The synthetic source stands in for real
-text until the tokenized corpus lands: a fixed sparse Markov chain over a Zipf-skewed vocabulary,
-learnable, so the loss falls as training works.
+list exactly which samples a shard was computed from.
+
+- ``PairSource``: a tokenized data set in the bucket (``packing``). A stream is the list of data
+  blocks its peer claimed, one create-once marker per block under ``runs/{run}/claims/``; blocks
+  are the data set's shards in a seeded order per epoch, so every peer gets a disjoint,
+  deterministic share, and a joining peer takes the next free block.
+- ``SyntheticSource``: a fixed sparse Markov chain over a Zipf-skewed vocabulary, generated on the
+  fly; learnable, so protocol tests see the loss fall without any text.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
+import json
+import time
 
 import numpy as np
 import torch
 
-from .model import SPECIAL_TOKENS
+from .layout import DataLayout, RunLayout
+from .model import PRESETS, SPECIAL_TOKENS
+from .storage import Bucket
+
+SYNTHETIC = "synthetic"
+HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it
+
+
+class DataError(RuntimeError):
+    """A data set that is missing, corrupted, or does not fit the run."""
 
 MASK_PROB = 0.15
 
@@ -68,17 +86,134 @@ def _mask(ids: np.ndarray, rng: np.random.Generator, vocab: int, n_special: int)
     return ids, labels
 
 
-def make_source(data: str, vocab_size: int, seq_len: int, seed: int):
-    if data == "synthetic":
-        return SyntheticSource(vocab_size, seq_len, seed)
-    raise ValueError(f"unknown data source {data!r}")
+class PairSource:
+    """Sentence pairs of a tokenized data set; stream ``~heldout`` reads its held-out split."""
+
+    n_special = len(SPECIAL_TOKENS)
+
+    def __init__(self, bucket: Bucket, name: str, run: str, seed: int, owner: str | None = None):
+        self.bucket, self.name, self.seed, self.owner = bucket, name, seed, owner
+        self.card = read_card(bucket, name)
+        self.seq_len, self.vocab_size = self.card["seq_len"], self.card["vocab_size"]
+        self.train = self.card["splits"]["train"]["shards"]
+        self.heldout = self.card["splits"]["heldout"]["shards"]
+        self.keys = RunLayout(run)
+        self._claims: dict[int, str] = {}  # block -> peer; markers are create-once, so never stale
+        self._shard = functools.lru_cache(maxsize=8)(self._read_shard)
+
+    # blocks and claims
+    def _block(self, g: int) -> tuple[int, int]:
+        """(epoch, shard) of block g: each epoch visits every training shard once, seeded order."""
+        epoch, k = divmod(g, len(self.train))
+        return epoch, int(np.random.default_rng([self.seed, epoch]).permutation(len(self.train))[k])
+
+    def _refresh(self) -> None:
+        names = [n for n in self.bucket.list(self.keys.claims_dir) if n.endswith(".json")]
+        new = [f"{self.keys.claims_dir}/{n}" for n in names if int(n[:-5]) not in self._claims]
+        for key, raw in self.bucket.read_many(new).items():
+            if raw is not None:
+                try:
+                    peer = str(json.loads(raw)["peer"])
+                except (ValueError, KeyError, TypeError):
+                    peer = "?"  # a malformed claim still takes its block: nobody streams it
+                self._claims[int(key.rsplit("/", 1)[1][:-5])] = peer
+
+    def blocks(self, stream: str) -> list[int]:
+        return sorted(g for g, p in self._claims.items() if p == stream)
+
+    def claim(self) -> int:
+        """Take the lowest free block for this source's owner (create-once: one winner per block)."""
+        while True:
+            self._refresh()
+            g = min(set(range(len(self._claims) + 1)) - set(self._claims))
+            if self.bucket.create_json(self.keys.claim(g), {"peer": self.owner, "time": time.time()}):
+                self._claims[g] = self.owner
+                return g
+
+    def locate(self, stream: str, index: int) -> tuple[int, int, int]:
+        """(epoch, shard, position) of sample ``index`` of ``stream``."""
+        refreshed = False
+        while True:
+            pos = index
+            for g in self.blocks(stream):
+                epoch, d = self._block(g)
+                if pos < self.train[d]["pairs"]:
+                    order = np.random.default_rng([self.seed, epoch, d]).permutation(self.train[d]["pairs"])
+                    return epoch, d, int(order[pos])
+                pos -= self.train[d]["pairs"]
+            if stream == self.owner:
+                self.claim()
+            elif not refreshed:
+                self._refresh()
+                refreshed = True
+            else:
+                raise DataError(f"stream {stream!r} has no sample {index}: its claimed blocks end before it")
+
+    def _read_shard(self, split: str, d: int) -> dict[str, np.ndarray]:
+        meta = (self.train if split == "train" else self.heldout)[d]
+        raw = self.bucket.read_bytes(meta["key"])
+        if raw is None or hashlib.blake2b(raw, digest_size=16).hexdigest() != meta["blake2b"]:
+            raise DataError(f"data shard {meta['key']} is missing or does not match its hash in DATA.json")
+        with np.load(io.BytesIO(raw)) as z:
+            return {k: z[k] for k in z.files}
+
+    # samples
+    def sample(self, stream: str, index: int) -> dict[str, np.ndarray]:
+        if stream == HELDOUT:
+            sizes = np.cumsum([0] + [s["pairs"] for s in self.heldout])
+            index %= int(sizes[-1])
+            d = int(np.searchsorted(sizes, index, side="right") - 1)
+            epoch, split, pos = -1, "heldout", index - int(sizes[d])
+        else:
+            (epoch, d, pos), split = self.locate(stream, index), "train"
+        z = self._shard(split, d)
+        n = int(z["length"][pos])
+        ids = z["input_ids"][pos].astype(np.int64)
+        types = np.zeros_like(ids)
+        types[int(z["b_start"][pos]):n] = 1
+        masked, labels = _mask(ids, np.random.default_rng([self.seed, epoch + 1, d, pos]), self.vocab_size,
+                               self.n_special)
+        return {"input_ids": masked, "labels": labels, "token_type_ids": types,
+                "attention_mask": (np.arange(len(ids)) < n).astype(np.int64),
+                "sentence_order_label": np.int64(z["sentence_order_label"][pos])}
+
+    def batch(self, stream: str, start: int, count: int) -> dict[str, torch.Tensor]:
+        rows = [self.sample(stream, i) for i in range(start, start + count)]
+        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
 
 
-def data_card(data: str, vocab_size: int, seq_len: int, seed: int) -> dict:
-    """What a data set is and a few of its samples, for people reading the bucket."""
-    source = make_source(data, vocab_size, seq_len, seed)
+def read_card(bucket: Bucket, name: str) -> dict:
+    card = bucket.read_json(DataLayout(name).card)
+    if card is None:
+        raise DataError(f"no data set {name!r} in {bucket.url} (run the tokenize flow first)")
+    return card
+
+
+def check_data(bucket: Bucket, data: str, preset: str, seq_len: int) -> None:
+    """A run may use a data set only if its sequences and vocabulary fit the model."""
+    if data == SYNTHETIC:
+        return
+    card = read_card(bucket, data)
+    if card["seq_len"] != seq_len:
+        raise DataError(f"data set {data!r} is packed for sequence length {card['seq_len']}, the run uses {seq_len}")
+    if card["vocab_size"] > PRESETS[preset]["vocab_size"]:
+        raise DataError(f"data set {data!r} has {card['vocab_size']} tokens; preset {preset!r} "
+                        f"embeds only {PRESETS[preset]['vocab_size']}")
+
+
+def make_source(run, owner: str | None = None):
+    """The run's data: ``owner`` is the peer whose stream may claim new blocks."""
+    c = run.config
+    if c.data == SYNTHETIC:
+        return SyntheticSource(PRESETS[c.preset]["vocab_size"], run.seq_len, c.seed)
+    return PairSource(run.bucket, c.data, run.name, c.seed, owner)
+
+
+def data_card(vocab_size: int, seq_len: int, seed: int) -> dict:
+    """What the synthetic data set is and a few of its samples, for people reading the bucket."""
+    source = SyntheticSource(vocab_size, seq_len, seed)
     preview = [source.sample("preview", i)[0][:16].tolist() for i in range(3)]
-    return {"name": data, "kind": "generated on the fly: a sparse Markov chain over a Zipf vocabulary",
+    return {"name": SYNTHETIC, "kind": "generated on the fly: a sparse Markov chain over a Zipf vocabulary",
             "vocab_size": vocab_size, "seq_len": seq_len, "seed": seed,
             "streams": "one per peer id (disjoint); '~heldout' is reserved for evaluation",
             "preview_input_ids": preview}

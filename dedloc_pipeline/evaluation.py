@@ -1,7 +1,7 @@
 """Evaluation of committed states, always next to the same model at random initialisation.
 
-Until the Bengali downstream tasks land, a state is scored by its masked-LM loss on a held-out
-stream of the run's own data source (a stream no peer trains on).
+A state is scored by its masked-LM loss (and sentence-order accuracy, when the data has sentence
+pairs) on the data set's held-out split, which no peer trains on.
 """
 
 from __future__ import annotations
@@ -11,33 +11,37 @@ import time
 
 import torch
 
-from .data import make_source
-from .model import FlatLayout, mlm_loss_sum
+from .data import HELDOUT, make_source
+from .model import FlatLayout, pretraining_losses
 from .run import Run
 
-HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it
 
-
-def heldout_loss(run: Run, params, samples: int, micro_batch: int = 16) -> float:
+def heldout_scores(run: Run, params, samples: int, micro_batch: int = 16) -> tuple[float, float | None]:
+    """(mean masked-LM loss, sentence-order accuracy or None) over ``samples`` held-out samples."""
     model = run.build_model()
     FlatLayout(model).set(params)
     model.eval()
-    source = make_source(run.config.data, model.config.vocab_size, run.seq_len, run.config.seed)
-    total = 0.0
+    source = make_source(run)
+    mlm, right, pairs = 0.0, 0, 0
     with torch.no_grad():
         for start in range(0, samples, micro_batch):
-            n = min(micro_batch, samples - start)
-            total += float(mlm_loss_sum(model, source.batch(HELDOUT, start, n)))
-    return total / samples
+            batch = source.batch(HELDOUT, start, min(micro_batch, samples - start))
+            losses, sop, out = pretraining_losses(model, batch)
+            mlm += float(losses.sum())
+            if sop is not None:
+                right += int((out.sop_logits.argmax(-1) == batch["sentence_order_label"]).sum())
+                pairs += len(sop)
+    return mlm / samples, (right / pairs if pairs else None)
 
 
 def evaluate(run: Run, state: int | None = None, samples: int = 128) -> dict:
     """Score a committed state (default: the latest) and record it under ``evals/``."""
     state = run.latest() if state is None else state
-    loss = heldout_loss(run, run.load_params(state), samples)
-    baseline = heldout_loss(run, run.load_params(0), samples)
-    result = {"state": state, "task": "mlm-heldout", "dataset": f"{run.config.data} held-out stream",
+    loss, sop = heldout_scores(run, run.load_params(state), samples)
+    baseline, sop0 = heldout_scores(run, run.load_params(0), samples)
+    result = {"state": state, "task": "mlm-heldout", "dataset": f"{run.config.data} held-out split",
               "samples": samples, "loss": loss, "perplexity": math.exp(min(loss, 50)),
-              "random_init_loss": baseline, "evaluated_at": time.time()}
+              "random_init_loss": baseline, "sop_accuracy": sop, "random_init_sop_accuracy": sop0,
+              "evaluated_at": time.time()}
     run.bucket.write_json(run.keys.eval(state, "mlm-heldout"), result)
     return result

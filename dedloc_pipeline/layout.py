@@ -85,3 +85,30 @@ class RunLayout:
 
     def eval(self, r: int, task: str) -> str:
         return f"{self.root}/evals/{_r(r)}/{task}.json"
+
+    def claim(self, block: int) -> str:
+        """Marker: one peer streams this block of the data set (its number counts across epochs)."""
+        return f"{self.root}/claims/{block:08d}.json"
+
+    @property
+    def claims_dir(self) -> str:
+        return f"{self.root}/claims"
+
+
+class DataLayout:
+    """Keys under ``data/{name}/``: a tokenized data set, shared by every run that names it."""
+
+    def __init__(self, name: str):
+        self.root = f"data/{name}"
+
+    @property
+    def card(self) -> str:
+        """Written last: a data set exists once its card does."""
+        return f"{self.root}/DATA.json"
+
+    @property
+    def tokenizer(self) -> str:
+        return f"{self.root}/tokenizer"
+
+    def shard(self, split: str, i: int) -> str:
+        return f"{self.root}/{split}/{i:05d}.npz"

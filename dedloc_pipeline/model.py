@@ -1,4 +1,4 @@
-"""ALBERT masked-LM presets and the flat parameter vector the protocol exchanges.
+"""ALBERT presets (masked LM + sentence-order prediction) and the flat vector the protocol exchanges.
 
 The protocol sees the model as one float32 vector; ``FlatLayout`` maps it to named tensors in a
 fixed (sorted) order, so every peer and aggregator cuts it the same way.
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import AlbertConfig, AlbertForMaskedLM
+from transformers import AlbertConfig, AlbertForPreTraining
 
 PRESETS: dict[str, dict] = {
     # ~1.9M parameters: the protocol's workhorse for tests and CPU demos.
@@ -42,10 +42,11 @@ def seq_len_of(preset: str, seq_len: int | None = None) -> int:
     return seq_len or PRESETS[preset]["max_position_embeddings"]
 
 
-def build_model(preset: str, seed: int, seq_len: int | None = None) -> AlbertForMaskedLM:
-    """Same preset and seed give the same initial weights on every machine."""
+def build_model(preset: str, seed: int, seq_len: int | None = None) -> AlbertForPreTraining:
+    """Same preset and seed give the same initial weights on every machine. ALBERT's pretraining
+    heads: masked LM, and sentence order (trained only on data made of sentence pairs)."""
     torch.manual_seed(seed)
-    model = AlbertForMaskedLM(albert_config(preset, seq_len))
+    model = AlbertForPreTraining(albert_config(preset, seq_len))
     model.train()  # dropout is 0, so train and eval agree; train keeps autograd paths standard
     return model
 
@@ -100,15 +101,24 @@ class FlatLayout:
         return out
 
 
-def mlm_loss_sum(model: AlbertForMaskedLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Sum over samples of each sample's mean loss over its masked tokens.
-
-    Summing per-sample means (instead of one mean over all masked tokens) makes the gradient of a
-    batch the sample-weighted sum of its parts: the invariant that lets peers split a batch.
-    """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    labels = batch["labels"]
+def pretraining_losses(model: AlbertForPreTraining, batch: dict[str, torch.Tensor]):
+    """Per-sample losses: the mean over a sample's masked tokens, and its sentence-order loss
+    (None when the batch has no sentence pairs); and the model's output."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                token_type_ids=batch.get("token_type_ids"))
+    logits, labels = out.prediction_logits, batch["labels"]
     tok = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                           ignore_index=-100, reduction="none").view(labels.shape)
-    mask = (labels != -100).float()
-    return (tok.sum(1) / mask.sum(1).clamp(min=1)).sum()
+    mlm = tok.sum(1) / (labels != -100).sum(1).clamp(min=1)
+    sop = batch.get("sentence_order_label")
+    return mlm, None if sop is None else F.cross_entropy(out.sop_logits, sop, reduction="none"), out
+
+
+def pretraining_loss_sum(model: AlbertForPreTraining, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over samples of each sample's loss (masked-LM mean, plus sentence order when present).
+
+    Summing per-sample losses (instead of one mean over all masked tokens) makes the gradient of a
+    batch the sample-weighted sum of its parts: the invariant that lets peers split a batch.
+    """
+    mlm, sop, _ = pretraining_losses(model, batch)
+    return mlm.sum() if sop is None else mlm.sum() + sop.sum()

@@ -11,6 +11,7 @@ import numpy as np
 from . import codec
 from .codec import VectorFormat
 from .config import RunConfig
+from .data import check_data
 from .layout import LAYOUT_VERSION, RunLayout
 from .model import FlatLayout, build_model, seq_len_of
 from .storage import Bucket
@@ -120,6 +121,7 @@ class Run:
 def init_run(bucket: Bucket, config: RunConfig) -> Run:
     """Write run.json and commit state 0. Re-running with the same config is a no-op."""
     keys = RunLayout(config.run)
+    check_data(bucket, config.data, config.preset, seq_len_of(config.preset, config.seq_len))
     existing = bucket.read_json(keys.config)
     if existing is not None:
         if RunConfig.model_validate(existing) != config:

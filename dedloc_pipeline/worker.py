@@ -21,7 +21,7 @@ import torch
 from . import shard
 from .codec import CorruptShard, ErrorFeedback
 from .data import make_source
-from .model import FlatLayout, mlm_loss_sum
+from .model import FlatLayout, pretraining_loss_sum
 from .run import Run
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class Worker:
         self.model = run.build_model()
         self.flat = FlatLayout(self.model)
         cfg = run.config
-        self.source = make_source(cfg.data, self.model.config.vocab_size, run.seq_len, cfg.seed)
+        self.source = make_source(run, owner=self.peer)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
         self.state: int | None = None
         self.stopped = False  # the organizer wrote the run's STOP marker
@@ -203,7 +203,7 @@ class Worker:
             self.model.zero_grad(set_to_none=False)
         acc, n = self.acc, self.micro_batch
         batch = self.source.batch(self.peer, self.cursor, n)
-        loss = mlm_loss_sum(self.model, batch)
+        loss = pretraining_loss_sum(self.model, batch)
         loss.backward()
         loss = loss.detach()
         acc.loss_sum += loss.item()

@@ -80,3 +80,19 @@ def s3_bucket(s3_endpoint, monkeypatch) -> Bucket:
     name = f"dedloc-{uuid.uuid4().hex[:10]}"
     Bucket(f"s3://{name}").fs.mkdir(name)
     return Bucket(f"s3://{name}/collab")
+
+
+CORPUS = os.path.join(os.path.dirname(__file__), os.pardir, ".dedloc", "corpus")
+
+
+@pytest.fixture(scope="session")
+def bengali(tmp_path_factory):
+    """A small tokenized data set from the offline Bengali corpus (`make corpus`): 400 documents,
+    a 2000-token tokenizer, sequences of 32, shards of 64 pairs. Returns (bucket URL, name)."""
+    from dedloc_pipeline import corpus, packing, tokenizer
+    docs = corpus.offline_documents(CORPUS)[:400]
+    tok = tokenizer.train((s for d in docs for s in d), 2000)
+    url = f"file://{tmp_path_factory.mktemp('data')}/bucket"
+    tokenizer.save(tok, Bucket(url), "data/bn-test/tokenizer")
+    packing.write_dataset(Bucket(url), "bn-test", tok, docs, seq_len=SMALL["seq_len"], seed=0, shard_pairs=64)
+    return url, "bn-test"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dedloc_pipeline.data import make_source
-from dedloc_pipeline.model import FlatLayout, mlm_loss_sum
+from dedloc_pipeline.model import FlatLayout, pretraining_loss_sum
 from dedloc_pipeline.optim import lr_at
 
 from .protocol_driver import collaborate
@@ -39,7 +39,7 @@ def reference(run, rounds: int) -> list[np.ndarray]:
     cfg = run.config
     model = run.build_model()
     flat = FlatLayout(model)
-    source = make_source(cfg.data, model.config.vocab_size, run.seq_len, cfg.seed)
+    source = make_source(run)
     params = dict(model.named_parameters())
     decay = {t.name: t.decay for t in flat.tensors}
     oc = cfg.optimizer
@@ -62,7 +62,7 @@ def reference(run, rounds: int) -> list[np.ndarray]:
                 model.zero_grad()
                 batches = [source.batch(s["data"]["stream"], i, 1) for i in ids]
                 batch = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
-                mlm_loss_sum(model, batch).backward()
+                pretraining_loss_sum(model, batch).backward()
                 grad += flat.grad()
         flat.set(thetas[r])
         g = (grad / close["samples"]).astype(np.float32)
@@ -101,7 +101,10 @@ def test_n_peers_equal_one_process(make_run, peers, optimizer, delayed):
     for r in range(1, rounds + 1):
         got = run.load_params(r)
         diff = np.abs(got - thetas[r]).max()
-        assert diff <= 1e-6, f"state {r}: max |diff| {diff:.3g}"
+        # Adam divides each element by its own magnitude, so float32 summation-order noise in
+        # elements with |g| near eps shows as up to ~1e-3 of a step (lr 3e-3); a wrong sample
+        # weighting moves the weights by ~3e-3.
+        assert diff <= 5e-6, f"state {r}: max |diff| {diff:.3g}"
         assert np.abs(got - thetas[0]).max() > 1e-4  # and training did move the weights
     shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
     assert {s["peer"] for s in shards} == {name for name, _ in peers}

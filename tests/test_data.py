@@ -1,0 +1,105 @@
+"""Sentence-order pairs, data shards in the bucket, and the disjoint shares peers stream."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dedloc_pipeline.data import HELDOUT, DataError, PairSource, read_card
+from dedloc_pipeline.packing import CLS, SEP, pack, sop_pairs
+from dedloc_pipeline.run import init_run
+from dedloc_pipeline.storage import Bucket
+
+from .conftest import small_config
+
+
+def test_sop_pairs_are_consecutive_text_in_or_out_of_order():
+    doc = [list(range(100 * i, 100 * i + n)) for i, n in enumerate([5, 9, 3, 12, 7, 4, 30, 2])]
+    text = sum(doc, [])
+    rng = np.random.default_rng(0)
+    labels = []
+    for _ in range(50):
+        for a, b, y in sop_pairs(doc, 20, rng):
+            assert a and b and len(a) + len(b) <= 20
+            first, second = (a, b) if y == 0 else (b, a)
+            joined = first + second
+            start = text.index(joined[0])
+            assert text[start:start + len(joined)] == joined  # contiguous, in document order
+            labels.append(y)
+    assert 0.35 < np.mean(labels) < 0.65
+
+
+def test_pack_marks_segments():
+    arrays = pack([([7, 8], [9, 10, 11], 1)], seq_len=10)
+    assert arrays["input_ids"][0].tolist() == [CLS, 7, 8, SEP, 9, 10, 11, SEP, 0, 0]
+    assert (arrays["b_start"][0], arrays["length"][0], arrays["sentence_order_label"][0]) == (4, 8, 1)
+
+
+def _all_pairs(source: PairSource) -> int:
+    return sum(s["pairs"] for s in source.train)
+
+
+def test_peers_stream_disjoint_deterministic_shares(bengali):
+    url, name = bengali
+    run = init_run(Bucket(url), small_config("shares", data=name))
+    a, b = PairSource(run.bucket, name, "shares", 0, owner="a"), PairSource(run.bucket, name, "shares", 0, owner="b")
+    total = _all_pairs(a)
+    seen = {}
+    i = j = 0
+    while i + j < total:  # interleaved, as live peers would: one epoch in all
+        seen.setdefault(a.locate("a", i), []).append("a")
+        i += 1
+        if i % 3 == 0:
+            seen.setdefault(b.locate("b", j), []).append("b")
+            j += 1
+    assert all(len(v) == 1 for v in seen.values()), "a sample reached two peers, or one twice"
+    claimed = sorted(a.blocks("a") + b.blocks("b"))
+    assert claimed == list(range(len(claimed))), "blocks are claimed once each, lowest free first"
+    n_shards = len(a.train)
+    assert len(claimed) > n_shards and sorted(a._block(g)[1] for g in claimed[:n_shards]) == list(range(n_shards))
+    # anyone can replay a peer's samples from the claims in the bucket
+    replay = PairSource(Bucket(url), name, "shares", 0)
+    for k in (0, 5, i - 1):
+        ra, rb = replay.batch("a", k, 1), a.batch("a", k, 1)
+        assert all(np.array_equal(ra[key], rb[key]) for key in ra)
+    with pytest.raises(DataError, match="claimed blocks end"):
+        replay.locate("a", i + total)
+
+
+def test_samples_are_masked_pairs_and_heldout_is_apart(bengali):
+    url, name = bengali
+    run = init_run(Bucket(url), small_config("masks", data=name))
+    src = PairSource(run.bucket, name, "masks", 0, owner="p")
+    batch = src.batch("p", 0, 16)
+    ids, labels = batch["input_ids"], batch["labels"]
+    assert ids.shape == (16, 32) and set(batch) >= {"token_type_ids", "sentence_order_label", "attention_mask"}
+    assert (ids[:, 0] == CLS).all() and ((labels != -100).sum(1) >= 1).all()
+    assert ((labels == -100) | (labels >= 5)).all()  # specials and padding are never targets
+    assert (batch["token_type_ids"] * (1 - batch["attention_mask"])).sum() == 0
+    card = read_card(run.bucket, name)
+    assert card["splits"]["heldout"]["pairs"] > 0 and 0.35 < card["splits"]["train"]["swapped"] < 0.65
+    held = src.batch(HELDOUT, 0, 4)
+    assert held["input_ids"].shape == (4, 32)
+    assert not src.blocks(HELDOUT)  # the held-out split is read without claims
+
+
+def test_bad_data_is_a_clear_error(bengali, tmp_path):
+    url, name = bengali
+    b = Bucket(url)
+    with pytest.raises(DataError, match="sequence length 32"):
+        init_run(b, small_config("long", data=name, seq_len=64))
+    with pytest.raises(DataError, match="no data set 'nope'"):
+        init_run(b, small_config("none", data="nope"))
+    assert not b.exists("runs/long/run.json") and not b.exists("runs/none/run.json")
+    # a shard whose bytes changed is refused, not trained on
+    copy = Bucket(f"file://{tmp_path}/copy")
+    for key in b.find(f"data/{name}"):
+        copy.write_bytes(key, b.read_bytes(key))
+    shard0 = read_card(copy, name)["splits"]["train"]["shards"][0]["key"]
+    raw = bytearray(copy.read_bytes(shard0))
+    raw[len(raw) // 2] ^= 0xFF
+    copy.write_bytes(shard0, bytes(raw))
+    src = PairSource(copy, name, "x", 0, owner="p")
+    with pytest.raises(DataError, match="does not match its hash"):
+        for k in range(_all_pairs(src)):
+            src.sample("p", k)

@@ -10,8 +10,10 @@ ROUNDS  ?= 10
 WORKERS ?= 2
 PRESET  ?= tiny
 TARGET  ?= 128
+DATA    ?= bengali
+SEQ     ?= 128
 PREFECT_PORT ?= 4200
-export BUCKET RUN ROUNDS WORKERS PRESET TARGET PREFECT_PORT
+export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
 .PHONY: install corpus test pretrain worker eval status server stop clean
@@ -22,7 +24,7 @@ install: $(STAMP)
 # same version comes from PyPI.
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale,eval]'
 	touch $(STAMP)
 
 # The embedded Bengali corpus, extracted from registry packages (dedloc_pipeline/corpus.py).
@@ -35,7 +37,7 @@ test: install corpus
 	$(BIN)/python -m pytest -q -ra tests
 
 # A whole collaboration on this machine through the Prefect deployment (infra/local_pretrain.py).
-pretrain: install
+pretrain: install corpus
 	$(BIN)/python infra/local_pretrain.py
 
 # One volunteer worker: make worker BUCKET=s3://bucket/prefix RUN=name

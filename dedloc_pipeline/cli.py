@@ -206,6 +206,47 @@ def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
         _fail(exc)
 
 
+@app.command("eval")
+def eval_(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+          state: Optional[int] = typer.Option(None, help="committed state (default: the latest)"),
+          task: list[str] = typer.Option(["mlm-heldout", "ner", "news"], help="mlm-heldout | ner | news"),
+          source: str = typer.Option("offline", help="offline (the project's stand-in sets) | hub (WikiANN-bn, Soham)"),
+          corpus_dir: str = typer.Option(".dedloc/corpus", help="the offline corpus (`make corpus`)"),
+          epochs: int = typer.Option(20, help="most fine-tuning epochs (early stopping ends sooner)"),
+          verbose: bool = False):
+    """Score a committed state next to random init: held-out MLM loss, NER F1, news accuracy."""
+    _setup(verbose)
+    from . import evaluation
+    try:
+        r = _open(bucket, run, endpoint_url)
+        state = r.latest() if state is None else state
+        for name in task:
+            if name == "mlm-heldout":
+                res = evaluation.evaluate(r, state)
+                typer.echo(f"mlm-heldout ({res['dataset']}): loss {res['loss']:.4f} "
+                           f"(random init {res['random_init_loss']:.4f})")
+            else:
+                res = evaluation.finetune_eval(r, state, name, source, corpus_dir, epochs=epochs)
+                typer.echo(f"{name} ({res['source']}): test {res['metric']} {res['pretrained']['test']:.4f} "
+                           f"(random init {res['random_init']['test']:.4f})")
+    except _ERRORS as exc:
+        _fail(exc)
+
+
+@app.command()
+def export(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           out: str = typer.Option(..., help="folder for the Hugging Face model and tokenizer"),
+           state: Optional[int] = typer.Option(None, help="committed state (default: the latest)")):
+    """Write a committed state as a Hugging Face directory (AutoModelForMaskedLM.from_pretrained)."""
+    _setup(False)
+    from .export import export as export_state
+    try:
+        path = export_state(_open(bucket, run, endpoint_url), state, out)
+        typer.echo(f"exported to {path}")
+    except _ERRORS as exc:
+        _fail(exc)
+
+
 @app.command()
 def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            as_json: bool = typer.Option(False, "--json", help="one JSON object")):

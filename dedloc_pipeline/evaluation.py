@@ -45,3 +45,39 @@ def evaluate(run: Run, state: int | None = None, samples: int = 128) -> dict:
               "evaluated_at": time.time()}
     run.bucket.write_json(run.keys.eval(state, "mlm-heldout"), result)
     return result
+
+
+DOWNSTREAM = ("ner", "news")  # WikiANN-bn NER and Soham news classification, or their stand-ins
+
+
+def task_data(task: str, source: str = "offline", corpus_dir: str = ".dedloc/corpus"):
+    """The labelled set of ``task``: from the hub (the real benchmarks) or built offline."""
+    from . import downstream
+    _check(task, source)
+    if source == "hub":
+        return downstream.wikiann_bn() if task == "ner" else downstream.soham_bn()
+    return downstream.offline_ner() if task == "ner" else downstream.offline_news(corpus_dir)
+
+
+def _check(task: str, source: str) -> None:
+    if task not in DOWNSTREAM or source not in ("offline", "hub"):
+        raise ValueError(f"unknown task {task!r} from {source!r}: tasks {', '.join(DOWNSTREAM)}; "
+                         "sources offline, hub")
+
+
+def finetune_eval(run: Run, state: int | None, task: str, source: str = "offline",
+                  corpus_dir: str = ".dedloc/corpus", **finetune) -> dict:
+    """Fine-tune committed ``state`` on ``task`` next to random init; recorded under ``evals/``."""
+    from . import downstream
+    from .export import model_at, run_tokenizer
+    _check(task, source)
+    state = run.latest() if state is None else state
+    tok = run_tokenizer(run)
+    if tok is None:
+        raise ValueError(f"run {run.name!r} trains on synthetic data: it has no tokenizer for {task!r}")
+    model = model_at(run, state)
+    result = downstream.compare(task_data(task, source, corpus_dir), tok, model.config,
+                                model.albert.state_dict(), seed=run.config.seed, **finetune)
+    result.update(state=state, evaluated_at=time.time())
+    run.bucket.write_json(run.keys.eval(state, task), result)
+    return result

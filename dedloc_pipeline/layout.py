@@ -86,6 +86,10 @@ class RunLayout:
     def eval(self, r: int, task: str) -> str:
         return f"{self.root}/evals/{_r(r)}/{task}.json"
 
+    def export(self, r: int) -> str:
+        """State r as a Hugging Face model directory."""
+        return f"{self.root}/export/{_r(r)}"
+
     def claim(self, block: int) -> str:
         """Marker: one peer streams this block of the data set (its number counts across epochs)."""
         return f"{self.root}/claims/{block:08d}.json"

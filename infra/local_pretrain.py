@@ -3,7 +3,8 @@
 Starts (or reuses) the local Prefect server, serves the flows, runs ``tokenize``, triggers
 ``pretrain`` on the bucket, starts local volunteer workers, waits for the flow run, runs
 ``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C.
-Settings come from the environment (the Makefile's variables).
+Settings come from the environment (the Makefile's variables; MAX_DOCS caps the corpus and
+EVAL_EPOCHS the fine-tuning, for quick runs).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def main() -> int:
     bucket = env("BUCKET", f"file://{ROOT}/.dedloc/bucket")
     run, rounds, workers = env("RUN", "demo"), int(env("ROUNDS", "10")), int(env("WORKERS", "2"))
     preset, target = env("PRESET", "tiny"), int(env("TARGET", "128"))
+    data, seq_len = env("DATA", "bengali"), int(env("SEQ", "128"))
     port, home = int(env("PREFECT_PORT", "4200")), env("DEDLOC_PREFECT_HOME", str(ROOT / ".dedloc/prefect"))
     logs = Path(env("LOGS", str(ROOT / ".dedloc/logs")))
     logs.mkdir(parents=True, exist_ok=True)
@@ -79,15 +81,18 @@ def main() -> int:
             wait_for(f"deployment {name}", lambda n=name: asyncio.run(_deployment_exists(n)), 120, procs)
 
         from prefect.deployments import run_deployment
+        from dedloc_pipeline.model import PRESETS
         from dedloc_pipeline.run import Run
         from dedloc_pipeline.storage import Bucket
 
-        model_seq = 128
-        fr = run_deployment("tokenize/local", parameters={"bucket": bucket, "seq_len": model_seq},
-                            timeout=600, poll_interval=1, as_subflow=False)
+        print(f"tokenize: data set {data!r} (tokenizer, sentence-order pairs of {seq_len} tokens)", flush=True)
+        fr = run_deployment("tokenize/local", parameters={
+            "bucket": bucket, "data": data, "vocab_size": PRESETS[preset]["vocab_size"], "seq_len": seq_len,
+            "corpus_dir": str(ROOT / ".dedloc/corpus"), "max_documents": int(env("MAX_DOCS", "0")) or None},
+            timeout=1800, poll_interval=1, as_subflow=False)
         if not fr.state.is_completed():
             raise RuntimeError(f"tokenize flow ended {fr.state.name}")
-        config = {"preset": preset, "target_batch_size": target}
+        config = {"preset": preset, "target_batch_size": target, "data": data, "seq_len": seq_len}
         fr = run_deployment("pretrain/local", parameters={"bucket": bucket, "run": run, "rounds": rounds,
                                                           "config": config},
                             timeout=0, as_subflow=False)
@@ -116,11 +121,17 @@ def main() -> int:
             time.sleep(2)
         if not state.is_completed():
             raise RuntimeError(f"pretrain flow run ended {state.name}; see the Prefect UI")
-        ev = run_deployment("evaluate/local", parameters={"bucket": bucket, "run": run},
-                            timeout=900, poll_interval=1, as_subflow=False)
+        print(f"evaluate: held-out MLM loss and fine-tuning at state {rounds}, each next to random init",
+              flush=True)
+        ev = run_deployment("evaluate/local", parameters={"bucket": bucket, "run": run,
+                                                          "corpus_dir": str(ROOT / ".dedloc/corpus"),
+                                                          "epochs": int(env("EVAL_EPOCHS", "20"))},
+                            timeout=3600, poll_interval=1, as_subflow=False)
         if not ev.state.is_completed():
             raise RuntimeError(f"evaluate flow ended {ev.state.name}")
-        result = b.read_json(f"runs/{run}/evals/{rounds:08d}/mlm-heldout.json")
+        evals = {name[:-5]: b.read_json(f"runs/{run}/evals/{rounds:08d}/{name}")
+                 for name in b.list(f"runs/{run}/evals/{rounds:08d}")}
+        result = evals["mlm-heldout"]
         hist = [r.commit_of(s) for s in range(1, r.latest() + 1)]
         samples = sum(h["samples"] for h in hist)
         peers = sorted({p for h in hist for p in h["contributors"]})
@@ -129,12 +140,18 @@ def main() -> int:
             f"  training loss: {hist[0]['loss']:.4f} (round 0) -> {hist[-1]['loss']:.4f} (round {len(hist) - 1})",
             f"  held-out MLM loss at state {result['state']}: {result['loss']:.4f} "
             f"(random init {result['random_init_loss']:.4f})",
+            *[f"  {t} ({e['source']}): test {e['metric']} {e['pretrained']['test']:.4f} "
+              f"(random init {e['random_init']['test']:.4f})" for t, e in sorted(evals.items()) if "pretrained" in e],
             f"  bucket: {bucket}/runs/{run}   evaluation: {bucket}/runs/{run}/evals/",
             f"  Prefect UI: http://127.0.0.1:{port} (flow runs, round tables, progress) "
             + ("is still up: `make stop` ends it" if not started_server or env("KEEP_SERVER", "0") == "1"
                else "closes now; KEEP_SERVER=1 keeps it up")]))
         print(json.dumps({"rounds": len(hist), "samples": samples, "first_loss": hist[0]["loss"],
-                          "last_loss": hist[-1]["loss"], "eval": result}), file=open(logs / "summary.json", "w"))
+                          "last_loss": hist[-1]["loss"], "eval": result,
+                          "downstream": {t: {"source": e["source"], "metric": e["metric"],
+                                             "pretrained": e["pretrained"]["test"],
+                                             "random_init": e["random_init"]["test"]}
+                                         for t, e in evals.items() if "pretrained" in e}}), file=open(logs / "summary.json", "w"))
         return 0
     except KeyboardInterrupt:
         print("\ninterrupted: stopping workers and the deployment", file=sys.stderr)

@@ -225,3 +225,26 @@ def test_unreachable_bucket(tmp_path):
     assert "Traceback" not in proc.stderr
     assert str(port) in errors[0] or "nowhere-bucket" in errors[0], errors[0]
     assert took < 120, f"gave up only after {took:.0f}s"
+
+
+def test_init_on_a_data_set_then_eval_and_export(bengali, tmp_path):
+    url, name = bengali
+    res = cli("init", "--bucket", url, "--run", "cli-bn", "--data", name, "--seq-len", "32")
+    assert res.exit_code == 0, res.output
+    assert Run(Bucket(url), "cli-bn").config.data == name
+    bad = cli("init", "--bucket", url, "--run", "cli-bad", "--data", name)  # tiny's default sequence is 128
+    assert bad.exit_code == 2 and "error:" in bad.output and "sequence length 32" in bad.output
+    res = cli("eval", "--bucket", url, "--run", "cli-bn", "--task", "mlm-heldout")
+    assert res.exit_code == 0, res.output
+    assert "mlm-heldout (bn-test held-out split): loss" in res.output and "random init" in res.output
+    res = cli("export", "--bucket", url, "--run", "cli-bn", "--out", str(tmp_path / "hf"))
+    assert res.exit_code == 0 and (tmp_path / "hf" / "tokenizer.json").exists(), res.output
+
+
+def test_eval_of_a_synthetic_run_says_what_is_missing(tmp_path):
+    url = f"file://{tmp_path}/b"
+    init_run(Bucket(url), small_config("syn"))
+    res = cli("eval", "--bucket", url, "--run", "syn", "--task", "ner")
+    assert res.exit_code == 2 and "no tokenizer" in res.output
+    res = cli("eval", "--bucket", url, "--run", "syn", "--task", "sentiment")
+    assert res.exit_code == 2 and "unknown task" in res.output

@@ -103,3 +103,23 @@ def test_bad_data_is_a_clear_error(bengali, tmp_path):
     with pytest.raises(DataError, match="does not match its hash"):
         for k in range(_all_pairs(src)):
             src.sample("p", k)
+
+
+def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
+    from dedloc_pipeline.evaluation import heldout_scores
+
+    from .protocol_driver import collaborate
+
+    url, name = bengali
+    run = init_run(Bucket(url), small_config("learn", data=name, codec="int8", optimizer={"lr": 3e-3}))
+    collaborate(run, [("a", 4), ("b", 3)], rounds=6)
+    before, sop0 = heldout_scores(run, run.load_params(0), 64)
+    after, sop6 = heldout_scores(run, run.load_params(6), 64)
+    assert after < before - 1.0, (before, after)
+    assert sop0 is not None and sop6 is not None  # sentence order is trained and scored too
+    closes = [run.bucket.read_json(run.keys.close(r)) for r in range(6)]
+    used = {(s["peer"], i) for c in closes for s in c["accepted"] for a, n in s["data"]["ranges"]
+            for i in range(a, a + n)}
+    src = PairSource(run.bucket, name, "learn", 0)
+    located = [src.locate(p, i) for p, i in used]
+    assert len(set(located)) == len(located)  # no pair was trained on twice

@@ -103,7 +103,7 @@ def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
     port = _free_port()
     env = dict(os.environ, BUCKET=f"file://{tmp_path}/bucket", RUN="ci", ROUNDS="2", WORKERS="2",
                TARGET="32", PREFECT_PORT=str(port), DEDLOC_PREFECT_HOME=str(tmp_path / "prefect"),
-               LOGS=str(tmp_path / "logs"), PREFECT_UI="0")
+               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", SEQ="64", MAX_DOCS="300", EVAL_EPOCHS="1")
     res = subprocess.run(["make", "--no-print-directory", "pretrain"], cwd=ROOT, env=env, text=True,
                          capture_output=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -115,4 +115,7 @@ def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
     assert summary["first_loss"] == run.commit_of(1)["loss"] and summary["last_loss"] == run.commit_of(2)["loss"]
     assert summary["eval"]["loss"] < summary["eval"]["random_init_loss"]
     assert "run ci: 2 rounds" in res.stdout and "held-out MLM loss at state 2" in res.stdout
+    assert set(summary["downstream"]) == {"ner", "news"}  # both fine-tuning numbers, with their baselines
+    assert all(0 <= v[k] <= 1 for v in summary["downstream"].values() for k in ("pretrained", "random_init"))
+    assert "ner (offline stand-in" in res.stdout and "news (offline stand-in" in res.stdout
     assert not prefect_local.healthy(port)  # it shut the server down

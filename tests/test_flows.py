@@ -14,7 +14,7 @@ from dedloc_pipeline.scheduler import Scheduler
 from dedloc_pipeline.storage import Bucket
 from dedloc_pipeline.worker import Worker
 
-from .conftest import SMALL
+from .conftest import CORPUS, SMALL
 
 CONFIG = dict(SMALL, target_batch_size=24, micro_batch=4, codec="int8", peer_timeout_s=30.0)
 
@@ -109,20 +109,47 @@ def test_stop_marker_ends_the_flow(harness, tmp_path):
     assert out["stopped_by"] == "STOP marker" and out["state"] == 0
 
 
-def test_tokenize_and_evaluate_flows(harness, tmp_path):
+def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
+    """The organizer's path on the offline corpus: tokenizer and shards, rounds, then held-out MLM
+    loss and both fine-tuning tasks, each next to random init."""
     from flows.evaluation import evaluate
     from flows.pretraining import pretrain
     from flows.tokenization import tokenize
     url = f"file://{tmp_path}/bucket"
-    key = tokenize(bucket=url, seq_len=32)
-    card = Bucket(url).read_json(key)
-    assert card["name"] == "synthetic" and len(card["preview_input_ids"]) == 3
+    card = tokenize(bucket=url, data="bn", vocab_size=2000, seq_len=32, max_documents=300, corpus_dir=CORPUS)
+    assert card["vocab_size"] == 2000 and card["splits"]["train"]["pairs"] > 300
+    assert card["sources"]["shobdo.txt"]["license"] == "Apache-2.0"
+    again = tokenize(bucket=url, data="bn", vocab_size=2000, seq_len=32, max_documents=300, corpus_dir=CORPUS)
+    assert again["created_at"] == card["created_at"]  # same recipe: kept, not remade
     with Volunteers(url, "ev", ["a", "b"], until=4):
-        pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, optimizer={"lr": 5e-3}), poll_s=0.2)
-    res = evaluate(bucket=url, run="ev", samples=32)
-    assert res["state"] == 4 and res["loss"] < res["random_init_loss"] - 0.1
-    assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == res["loss"]
+        pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, data="bn", optimizer={"lr": 5e-3}), poll_s=0.2)
+    res = evaluate(bucket=url, run="ev", samples=32, corpus_dir=CORPUS, epochs=1)
+    mlm = res["mlm-heldout"]
+    assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"] - 0.1
+    assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == mlm["loss"]
+    assert res["ner"]["metric"] == "f1" and res["news"]["metric"] == "accuracy"
+    assert "stand-in" in res["ner"]["source"] and "stand-in" in res["news"]["source"]
+    for name in ("ner", "news"):
+        for side in ("pretrained", "random_init"):
+            assert 0.0 <= res[name][side]["test"] <= 1.0
+        assert Bucket(url).read_json(f"runs/ev/evals/00000004/{name}.json")["pretrained"]["test"] == \
+            res[name]["pretrained"]["test"]
     assert _artifacts("ev-eval")
+
+
+def test_evaluate_synthetic_run_scores_heldout_only(harness, tmp_path):
+    from flows.evaluation import evaluate
+    from flows.tokenization import tokenize
+    from dedloc_pipeline.config import RunConfig
+    from dedloc_pipeline.run import init_run
+    url = f"file://{tmp_path}/bucket"
+    card = tokenize(bucket=url, data="synthetic", seq_len=32)
+    assert card["name"] == "synthetic" and len(card["preview_input_ids"]) == 3
+    init_run(Bucket(url), RunConfig(run="syn", **CONFIG))
+    res = evaluate(bucket=url, run="syn", samples=16)
+    assert set(res) == {"state", "mlm-heldout"} and res["mlm-heldout"]["sop_accuracy"] is None
+    with pytest.raises(ValueError, match="no tokenizer"):
+        evaluate(bucket=url, run="syn", samples=16, tasks=["ner"])
 
 
 @pytest.mark.timeout(300)

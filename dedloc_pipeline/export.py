@@ -1,0 +1,62 @@
+"""A committed state as a Hugging Face model directory: weights, config and the run's tokenizer.
+
+The directory loads with ``AutoModelForMaskedLM.from_pretrained`` (the sentence-order head is
+left out) or ``AlbertForPreTraining.from_pretrained`` (both heads), so the result of a volunteer
+run is used like any checkpoint on the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from . import tokenizer
+from .data import SYNTHETIC
+from .layout import DataLayout
+from .model import FlatLayout
+from .run import Run
+
+
+def model_at(run: Run, state: int):
+    """The run's model with the parameters of committed ``state`` (checked against its COMMIT)."""
+    model = run.build_model()
+    FlatLayout(model).set(run.load_params(state))
+    model.eval()
+    return model
+
+
+def run_tokenizer(run: Run):
+    """The tokenizer the run's data set was made with (None for synthetic data)."""
+    if run.config.data == SYNTHETIC:
+        return None
+    return tokenizer.load(run.bucket, DataLayout(run.config.data).tokenizer)
+
+
+def export(run: Run, state: int | None, dest: str | os.PathLike) -> Path:
+    """Write state ``state`` (default: the latest) to folder ``dest``; returns the folder."""
+    state = run.latest() if state is None else state
+    dest = Path(dest)
+    model_at(run, state).save_pretrained(dest)
+    tok = run_tokenizer(run)
+    if tok is not None:
+        tok.model_max_length = run.seq_len
+        tok.save_pretrained(dest)
+    commit = run.commit_of(state)
+    (dest / "dedloc.json").write_text(json.dumps({
+        "run": run.name, "state": state, "samples_seen": sum(run.commit_of(s)["samples"] for s in range(1, state + 1)),
+        "loss": commit.get("loss"), "data": run.config.data, "preset": run.config.preset,
+        "params_checksums": commit["checksums"]["params"]}, indent=1))
+    return dest
+
+
+def export_to_bucket(run: Run, state: int | None = None) -> str:
+    """Export into the run's ``export/{state}/`` prefix, where anyone with read access finds it."""
+    state = run.latest() if state is None else state
+    prefix = run.keys.export(state)
+    with tempfile.TemporaryDirectory() as d:
+        export(run, state, d)
+        for name in sorted(os.listdir(d)):
+            run.bucket.write_bytes(f"{prefix}/{name}", Path(d, name).read_bytes())
+    return prefix

@@ -145,13 +145,13 @@ def offline_news(corpus_dir, seed: int = 0, n_labels: int = 6,
         if module in labels:
             modules_of[text].add(module)
     rng = random.Random(seed)
+    n_train, n_val, n_test = per_label
     splits = [[], [], []]
     for label in labels:
         texts = sorted(t for t, mods in modules_of.items() if mods == {label})
         rng.shuffle(texts)
-        n_train, n_val, n_test = per_label
-        for split, chunk in zip(splits, (texts[n_test + n_val:][:n_train], texts[n_test:n_test + n_val],
-                                         texts[:n_test])):
+        cuts = (texts[n_test + n_val:][:n_train], texts[n_test:n_test + n_val], texts[:n_test])
+        for split, chunk in zip(splits, cuts):
             split += [(t, label) for t in chunk]
     for split in splits:
         rng.shuffle(split)
@@ -182,36 +182,38 @@ def _encode(task: TaskData, tokenizer, examples, seq_len: int) -> list[tuple]:
 
 
 def _batch(items: list[tuple], pad_id: int, ner: bool):
+    """Padded to the longest item of the batch, not to seq_len: most sentences are far shorter."""
     width = max(len(ids) for ids, _, _ in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(items), width), dtype=torch.long)
-    labels = torch.full((len(items), width), IGNORE, dtype=torch.long) if ner else torch.zeros(len(items), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, IGNORE) if ner else torch.tensor([y for _, y, _ in items])
     for i, (x, y, _) in enumerate(items):
         ids[i, :len(x)], mask[i, :len(x)] = torch.tensor(x), 1
         if ner:
             labels[i, :len(x)] = torch.tensor(y)
-        else:
-            labels[i] = y
     return ids, mask, labels
 
 
 @torch.no_grad()
-def _evaluate(model, task: TaskData, encoded, examples, batch_size: int, pad_id: int) -> dict[str, float]:
-    """NER: seqeval span scores over whole words; a word without a first sub-token (cut off) counts as O."""
+def evaluate(model, task: TaskData, tokenizer: PreTrainedTokenizerFast, examples: list, *, seq_len: int = 128,
+             batch_size: int = 32) -> dict[str, float]:
+    """NER: seqeval span scores over whole words; a word left without a sub-token (cut off by
+    truncation) is predicted O, so its gold entity still counts against recall."""
+    encoded, ner = _encode(task, tokenizer, examples, seq_len), task.kind == "ner"
     model.eval()
     preds = []
     for i in range(0, len(encoded), batch_size):
-        ids, mask, _ = _batch(encoded[i:i + batch_size], pad_id, task.kind == "ner")
+        ids, mask, _ = _batch(encoded[i:i + batch_size], tokenizer.pad_token_id, ner)
         preds += model(input_ids=ids, attention_mask=mask).logits.argmax(-1).tolist()
-    if task.kind == "classification":
+    if not ner:
         return {"accuracy": sum(p == y for p, (_, y, _) in zip(preds, encoded)) / len(encoded)}
     gold = [tags for _, tags in examples]
     pred = [["O"] * len(tags) for tags in gold]
     for tags, p, (_, _, heads) in zip(pred, preds, encoded):
         for word, pos in heads.items():
             tags[word] = task.labels[p[pos]]
-    return {"f1": f1_score(gold, pred, zero_division=0), "precision": precision_score(gold, pred, zero_division=0),
-            "recall": recall_score(gold, pred, zero_division=0)}
+    return {name: float(score(gold, pred, zero_division=0))
+            for name, score in (("f1", f1_score), ("precision", precision_score), ("recall", recall_score))}
 
 
 def build_model(task: TaskData, config: AlbertConfig, encoder: dict[str, torch.Tensor] | None):
@@ -245,11 +247,12 @@ def finetune(task: TaskData, tokenizer: PreTrainedTokenizerFast, config: AlbertC
     model = build_model(task, config, encoder)
     train = task.train if max_train is None or max_train >= len(task.train) else rng.sample(task.train, max_train)
     pad, ner = tokenizer.pad_token_id, task.kind == "ner"
-    train_enc, val_enc, test_enc = (_encode(task, tokenizer, x, seq_len) for x in (train, task.validation, task.test))
+    train_enc = _encode(task, tokenizer, train, seq_len)
     metric = "f1" if ner else "accuracy"
-    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and "LayerNorm" not in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim > 1 and "LayerNorm" not in n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}], lr=lr)
+    score = lambda examples: evaluate(model, task, tokenizer, examples, seq_len=seq_len, batch_size=batch_size)
+    decays = {n: p.ndim > 1 and "LayerNorm" not in n for n, p in model.named_parameters()}  # not biases, norms
+    opt = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if decays[n] == d],
+                              "weight_decay": weight_decay if d else 0.0} for d in (True, False)], lr=lr)
     steps = epochs * math.ceil(len(train_enc) / batch_size)
     schedule = get_linear_schedule_with_warmup(opt, int(warmup * steps), steps)
     best, best_epoch, best_state, history = -1.0, 0, None, []
@@ -264,13 +267,13 @@ def finetune(task: TaskData, tokenizer: PreTrainedTokenizerFast, config: AlbertC
             opt.step()
             schedule.step()
             opt.zero_grad()
-        history.append(_evaluate(model, task, val_enc, task.validation, batch_size, pad)[metric])
+        history.append(score(task.validation)[metric])
         if history[-1] > best:
             best, best_epoch, best_state = history[-1], epoch, copy.deepcopy(model.state_dict())
         elif epoch - best_epoch >= patience:
             break
     model.load_state_dict(best_state)
-    scores = _evaluate(model, task, test_enc, task.test, batch_size, pad)
+    scores = score(task.test)
     return {"task": task.name, "source": task.source, "metric": metric, "test": scores[metric], "validation": best,
             "test_scores": scores, "validation_history": history, "epochs_run": len(history),
             "best_epoch": best_epoch, "train_examples": len(train_enc)}

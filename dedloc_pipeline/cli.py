@@ -213,6 +213,7 @@ def eval_(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str
           source: str = typer.Option("offline", help="offline (the project's stand-in sets) | hub (WikiANN-bn, Soham)"),
           corpus_dir: str = typer.Option(".dedloc/corpus", help="the offline corpus (`make corpus`)"),
           epochs: int = typer.Option(20, help="most fine-tuning epochs (early stopping ends sooner)"),
+          max_train: Optional[int] = typer.Option(None, help="fine-tune on at most N training examples"),
           verbose: bool = False):
     """Score a committed state next to random init: held-out MLM loss, NER F1, news accuracy."""
     _setup(verbose)
@@ -226,7 +227,8 @@ def eval_(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str
                 typer.echo(f"mlm-heldout ({res['dataset']}): loss {res['loss']:.4f} "
                            f"(random init {res['random_init_loss']:.4f})")
             else:
-                res = evaluation.finetune_eval(r, state, name, source, corpus_dir, epochs=epochs)
+                res = evaluation.finetune_eval(r, state, name, source, corpus_dir, epochs=epochs,
+                                               max_train=max_train)
                 typer.echo(f"{name} ({res['source']}): test {res['metric']} {res['pretrained']['test']:.4f} "
                            f"(random init {res['random_init']['test']:.4f})")
     except _ERRORS as exc:

@@ -26,10 +26,10 @@ def heldout_scores(run: Run, params, samples: int, micro_batch: int = 16) -> tup
     with torch.no_grad():
         for start in range(0, samples, micro_batch):
             batch = source.batch(HELDOUT, start, min(micro_batch, samples - start))
-            losses, sop, out = pretraining_losses(model, batch)
+            losses, sop, sop_logits = pretraining_losses(model, batch)
             mlm += float(losses.sum())
             if sop is not None:
-                right += int((out.sop_logits.argmax(-1) == batch["sentence_order_label"]).sum())
+                right += int((sop_logits.argmax(-1) == batch["sentence_order_label"]).sum())
                 pairs += len(sop)
     return mlm / samples, (right / pairs if pairs else None)
 

@@ -17,8 +17,8 @@ def heldout_mlm(bucket: str, run: str, state: int | None, samples: int) -> dict:
 
 
 @task
-def finetune(bucket: str, run: str, state: int, name: str, source: str, corpus_dir: str, epochs: int) -> dict:
-    return evaluation.finetune_eval(open_run(bucket, run), state, name, source, corpus_dir, epochs=epochs)
+def finetune(bucket: str, run: str, state: int, name: str, source: str, corpus_dir: str, options: dict) -> dict:
+    return evaluation.finetune_eval(open_run(bucket, run), state, name, source, corpus_dir, **options)
 
 
 def _row(res: dict) -> tuple[str, str, str, float, float]:
@@ -30,17 +30,18 @@ def _row(res: dict) -> tuple[str, str, str, float, float]:
 @flow(name="evaluate", log_prints=True)
 def evaluate(bucket: str = ".dedloc/bucket", run: str = "demo", round: int | None = None,
              samples: int = 128, tasks: list[str] | None = None, source: str = "offline",
-             corpus_dir: str = ".dedloc/corpus", epochs: int = 20) -> dict:
+             corpus_dir: str = ".dedloc/corpus", finetune_options: dict | None = None) -> dict:
     """Score state ``round`` (default: the latest committed): held-out MLM loss, and fine-tuning on
     ``tasks`` (default: NER and news classification when the run trains on text). ``source``
-    offline uses the project's stand-in sets; hub the real WikiANN-bn and Soham news."""
+    offline uses the project's stand-in sets; hub the real WikiANN-bn and Soham news.
+    ``finetune_options`` go to ``downstream.finetune`` (epochs, lr, max_train, seq_len, ...)."""
     rn = open_run(bucket, run)
     state = rn.latest() if round is None else round
     if tasks is None:
         tasks = [] if rn.config.data == SYNTHETIC else list(evaluation.DOWNSTREAM)
     results = {"mlm-heldout": heldout_mlm(bucket, run, state, samples)}
     for name in tasks:  # one after another: each fine-tuning already uses every core
-        results[name] = finetune(bucket, run, state, name, source, corpus_dir, epochs)
+        results[name] = finetune(bucket, run, state, name, source, corpus_dir, finetune_options or {})
     rows = [_row(r) for r in results.values()]
     create_markdown_artifact(key=artifact_key(run, "eval"), description=f"evaluation of run {run}", markdown=(
         f"State {state} of run {run}\n\n| task | data | metric | pretrained | random init |\n|---|---|---|---|---|\n"

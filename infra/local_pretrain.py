@@ -3,8 +3,8 @@
 Starts (or reuses) the local Prefect server, serves the flows, runs ``tokenize``, triggers
 ``pretrain`` on the bucket, starts local volunteer workers, waits for the flow run, runs
 ``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C.
-Settings come from the environment (the Makefile's variables; MAX_DOCS caps the corpus and
-EVAL_EPOCHS the fine-tuning, for quick runs).
+Settings come from the environment (the Makefile's variables; MAX_DOCS caps the corpus,
+EVAL_EPOCHS and EVAL_TRAIN the fine-tuning, for quick runs).
 """
 
 from __future__ import annotations
@@ -57,6 +57,14 @@ async def _state(flow_run_id):
     from prefect.client.orchestration import get_client
     async with get_client() as c:
         return (await c.read_flow_run(flow_run_id)).state
+
+
+def _finetune_options() -> dict:
+    """EVAL_EPOCHS and EVAL_TRAIN (training examples per task) shorten the fine-tuning."""
+    opts = {"epochs": int(env("EVAL_EPOCHS", "20"))}
+    if env("EVAL_TRAIN", ""):
+        opts["max_train"] = int(env("EVAL_TRAIN", ""))
+    return opts
 
 
 def main() -> int:
@@ -125,7 +133,7 @@ def main() -> int:
               flush=True)
         ev = run_deployment("evaluate/local", parameters={"bucket": bucket, "run": run,
                                                           "corpus_dir": str(ROOT / ".dedloc/corpus"),
-                                                          "epochs": int(env("EVAL_EPOCHS", "20"))},
+                                                          "finetune_options": _finetune_options()},
                             timeout=3600, poll_interval=1, as_subflow=False)
         if not ev.state.is_completed():
             raise RuntimeError(f"evaluate flow ended {ev.state.name}")

@@ -103,7 +103,8 @@ def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
     port = _free_port()
     env = dict(os.environ, BUCKET=f"file://{tmp_path}/bucket", RUN="ci", ROUNDS="2", WORKERS="2",
                TARGET="32", PREFECT_PORT=str(port), DEDLOC_PREFECT_HOME=str(tmp_path / "prefect"),
-               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", SEQ="64", MAX_DOCS="300", EVAL_EPOCHS="1")
+               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", SEQ="64", MAX_DOCS="300", EVAL_EPOCHS="1",
+               EVAL_TRAIN="48")
     res = subprocess.run(["make", "--no-print-directory", "pretrain"], cwd=ROOT, env=env, text=True,
                          capture_output=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -123,7 +123,8 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     assert again["created_at"] == card["created_at"]  # same recipe: kept, not remade
     with Volunteers(url, "ev", ["a", "b"], until=4):
         pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, data="bn", optimizer={"lr": 5e-3}), poll_s=0.2)
-    res = evaluate(bucket=url, run="ev", samples=32, corpus_dir=CORPUS, epochs=1)
+    res = evaluate(bucket=url, run="ev", samples=32, corpus_dir=CORPUS,
+                   finetune_options={"epochs": 1, "max_train": 48, "seq_len": 64})
     mlm = res["mlm-heldout"]
     assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"] - 0.1
     assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == mlm["loss"]

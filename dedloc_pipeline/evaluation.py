@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .data import HELDOUT, make_source
+from .data import HELDOUT, SYNTHETIC, make_source, read_card
 from .model import FlatLayout, pretraining_losses
 from .run import Run
 
@@ -42,6 +42,8 @@ def evaluate(run: Run, state: int | None = None, samples: int = 128) -> dict:
     result = {"state": state, "task": "mlm-heldout", "dataset": f"{run.config.data} held-out split",
               "samples": samples, "loss": loss, "perplexity": math.exp(min(loss, 50)),
               "random_init_loss": baseline, "sop_accuracy": sop, "random_init_sop_accuracy": sop0,
+              "unigram_entropy": None if run.config.data == SYNTHETIC
+              else read_card(run.bucket, run.config.data).get("unigram_entropy"),
               "evaluated_at": time.time()}
     run.bucket.write_json(run.keys.eval(state, "mlm-heldout"), result)
     return result

@@ -80,7 +80,8 @@ def write_dataset(bucket: Bucket, name: str, tokenizer, docs: list[list[str]], s
     """Tokenize ``docs``, pack sentence-order pairs, write shards under ``data/{name}/``, card last.
 
     Documents are shuffled (seeded) and a ``heldout_fraction`` of them set aside for evaluation, so
-    no held-out sentence ever reaches a training pair.
+    no held-out sentence ever reaches a training pair. The card records the training tokens'
+    unigram entropy: a masked-LM loss above it means the model does not yet use the context.
     """
     keys, rng = DataLayout(name), np.random.default_rng([seed, 7])
     order = rng.permutation(len(docs))
@@ -102,6 +103,10 @@ def write_dataset(bucket: Bucket, name: str, tokenizer, docs: list[list[str]], s
             bucket.write_bytes(keys.shard(split, len(shards)), data)
             shards.append({"key": keys.shard(split, len(shards)), "pairs": len(arrays["length"]),
                            "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()})
+        if split == "train":
+            counts = np.bincount([t for a, b, _ in pairs for t in a + b], minlength=len(tokenizer))
+            p = counts[counts > 0] / counts.sum()
+            card["unigram_entropy"] = float(-(p * np.log(p)).sum())
         card["splits"][split] = {"pairs": len(pairs), "tokens": int(sum(len(a) + len(b) + 3 for a, b, _ in pairs)),
                                  "swapped": float(np.mean([y for *_, y in pairs])), "shards": shards}
     first = pack(pairs[:2], seq_len)  # a preview of the last split's pairs, for people reading the bucket

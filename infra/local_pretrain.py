@@ -147,7 +147,9 @@ def main() -> int:
             "", f"run {run}: {len(hist)} rounds, {samples} samples from {len(peers)} peers ({', '.join(peers)})",
             f"  training loss: {hist[0]['loss']:.4f} (round 0) -> {hist[-1]['loss']:.4f} (round {len(hist) - 1})",
             f"  held-out MLM loss at state {result['state']}: {result['loss']:.4f} "
-            f"(random init {result['random_init_loss']:.4f})",
+            f"(random init {result['random_init_loss']:.4f}"
+            + (f"; unigram entropy {result['unigram_entropy']:.4f}: below it the model uses context)"
+               if result.get("unigram_entropy") else ")"),
             *[f"  {t} ({e['source']}): test {e['metric']} {e['pretrained']['test']:.4f} "
               f"(random init {e['random_init']['test']:.4f})" for t, e in sorted(evals.items()) if "pretrained" in e],
             f"  bucket: {bucket}/runs/{run}   evaluation: {bucket}/runs/{run}/evals/",

@@ -78,6 +78,7 @@ def test_samples_are_masked_pairs_and_heldout_is_apart(bengali):
     assert (batch["token_type_ids"] * (1 - batch["attention_mask"])).sum() == 0
     card = read_card(run.bucket, name)
     assert card["splits"]["heldout"]["pairs"] > 0 and 0.35 < card["splits"]["train"]["swapped"] < 0.65
+    assert 3.0 < card["unigram_entropy"] < np.log(card["vocab_size"])
     held = src.batch(HELDOUT, 0, 4)
     assert held["input_ids"].shape == (4, 32)
     assert not src.blocks(HELDOUT)  # the held-out split is read without claims

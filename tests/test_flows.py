@@ -111,7 +111,17 @@ def test_stop_marker_ends_the_flow(harness, tmp_path):
 
 def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     """The organizer's path on the offline corpus: tokenizer and shards, rounds, then held-out MLM
-    loss and both fine-tuning tasks, each next to random init."""
+    loss and both fine-tuning tasks, each next to random init.
+
+    Why no test asserts that pretraining beats random init downstream: a CPU-sized run does not
+    get there. Measured on this machine (2 cores): tiny, one process, 300 steps of 32 pairs at
+    sequence 128 (9,600 pairs, half an epoch, ~10 min) ends at MLM loss ~6.9, the training tokens'
+    unigram entropy (6.88 nats; the card records it): the encoder still ignores the context, and
+    fine-tuning from it scored below random init (news accuracy 0.17 vs 0.37-0.58, NER F1 0.09 vs
+    0.23). What would: pretraining until the held-out MLM loss falls clearly below the unigram
+    entropy (the evaluate flow reports both), i.e. thousands of steps: a GPU volunteer, or hours of
+    CPU. The checks here are that the path runs end to end and the numbers are what was measured.
+    """
     from flows.evaluation import evaluate
     from flows.pretraining import pretrain
     from flows.tokenization import tokenize
@@ -127,6 +137,7 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
                    finetune_options={"epochs": 1, "max_train": 48, "seq_len": 64})
     mlm = res["mlm-heldout"]
     assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"] - 0.1
+    assert mlm["unigram_entropy"] == Bucket(url).read_json("data/bn/DATA.json")["unigram_entropy"]
     assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == mlm["loss"]
     assert res["ner"]["metric"] == "f1" and res["news"]["metric"] == "accuracy"
     assert "stand-in" in res["ner"]["source"] and "stand-in" in res["news"]["source"]

@@ -17,6 +17,7 @@ import functools
 import hashlib
 import io
 import json
+import re
 import time
 
 import numpy as np
@@ -28,6 +29,7 @@ from .storage import Bucket
 
 SYNTHETIC = "synthetic"
 HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it
+_CLAIM = re.compile(r"\d{8}\.json")  # anything else under claims/ is not a claim
 
 
 class DataError(RuntimeError):
@@ -108,7 +110,7 @@ class PairSource:
         return epoch, int(np.random.default_rng([self.seed, epoch]).permutation(len(self.train))[k])
 
     def _refresh(self) -> None:
-        names = [n for n in self.bucket.list(self.keys.claims_dir) if n.endswith(".json")]
+        names = [n for n in self.bucket.list(self.keys.claims_dir) if _CLAIM.fullmatch(n)]
         new = [f"{self.keys.claims_dir}/{n}" for n in names if int(n[:-5]) not in self._claims]
         for key, raw in self.bucket.read_many(new).items():
             if raw is not None:

@@ -61,7 +61,7 @@ async def _state(flow_run_id):
 
 def _finetune_options() -> dict:
     """EVAL_EPOCHS and EVAL_TRAIN (training examples per task) shorten the fine-tuning."""
-    opts = {"epochs": int(env("EVAL_EPOCHS", "20"))}
+    opts = {"epochs": int(env("EVAL_EPOCHS", "10"))}
     if env("EVAL_TRAIN", ""):
         opts["max_train"] = int(env("EVAL_TRAIN", ""))
     return opts

@@ -69,8 +69,11 @@ def test_peers_stream_disjoint_deterministic_shares(bengali):
 def test_samples_are_masked_pairs_and_heldout_is_apart(bengali):
     url, name = bengali
     run = init_run(Bucket(url), small_config("masks", data=name))
+    run.bucket.write_bytes("runs/masks/claims/notes.txt", b"not a claim")
+    run.bucket.write_bytes("runs/masks/claims/00000000.json", b"{torn")  # a malformed claim keeps its block
     src = PairSource(run.bucket, name, "masks", 0, owner="p")
     batch = src.batch("p", 0, 16)
+    assert src.blocks("p") == [1]
     ids, labels = batch["input_ids"], batch["labels"]
     assert ids.shape == (16, 32) and set(batch) >= {"token_type_ids", "sentence_order_label", "attention_mask"}
     assert (ids[:, 0] == CLS).all() and ((labels != -100).sum(1) >= 1).all()

@@ -116,11 +116,13 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     Why no test asserts that pretraining beats random init downstream: a CPU-sized run does not
     get there. Measured on this machine (2 cores): tiny, one process, 300 steps of 32 pairs at
     sequence 128 (9,600 pairs, half an epoch, ~10 min) ends at MLM loss ~6.9, the training tokens'
-    unigram entropy (6.88 nats; the card records it): the encoder still ignores the context, and
-    fine-tuning from it scored below random init (news accuracy 0.17 vs 0.37-0.58, NER F1 0.09 vs
-    0.23). What would: pretraining until the held-out MLM loss falls clearly below the unigram
-    entropy (the evaluate flow reports both), i.e. thousands of steps: a GPU volunteer, or hours of
-    CPU. The checks here are that the path runs end to end and the numbers are what was measured.
+    unigram entropy (6.88 nats; the card records it). That is the masked LM's unigram phase: the
+    encoder maps every token to the same state (token-state std 1e-5 after 10 rounds of
+    `make pretrain`, 0.9 at init; with lr 5e-4 and warmup the collapse is slower, not avoided),
+    and fine-tuning from it scores below random init (news accuracy 0.17 vs 0.37, NER F1 0.0-0.09
+    vs 0.23). What would: pretraining until the held-out MLM loss falls clearly below the unigram
+    entropy (the evaluate flow reports both), i.e. thousands of steps: a GPU volunteer, or hours
+    of CPU. The checks here are that the path runs end to end and reports what it measured.
     """
     from flows.evaluation import evaluate
     from flows.pretraining import pretrain

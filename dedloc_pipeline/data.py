@@ -191,6 +191,18 @@ def read_card(bucket: Bucket, name: str) -> dict:
     return card
 
 
+def unigram_log_probs(bucket: Bucket, name: str, vocab_size: int) -> np.ndarray:
+    """log p(token) over the training split, add-one smoothed over the model's whole vocabulary."""
+    meta = read_card(bucket, name).get("unigram")
+    raw = bucket.read_bytes(meta["key"]) if meta else None
+    if raw is None or hashlib.blake2b(raw, digest_size=16).hexdigest() != meta["blake2b"]:
+        raise DataError(f"data set {name!r} has no intact unigram counts (make it again with the tokenize flow)")
+    with np.load(io.BytesIO(raw)) as z:
+        counts = np.zeros(vocab_size)
+        counts[:len(z["counts"])] = z["counts"][:vocab_size]
+    return np.log((counts + 1) / (counts.sum() + vocab_size)).astype(np.float32)
+
+
 def check_data(bucket: Bucket, data: str, preset: str, seq_len: int) -> None:
     """A run may use a data set only if its sequences and vocabulary fit the model."""
     if data == SYNTHETIC:

@@ -116,3 +116,8 @@ class DataLayout:
 
     def shard(self, split: str, i: int) -> str:
         return f"{self.root}/{split}/{i:05d}.npz"
+
+    @property
+    def unigram(self) -> str:
+        """Token counts of the training split."""
+        return f"{self.root}/unigram.npz"

@@ -107,6 +107,9 @@ def write_dataset(bucket: Bucket, name: str, tokenizer, docs: list[list[str]], s
             counts = np.bincount([t for a, b, _ in pairs for t in a + b], minlength=len(tokenizer))
             p = counts[counts > 0] / counts.sum()
             card["unigram_entropy"] = float(-(p * np.log(p)).sum())
+            data = _npz({"counts": counts})
+            bucket.write_bytes(keys.unigram, data)
+            card["unigram"] = {"key": keys.unigram, "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}
         card["splits"][split] = {"pairs": len(pairs), "tokens": int(sum(len(a) + len(b) + 3 for a, b, _ in pairs)),
                                  "swapped": float(np.mean([y for *_, y in pairs])), "shards": shards}
     first = pack(pairs[:2], seq_len)  # a preview of the last split's pairs, for people reading the bucket

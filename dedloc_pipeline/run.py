@@ -7,11 +7,12 @@ import time
 from functools import cached_property
 
 import numpy as np
+import torch
 
 from . import codec
 from .codec import VectorFormat
 from .config import RunConfig
-from .data import check_data
+from .data import SYNTHETIC, check_data, unigram_log_probs
 from .layout import LAYOUT_VERSION, RunLayout
 from .model import FlatLayout, build_model, seq_len_of
 from .storage import Bucket
@@ -132,7 +133,12 @@ def init_run(bucket: Bucket, config: RunConfig) -> Run:
     else:
         bucket.create_json(keys.config, config.model_dump(mode="json"))
         run = Run(bucket, config.run)
-    p0 = run.flat.get()
+    model = run.build_model()
+    if config.unigram_bias and config.data != SYNTHETIC:
+        bias = unigram_log_probs(bucket, config.data, model.config.vocab_size)
+        with torch.no_grad():
+            model.predictions.bias.copy_(torch.from_numpy(bias))
+    p0 = FlatLayout(model).get()
     sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
     for name in ("exp_avg", "exp_avg_sq", "residual"):
         codec.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks

@@ -127,3 +127,29 @@ def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
     src = PairSource(run.bucket, name, "learn", 0)
     located = [src.locate(p, i) for p, i in used]
     assert len(set(located)) == len(located)  # no pair was trained on twice
+
+
+def test_unigram_bias_starts_the_run_at_the_unigram_loss(bengali, tmp_path):
+    from dedloc_pipeline.data import unigram_log_probs
+    from dedloc_pipeline.evaluation import heldout_scores
+    from dedloc_pipeline.export import model_at
+
+    url, name = bengali
+    plain = init_run(Bucket(url), small_config("zeros", data=name))
+    biased = init_run(Bucket(url), small_config("unigram", data=name, unigram_bias=True))
+    logp = unigram_log_probs(biased.bucket, name, 8000)
+    assert np.allclose(model_at(biased, 0).predictions.bias.detach().numpy(), logp)
+    assert np.exp(logp).sum() == pytest.approx(1.0, abs=1e-4)
+    loss0, _ = heldout_scores(plain, plain.load_params(0), 32)
+    loss_u, _ = heldout_scores(biased, biased.load_params(0), 32)
+    assert loss_u < loss0 - 1.0  # no need to learn token frequencies first
+    # the encoder is untouched: only the output bias differs
+    diff = np.flatnonzero(plain.load_params(0) != biased.load_params(0))
+    t = next(t for t in biased.flat.tensors if t.name == "predictions.bias")
+    assert diff.min() >= t.offset and diff.max() < t.offset + t.size
+    broken = Bucket(f"file://{tmp_path}/copy")
+    for key in Bucket(url).find(f"data/{name}"):
+        if not key.endswith("unigram.npz"):
+            broken.write_bytes(key, Bucket(url).read_bytes(key))
+    with pytest.raises(DataError, match="no intact unigram counts"):
+        init_run(broken, small_config("u2", data=name, unigram_bias=True))

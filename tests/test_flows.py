@@ -114,15 +114,14 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     loss and both fine-tuning tasks, each next to random init.
 
     Why no test asserts that pretraining beats random init downstream: a CPU-sized run does not
-    get there. Measured on this machine (2 cores): tiny, one process, 300 steps of 32 pairs at
-    sequence 128 (9,600 pairs, half an epoch, ~10 min) ends at MLM loss ~6.9, the training tokens'
-    unigram entropy (6.88 nats; the card records it). That is the masked LM's unigram phase: the
-    encoder maps every token to the same state (token-state std 1e-5 after 10 rounds of
-    `make pretrain`, 0.9 at init; with lr 5e-4 and warmup the collapse is slower, not avoided),
-    and fine-tuning from it scores below random init (news accuracy 0.17 vs 0.37, NER F1 0.0-0.09
-    vs 0.23). What would: pretraining until the held-out MLM loss falls clearly below the unigram
-    entropy (the evaluate flow reports both), i.e. thousands of steps: a GPU volunteer, or hours
-    of CPU. The checks here are that the path runs end to end and reports what it measured.
+    get there. Measured on this machine (2 cores), tiny in one process: with a zero output bias at
+    lr 2e-3, 300 steps of 32 pairs ended in the masked LM's unigram phase with every token state
+    collapsed to one (std 1e-5), and fine-tuning from it scored below random init (news accuracy
+    0.17 vs 0.37, NER F1 0.00-0.09 vs 0.23). With tiny's recipe now (unigram bias, lr 5e-4) the
+    states stay apart and held-out MLM goes 7.13 -> 6.84 in 300 steps, and news reaches 0.52
+    against random init's 0.58: close, not above. What would: pretraining until the held-out MLM
+    loss is clearly below the unigram entropy (the evaluation reports both), i.e. thousands of
+    steps: GPU volunteers, or hours of CPU. Here: the path runs end to end, reports what it measured.
     """
     from flows.evaluation import evaluate
     from flows.pretraining import pretrain
@@ -134,11 +133,12 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     again = tokenize(bucket=url, data="bn", vocab_size=2000, seq_len=32, max_documents=300, corpus_dir=CORPUS)
     assert again["created_at"] == card["created_at"]  # same recipe: kept, not remade
     with Volunteers(url, "ev", ["a", "b"], until=4):
-        pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, data="bn", optimizer={"lr": 5e-3}), poll_s=0.2)
+        pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, data="bn"), poll_s=0.2)  # tiny's recipe
     res = evaluate(bucket=url, run="ev", samples=32, corpus_dir=CORPUS,
                    finetune_options={"epochs": 1, "max_train": 48, "seq_len": 64})
     mlm = res["mlm-heldout"]
-    assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"] - 0.1
+    assert Run(Bucket(url), "ev").config.unigram_bias  # the run starts at the unigram loss ...
+    assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"]  # ... and goes below it
     assert mlm["unigram_entropy"] == Bucket(url).read_json("data/bn/DATA.json")["unigram_entropy"]
     assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == mlm["loss"]
     assert res["ner"]["metric"] == "f1" and res["news"]["metric"] == "accuracy"

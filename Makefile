@@ -16,7 +16,7 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install corpus test pretrain worker eval status server stop clean
+.PHONY: install corpus test bench pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -35,6 +35,15 @@ $(CORPUS)/PROVENANCE.json: | $(STAMP)
 
 test: install corpus
 	$(BIN)/python -m pytest -q -ra tests
+
+# Every benchmark in one run (docs/benchmarks.md): tables on screen, numbers in .dedloc/bench/.
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale,eval,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.run
 
 # A whole collaboration on this machine through the Prefect deployment (infra/local_pretrain.py).
 pretrain: install corpus

@@ -36,10 +36,11 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     close = _close(run, r)
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
+    fmt = run.grad_format
     total = np.zeros(hi - lo, np.float64)
     for shard in close["accepted"]:
-        g = codec.read_vector(bucket, shard["key"], run.grad_format, chunks, shard["checksums"])
-        total += shard["samples"] * g.astype(np.float64)
+        arrays = codec.read_vector(bucket, shard["key"], fmt, chunks, shard["checksums"], raw=True)
+        codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
     grad = (total / close["samples"]).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}
@@ -64,7 +65,7 @@ def prepare(run: Run, r: int) -> None:
     keys = run.keys
     codec.create_vector(run.bucket, keys.reduced(r), run.dense_format)
     codec.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
-    codec.create_vector(run.bucket, keys.delta(r + 1), run.delta_format)
+    codec.create_vector(run.bucket, keys.delta(r + 1), run.delta_format, cname="lz4hc")
     for name in (*optim.STATE, "residual"):
         codec.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
 

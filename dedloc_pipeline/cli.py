@@ -63,6 +63,7 @@ class CodecName(str, Enum):
     none = "none"
     fp16 = "fp16"
     int8 = "int8"
+    int4 = "int4"
 
 
 class OptimizerName(str, Enum):
@@ -124,6 +125,8 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          target_batch: Optional[int] = typer.Option(None, "--target-batch", help="default: the preset's (tiny 256)"),
          data: str = typer.Option("synthetic", help="a data set in the bucket (the tokenize flow writes one)"),
          micro_batch: int = 8, codec: CodecName = CodecName.int8,
+         download_codec: Optional[CodecName] = typer.Option(
+             None, help="parameter deltas peers download (default: int4 for int8 shards, else the codec)"),
          optimizer: Optional[OptimizerName] = typer.Option(None, help="default: the preset's (tiny adamw)"),
          lr: Optional[float] = typer.Option(None, help="default: the preset's (tiny 2e-3)"), seed: int = 0,
          seq_len: Optional[int] = None, chunk_size: int = 1 << 20, chunks_per_part: int = 1,
@@ -138,6 +141,7 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
     try:
         cfg = recipe_config(run, preset, data=data, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
                             micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
+                            download_codec=download_codec.value if download_codec else None,
                             block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
                             delayed_updates=delayed_updates, peer_timeout_s=peer_timeout,
                             optimizer={"name": optimizer.value if optimizer else None, "lr": lr},

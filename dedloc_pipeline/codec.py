@@ -1,26 +1,32 @@
 """Codecs for flat float32 vectors (gradient shards, parameter deltas) and their zarr storage.
 
-``none`` stores fp32 (exact), ``fp16`` halves, ``int8`` keeps one absmax scale per block of
-``block`` elements. Every vector is stored as zarr arrays chunked like the flat parameter vector,
-compressed with Blosc-lz4, so aggregators can read any chunk range on its own. Each chunk's
-decoded bytes are hashed into the manifest, so a corrupted or forged chunk is caught on read.
+``none`` stores fp32 (exact), ``fp16`` halves, ``int8`` and ``int4`` keep one absmax scale per
+block of ``block`` elements and 127 or 7 levels each side of zero. Every vector is stored as zarr
+arrays chunked like the flat parameter vector, compressed with Blosc-lz4, so aggregators can read
+any chunk range on its own. Each chunk's decoded bytes are hashed into the manifest, so a
+corrupted or forged chunk is caught on read.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import zarr
+import zarr.core.sync
 from zarr.codecs import BloscCodec
 from zarr.errors import ContainsArrayError
 
 from .storage import Bucket
 
 FP16_MAX = float(np.finfo(np.float16).max)
-# Blosc-lz4 on real tiny-ALBERT gradients (size after / before): bit-shuffle gives fp32 0.85,
-# fp16 0.76, int8 codes 0.72 (byte-shuffle 0.88 / 0.84 / 0.86); the fp32 scales prefer
+LEVELS = {"int8": 127, "int4": 7}  # blockwise codes: integers in [-L, L]
+# Quantized codes are stored zigzag-folded (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) as uint8, so
+# the bit planes above a block's typical magnitude are all zero and bit-shuffle + lz4 drops them.
+# Measured on real tiny-ALBERT gradient codes (bytes per element): two's complement 0.71,
+# zigzag 0.61; int4 parameter deltas 0.39 (lz4) and 0.35 (lz4hc); the fp32 scales prefer
 # byte-shuffle (0.91 vs 1.01).
 _SHUFFLE = {"scales": "shuffle"}
 
@@ -49,7 +55,7 @@ class VectorFormat:
         if self.codec == "fp16":
             return {"values": ("float16", self.n, self.chunk_size)}
         nb = -(-self.n // self.block)
-        return {"codes": ("int8", self.n, self.chunk_size),
+        return {"codes": ("uint8", self.n, self.chunk_size),
                 "scales": ("float32", nb, self.chunk_size // self.block)}
 
     def bounds(self, name: str, chunks: range) -> tuple[int, int]:
@@ -63,25 +69,65 @@ def encode(x: np.ndarray, codec: str, block: int) -> dict[str, np.ndarray]:
         return {"values": x.copy()}
     if codec == "fp16":
         return {"values": np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16)}
-    if codec != "int8":
+    if codec not in LEVELS:
         raise ValueError(f"unknown codec {codec!r}")
+    levels = LEVELS[codec]
     nb = -(-len(x) // block)
     padded = np.zeros(nb * block, np.float32)
     padded[: len(x)] = x
     blocks = padded.reshape(nb, block)
-    scales = (np.abs(blocks).max(axis=1) / 127.0).astype(np.float32)
+    scales = (np.abs(blocks).max(axis=1) / np.float32(levels)).astype(np.float32)
     q = np.zeros_like(blocks)
     np.divide(blocks, scales[:, None], out=q, where=scales[:, None] > 0)
-    codes = np.clip(np.rint(q), -127, 127).astype(np.int8).reshape(-1)[: len(x)]
-    return {"codes": codes, "scales": scales}
+    codes = np.clip(np.rint(q), -levels, levels).astype(np.int8).reshape(-1)[: len(x)]
+    return {"codes": _zigzag(codes), "scales": scales}
+
+
+def _zigzag(codes: np.ndarray) -> np.ndarray:
+    return (codes.view(np.uint8) << 1) ^ (codes >> 7).view(np.uint8)
+
+
+def _unzigzag(z: np.ndarray) -> np.ndarray:
+    return (z >> 1).view(np.int8) ^ -(z & 1).view(np.int8)
+
+
+def _per_block(values: np.ndarray, factors: np.ndarray, block: int) -> np.ndarray:
+    """Multiply each block of ``values`` in place by its factor (the last block may be short)."""
+    full = len(values) // block
+    values[: full * block].reshape(full, block)[:] *= factors[:full, None]
+    if full < len(factors) and full * block < len(values):
+        values[full * block:] *= factors[full]
+    return values
 
 
 def decode(arrays: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
     """Exact inverse of the codec's rounding: deterministic, so every peer gets the same bits."""
     if codec in ("none", "fp16"):
         return arrays["values"].astype(np.float32)
-    codes = arrays["codes"]
-    return codes.astype(np.float32) * np.repeat(arrays["scales"], block)[: len(codes)]
+    return _per_block(_unzigzag(arrays["codes"]).astype(np.float32), arrays["scales"], block)
+
+
+def accumulate(total: np.ndarray, arrays: dict[str, np.ndarray], codec: str, block: int,
+               weight: float) -> None:
+    """``total += weight * decode(arrays)`` in float64, in as few passes over memory as it takes."""
+    if codec in ("none", "fp16"):
+        total += arrays["values"].astype(np.float64) * weight
+        return
+    total += _per_block(_unzigzag(arrays["codes"]).astype(np.float32), arrays["scales"] * np.float32(weight),
+                        block)
+
+
+def squared_norm(arrays: dict[str, np.ndarray], codec: str, block: int) -> float:
+    """||decode(arrays)||², for quantized codes straight from levels and scales (no decoding)."""
+    if codec in ("none", "fp16"):
+        v = arrays["values"].astype(np.float64)
+        return float(v @ v)
+    scales = arrays["scales"].astype(np.float64)
+    levels = _unzigzag(arrays["codes"]).astype(np.float32)
+    full = len(levels) // block
+    sums = np.einsum("ij,ij->i", *[levels[: full * block].reshape(full, block)] * 2)
+    tail = levels[full * block:]
+    return float(sums @ scales[:full] ** 2 + (tail @ tail) * (scales[full] ** 2 if len(tail) else 0.0))
 
 
 class ErrorFeedback:
@@ -134,14 +180,18 @@ def chunk_checksums(fmt: VectorFormat, arrays: dict[str, np.ndarray], chunks: ra
     return out
 
 
-def create_vector(bucket: Bucket, key: str, fmt: VectorFormat) -> None:
-    """Array metadata only; an existing array (a restarted writer) is left as it is."""
+def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4") -> None:
+    """Array metadata only; an existing array (a restarted writer) is left as it is.
+
+    ``lz4hc`` writes the same lz4 format, smaller and far slower to make: worth it for what one
+    writer makes and every peer downloads (parameter deltas), not for each peer's shard.
+    """
     for name, (dtype, length, clen) in fmt.arrays().items():
         shuffle = _SHUFFLE.get(name, "bitshuffle")
         try:
             zarr.create_array(bucket.zarr_store(f"{key}/{name}"), shape=(length,), chunks=(clen,),
                               dtype=dtype, fill_value=0, zarr_format=3, overwrite=False,
-                              compressors=BloscCodec(cname="lz4", clevel=5, shuffle=shuffle))
+                              compressors=BloscCodec(cname=cname, clevel=9, shuffle=shuffle))
         except ContainsArrayError:
             pass
 
@@ -164,21 +214,43 @@ def write_vector(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, 
 def read_vector(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range | None = None,
                 checksums: dict[str, list[str]] | None = None, raw: bool = False):
     """Decoded float32 elements of ``chunks`` (or the raw arrays); checked against ``checksums``."""
+    arrays = read_vectors(bucket, [key], fmt, chunks, [checksums])[0]
+    if isinstance(arrays, CorruptShard):
+        raise arrays
+    return arrays if raw else decode(arrays, fmt.codec, fmt.block)
+
+
+def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: range | None = None,
+                 checksums: list[dict[str, list[str]] | None] | None = None) -> list[dict | CorruptShard]:
+    """The raw arrays of ``chunks`` of many vectors, all requests in flight at once on zarr's
+    event loop (a remote bucket's latency overlaps); a vector that is missing, malformed or does
+    not match its checksums comes back as its CorruptShard instead."""
     chunks = chunks or range(fmt.n_chunks)
+    async def gather():
+        return await asyncio.gather(*(_read(bucket, k, fmt, chunks) for k in keys), return_exceptions=True)
+
+    found = zarr.core.sync.sync(gather())
+    for i, (key, arrays, sums) in enumerate(zip(keys, found, checksums or [None] * len(keys))):
+        if isinstance(arrays, BaseException) and not isinstance(arrays, CorruptShard):
+            raise arrays
+        if sums is not None and not isinstance(arrays, CorruptShard):
+            for name, got in chunk_checksums(fmt, arrays, chunks).items():
+                if got != sums.get(name, [])[chunks.start:chunks.stop]:
+                    found[i] = CorruptShard(f"{key}/{name}: chunk checksum mismatch")
+                    break
+    return found
+
+
+async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range) -> dict[str, np.ndarray]:
     arrays = {}
-    for name, (dtype, _, _) in fmt.arrays().items():
+    for name, (dtype, length, _) in fmt.arrays().items():
         try:
-            z = zarr.open_array(bucket.zarr_store(f"{key}/{name}"), mode="r", zarr_format=3)
+            z = await zarr.api.asynchronous.open_array(store=bucket.zarr_store(f"{key}/{name}"), mode="r",
+                                                       zarr_format=3)
         except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as exc:
             raise CorruptShard(f"{key}/{name}: missing array") from exc
-        if z.dtype != np.dtype(dtype) or z.shape != (fmt.arrays()[name][1],):
+        if z.dtype != np.dtype(dtype) or z.shape != (length,):
             raise CorruptShard(f"{key}/{name}: {z.dtype}{z.shape}, expected {dtype}")
         lo, hi = fmt.bounds(name, chunks)
-        arrays[name] = z[lo:hi]
-    if checksums is not None:
-        got = chunk_checksums(fmt, arrays, chunks)
-        for name, sums in got.items():
-            want = checksums.get(name, [])[chunks.start:chunks.stop]
-            if sums != want:
-                raise CorruptShard(f"{key}/{name}: chunk checksum mismatch")
-    return arrays if raw else decode(arrays, fmt.codec, fmt.block)
+        arrays[name] = await z.getitem(slice(lo, hi))
+    return arrays

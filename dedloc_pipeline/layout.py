@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: quantized codes stored zigzag-folded as uint8
 
 
 def _r(r: int) -> str:
@@ -66,8 +66,18 @@ class RunLayout:
     def shard(self, r: int, peer: str, part: str) -> str:
         return f"{self.shards_dir(r)}/{peer}/{part}"
 
+    def manifests_dir(self, r: int) -> str:
+        """Manifests only, apart from the chunks: listing the round's shards lists just these."""
+        return f"{self.round(r)}/manifests"
+
     def manifest(self, shard: str) -> str:
-        return f"{shard}/MANIFEST.json"
+        """Marker of a shard, written after its chunks: ``rounds/R/manifests/PEER/PART.json``."""
+        head, peer, part = shard.rsplit("/", 2)
+        return f"{head.removesuffix('/shards')}/manifests/{peer}/{part}.json"
+
+    def shard_of(self, manifest: str) -> str:
+        head, peer, part = manifest.rsplit("/", 2)
+        return f"{head.removesuffix('/manifests')}/shards/{peer}/{part.removesuffix('.json')}"
 
     def close(self, r: int) -> str:
         return f"{self.round(r)}/CLOSE.json"

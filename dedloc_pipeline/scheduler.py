@@ -27,14 +27,13 @@ class Scheduler:
     def _verdicts(self, r: int, skip: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
         """Validate every manifest of round r (each new one once); (accepted, rejected)."""
         bucket, keys = self.run.bucket, self.run.keys
-        manifests = [k for k in bucket.find(keys.shards_dir(r)) if k.endswith("/MANIFEST.json")]
-        manifests = [k for k in manifests if k.rsplit("/", 1)[0] not in skip]
+        manifests = [k for k in bucket.find(keys.manifests_dir(r)) if keys.shard_of(k) not in skip]
         raw = bucket.read_many(manifests)
         accepted, rejected = [], []
         for mkey, data in raw.items():
             if data is None:
                 continue
-            shard = mkey.rsplit("/", 1)[0]
+            shard = keys.shard_of(mkey)
             seen = self._seen.get(mkey)
             if seen is None or seen[0] != data:
                 try:
@@ -143,5 +142,5 @@ def prune(run: Run, newest: int, window: int = 3) -> None:
             bucket.delete(keys.params(s))
             bucket.delete(f"{keys.state(s)}/optim")
         r = s - 1
-        for sub in ("shards", "reduced", "progress"):
+        for sub in ("shards", "manifests", "reduced", "progress"):
             bucket.delete(f"{keys.round(r)}/{sub}")

@@ -1,6 +1,6 @@
 """Gradient shards: what a peer uploads for a round, and the checks that admit one.
 
-A shard is the codec's zarr arrays followed by MANIFEST.json (data first, marker last). The
+A shard is the codec's zarr arrays followed by its manifest (data first, marker last). The
 manifest says who computed it, on how many samples (and which), with what codec, and the hash of
 every chunk, so the scheduler can reject anything torn, corrupted, forged or malformed.
 """
@@ -87,12 +87,12 @@ def validate(run: Run, r: int, key: str, raw: bytes) -> dict:
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
     try:
-        g = codec.read_vector(run.bucket, key, fmt, checksums=m.checksums)
+        arrays = codec.read_vector(run.bucket, key, fmt, checksums=m.checksums, raw=True)
     except codec.CorruptShard as exc:
         raise Rejected(str(exc)) from exc
-    if not np.isfinite(g).all():
+    if not all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f"):
         raise Rejected("non-finite gradient values")
-    norm = float(np.linalg.norm(g.astype(np.float64)))
+    norm = math.sqrt(codec.squared_norm(arrays, fmt.codec, fmt.block))
     if norm > run.config.max_grad_norm:
         raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
     return {"key": key, "peer": m.peer, "part": m.part, "round": r, "samples": m.samples,

@@ -42,7 +42,7 @@ def status(run: Run) -> dict:
     for p in progress:
         q = peer(p["peer"])
         q["last_seen"] = max(q["last_seen"] or 0.0, float(p["time"]))
-    manifests = [k for k in bucket.find(keys.shards_dir(latest)) if k.endswith("/MANIFEST.json")]
+    manifests = bucket.find(keys.manifests_dir(latest))
     uploaded = 0
     for v in bucket.read_many(manifests).values():
         try:

@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import uuid
+from collections import Counter
 from typing import Any
 
 import fsspec
@@ -42,6 +44,61 @@ except ImportError:  # pragma: no cover - s3fs brings botocore
 
 class StorageError(RuntimeError):
     """The bucket did not answer after the retries."""
+
+
+class IOStats:
+    """Requests and bytes this process exchanged with one bucket, counted where the calls are
+    made (the Bucket and its zarr stores): the traffic benchmarks and heartbeats report."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.requests: Counter[str] = Counter()  # get, put, head, list, delete
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def add(self, kind: str, read: int = 0, written: int = 0, n: int = 1) -> None:
+        with self._lock:
+            self.requests[kind] += n
+            self.bytes_read += read
+            self.bytes_written += written
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"requests": dict(self.requests), "bytes_read": self.bytes_read,
+                    "bytes_written": self.bytes_written}
+
+
+class _CountingStore(zarr.storage.WrapperStore):
+    """A zarr store that adds its requests and bytes to an IOStats."""
+
+    def __init__(self, store, stats: IOStats):
+        super().__init__(store)
+        self.stats = stats
+
+    def _with_store(self, store):
+        return type(self)(store, self.stats)
+
+    async def get(self, key, prototype, byte_range=None):
+        buf = await self._store.get(key, prototype, byte_range)
+        self.stats.add("get", read=0 if buf is None else len(buf))
+        return buf
+
+    async def get_partial_values(self, prototype, key_ranges):
+        bufs = await self._store.get_partial_values(prototype, key_ranges)
+        self.stats.add("get", read=sum(len(b) for b in bufs if b is not None), n=len(bufs))
+        return bufs
+
+    async def set(self, key, value):
+        await self._store.set(key, value)
+        self.stats.add("put", written=len(value))
+
+    async def exists(self, key):
+        self.stats.add("head")
+        return await self._store.exists(key)
+
+    async def delete(self, key):
+        self.stats.add("delete")
+        return await self._store.delete(key)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -95,6 +152,7 @@ class Bucket:
             self.options.setdefault("use_listings_cache", False)
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=protocol != "memory", **self.options)
         self.root = rest if self.local else self.fs._strip_protocol(self.url)
+        self.stats = IOStats()
         if self.local:
             os.makedirs(self.root, exist_ok=True)
 
@@ -109,9 +167,12 @@ class Bucket:
     def read_bytes(self, key: str) -> bytes | None:
         """The object's bytes, or None if it does not exist."""
         try:
-            return self.fs.cat_file(self.path(key))
+            data = self.fs.cat_file(self.path(key))
         except FileNotFoundError:
+            self.stats.add("get")
             return None
+        self.stats.add("get", read=len(data))
+        return data
 
     def read_json(self, key: str) -> Any:
         """Parsed JSON or None if missing; malformed JSON raises ValueError."""
@@ -124,6 +185,7 @@ class Bucket:
         if not keys:
             return {}
         out = self.fs.cat([self.path(k) for k in keys], on_error="return")
+        self.stats.add("get", read=sum(len(v) for v in out.values() if isinstance(v, bytes)), n=len(keys))
         res = {}
         for k in keys:
             v = out.get(self.path(k))
@@ -136,11 +198,13 @@ class Bucket:
 
     @_retried
     def exists(self, key: str) -> bool:
+        self.stats.add("head")
         return self.fs.exists(self.path(key))
 
     @_retried
     def list(self, prefix: str) -> list[str]:
         """Names directly under ``prefix`` (sorted); empty if it does not exist."""
+        self.stats.add("list")
         try:
             entries = self.fs.ls(self.path(prefix), detail=False)
         except FileNotFoundError:
@@ -152,14 +216,17 @@ class Bucket:
         """Every key below ``prefix``, relative to the bucket root."""
         n = len(self.root) + 1
         try:
-            return sorted(p[n:] for p in self.fs.find(self.path(prefix)))
+            found = sorted(p[n:] for p in self.fs.find(self.path(prefix)))
         except FileNotFoundError:
-            return []
+            found = []
+        self.stats.add("list", n=1 + len(found) // 1000)  # S3 lists 1000 keys a request
+        return found
 
     # writes
     @_retried
     def write_bytes(self, key: str, data: bytes) -> None:
         path = self.path(key)
+        self.stats.add("put", written=len(data))
         if not self.local:
             self.fs.pipe_file(path, data)
             return
@@ -173,6 +240,7 @@ class Bucket:
     def create(self, key: str, data: bytes) -> bool:
         """Write ``key`` only if it does not exist yet. True if this call created it."""
         path = self.path(key)
+        self.stats.add("put", written=len(data))
         if self.local:
             tmp = self._local_tmp(path, data)
             try:
@@ -198,6 +266,7 @@ class Bucket:
 
     @_retried
     def delete(self, prefix: str) -> None:
+        self.stats.add("delete")
         try:
             self.fs.rm(self.path(prefix), recursive=True)
         except FileNotFoundError:
@@ -214,9 +283,11 @@ class Bucket:
     def zarr_store(self, key: str):
         """A zarr store rooted at ``key`` (zarr 3 needs an async filesystem for remote URLs)."""
         if self.local:
-            return zarr.storage.LocalStore(self.path(key))
-        return zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
-                                                 storage_options=self.options or None)
+            store = zarr.storage.LocalStore(self.path(key))
+        else:
+            store = zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
+                                                      storage_options=self.options or None)
+        return _CountingStore(store, self.stats)
 
 
 def _dumps(obj: Any) -> bytes:

@@ -74,6 +74,8 @@ class Worker:
         self._rate = (time.monotonic(), 0)
         self.uploaded_samples = 0
         self.computed_samples = 0
+        self.compute_s = 0.0  # in forward and backward: the share of wall time that is training
+        self.started = time.monotonic()
 
     # state
     def sync(self) -> bool:
@@ -126,8 +128,7 @@ class Worker:
         for rr in (r - 1, r):
             if rr < 0:
                 continue
-            mkeys = [k for k in self.run.bucket.find(f"{keys.shards_dir(rr)}/{self.peer}")
-                     if k.endswith("/MANIFEST.json")]
+            mkeys = self.run.bucket.find(f"{keys.manifests_dir(rr)}/{self.peer}")
             for raw in self.run.bucket.read_many(mkeys).values():
                 try:
                     m = shard.Manifest.model_validate_json(raw)
@@ -143,7 +144,7 @@ class Worker:
             return self._view
         bucket, keys = self.run.bucket, self.run.keys
         v = RoundView(at=now, closed=bucket.exists(keys.close(r)))
-        mkeys = [k for k in bucket.find(keys.shards_dir(r)) if k.endswith("/MANIFEST.json")]
+        mkeys = bucket.find(keys.manifests_dir(r))
         new = [k for k in mkeys if k not in self._manifests]
         for k, raw in bucket.read_many(new).items():
             try:
@@ -203,9 +204,10 @@ class Worker:
             self.model.zero_grad(set_to_none=False)
         acc, n = self.acc, self.micro_batch
         batch = self.source.batch(self.peer, self.cursor, n)
+        t0 = time.perf_counter()
         loss = pretraining_loss_sum(self.model, batch)
         loss.backward()
-        loss = loss.detach()
+        self.compute_s += time.perf_counter() - t0
         acc.loss_sum += loss.item()
         if acc.ranges and acc.ranges[-1][0] + acc.ranges[-1][1] == self.cursor:
             acc.ranges[-1][1] += n
@@ -244,9 +246,12 @@ class Worker:
         t0, c0 = self._rate
         rate = (self.computed_samples - c0) / max(1e-9, time.monotonic() - t0)
         self._rate = (time.monotonic(), self.computed_samples)
+        io = self.run.bucket.stats
         self.run.bucket.write_json(self.run.keys.progress(r, self.peer), {
             "peer": self.peer, "round": r, "samples": acc.samples if acc and acc.round == r else 0,
-            "samples_per_s": rate, "time": now, "uploaded_samples": self.uploaded_samples})
+            "samples_per_s": rate, "time": now, "uploaded_samples": self.uploaded_samples,
+            "compute_s": self.compute_s, "wall_s": time.monotonic() - self.started,
+            "bytes_up": io.bytes_written, "bytes_down": io.bytes_read})
         self._last_progress = now
 
     def leave(self) -> None:
@@ -257,6 +262,7 @@ class Worker:
 
     def serve(self, until_round: int | None = None) -> int:
         """Work until state ``until_round`` is committed (or forever); returns the last state."""
+        self.started = time.monotonic()
         self.sync()
         try:
             while (until_round is None or self.state < until_round) and not self.stopped:

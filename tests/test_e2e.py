@@ -250,8 +250,8 @@ def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path):
     assert c.procs["victim"].returncode == -signal.SIGKILL
     assert r_kill < rounds - 2, f"killed too late (state {r_kill}) to see rounds without the victim"
     # every shard the victim ever finished, listed before anything could be pruned
-    before = {k.rsplit("/", 1)[0] for r in range(r_kill + 2)
-              for k in run.bucket.find(f"{run.keys.shards_dir(r)}/victim") if k.endswith("/MANIFEST.json")}
+    before = {run.keys.shard_of(k) for r in range(r_kill + 2)
+              for k in run.bucket.find(f"{run.keys.manifests_dir(r)}/victim")}
 
     c.wait_exit(["scheduler", "w0", "w1"])
     commits = c.commits()

@@ -52,7 +52,7 @@ def test_markers_are_written_after_their_data(make_run):
     keys = run.bucket.find(run.keys.root)
     for r in range(2):
         for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
-            data = [k for k in keys if k.startswith(s["key"] + "/") and not k.endswith("MANIFEST.json")]
+            data = [k for k in keys if k.startswith(s["key"] + "/")]
             assert data and max(map(mtime, data)) <= mtime(run.keys.manifest(s["key"]))
             assert mtime(run.keys.manifest(s["key"])) <= mtime(run.keys.close(r))
         state = run.keys.state(r + 1)
@@ -105,6 +105,7 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         other = put_shard(run, 0, "other", grad=np.full(run.flat.n, 2e-4, np.float32), part="0002")
         shutil.copy(run.bucket.path(f"{other}/values/c/1"), run.bucket.path(f"{key}/values/c/1"))
         run.bucket.delete(other)
+        run.bucket.delete(run.keys.manifest(other))
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert [s["peer"] for s in close["accepted"]] == ["honest"]

@@ -1,0 +1,251 @@
+"""Benchmark 3: how close the scheduler's reduction of one round comes to what the bytes allow.
+
+Sixteen peers upload int8 shards of a 10M-parameter gradient to a ``file://`` bucket. The round is
+then reduced the way the scheduler does it, and compared with a lower bound measured in the same
+process on the same files: plain Python reads of the shards' zarr chunk files, Blosc-lz4
+decompression, int8 codes times per-block scales, and the sample-weighted sum in memory (one
+core). Timed, best of ``repeats`` after one warm-up, page cache warm for all of them:
+
+- ``lower_bound``: the plain-numpy read, decode and weighted sum;
+- ``reduce_parallel`` / ``reduce_serial``: ``aggregator.reduce_part`` for every part of the closed
+  round, on a pool of 2 threads as ``Scheduler.finish`` runs it, and one part after the other;
+- ``validate``: ``Scheduler.try_close`` of the round (every shard read in full and checked), with
+  a fresh Scheduler each time so no verdict is cached;
+- ``round``: the whole round, ``try_close`` and ``finish`` (reduce, optimizer step, commit).
+
+The ratios to the lower bound say how much of the scheduler's time is overhead rather than the
+unavoidable read, decode and sum; the bucket request counts say what the same round costs on S3.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numcodecs
+import numcodecs.blosc
+import numpy as np
+import torch
+
+from benchmarks.scale import peer_samples, synthetic_gradient
+from dedloc_pipeline import aggregator, codec
+from dedloc_pipeline.config import recipe_config
+from dedloc_pipeline.model import FlatLayout
+from dedloc_pipeline.run import Run
+from dedloc_pipeline.scheduler import Scheduler
+from dedloc_pipeline.shard import DataRef, upload
+from dedloc_pipeline.storage import Bucket
+
+ROUND = 0
+
+
+def vector_run(bucket: Bucket, name: str, n: int, **fields) -> Run:
+    """A run whose flat vector is one parameter of ``n`` elements, with state 0 committed.
+
+    ``init_run`` builds the preset's model; this writes the same run.json, parameters, empty
+    optimizer state, COMMIT(0) and LATEST for a vector of any size. The returned Run must be the
+    one every benchmark step uses: read back from run.json it would take the preset's size.
+    """
+    cfg = recipe_config(name, "tiny", codec="int8", **fields)
+    run = Run(bucket, name, cfg)
+    run.flat = FlatLayout(torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(n))}))
+    keys = run.keys
+    bucket.create_json(keys.config, cfg.model_dump(mode="json"))
+    p0 = np.random.default_rng(n).standard_normal(n, dtype=np.float32) * 0.02
+    sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
+    for state in ("exp_avg", "exp_avg_sq", "residual"):
+        codec.create_vector(bucket, keys.optim(0, state), run.dense_format)
+    bucket.create_json(keys.commit(0), {
+        "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
+        "checksums": {"params": sums["values"]}, "committed_at": time.time(), "n_params": n})
+    bucket.write_json(keys.latest, {"round": 0})
+    return run
+
+
+def reset_round(run: Run, r: int, keep_close: bool = False) -> None:
+    """Remove what closing and finishing round r wrote, so the next attempt recomputes it."""
+    bucket, keys = run.bucket, run.keys
+    if not keep_close:
+        bucket.delete(keys.close(r))
+    bucket.delete(f"{keys.round(r)}/reduced")
+    bucket.delete(keys.state(r + 1))
+    bucket.write_json(keys.latest, {"round": r})
+
+
+def io_delta(before: dict, after: dict) -> dict:
+    """Requests (by kind) and bytes between two ``IOStats.snapshot()`` calls."""
+    kinds = sorted(set(before["requests"]) | set(after["requests"]))
+    requests = {k: after["requests"].get(k, 0) - before["requests"].get(k, 0) for k in kinds}
+    return {"requests": {k: v for k, v in requests.items() if v},
+            "requests_total": sum(requests.values()),
+            "bytes_read": after["bytes_read"] - before["bytes_read"],
+            "bytes_written": after["bytes_written"] - before["bytes_written"]}
+
+
+def best_of(fn, repeats: int, reset=None, bucket: Bucket | None = None) -> dict:
+    """One warm-up, then the best of ``repeats`` timed calls of ``fn``; ``reset`` runs untimed
+    before each call. With ``bucket``, also the bucket traffic of one call."""
+    times, io = [], None
+    for i in range(repeats + 1):
+        if reset is not None:
+            reset()
+        before = bucket.stats.snapshot() if bucket is not None else None
+        t = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - t
+        if bucket is not None:
+            io = io_delta(before, bucket.stats.snapshot())
+        if i:
+            times.append(elapsed)
+    out = {"seconds": min(times), "all_seconds": times}
+    if io is not None:
+        out["io"] = io
+    return out
+
+
+def numpy_reduce(root: str, run: Run, accepted: list[dict]) -> np.ndarray:
+    """The lower bound: the round's mean gradient straight from the shards' chunk files.
+
+    Chunk by chunk (a 1M-element float64 accumulator stays small), every shard's codes and
+    scales are read with plain file reads, Blosc-decompressed, dequantized as codes times their
+    block's scale, weighted by its samples and summed in float64.
+    """
+    fmt = run.grad_format
+    codes_dtype = np.dtype(fmt.arrays()["codes"][0])
+    blosc = numcodecs.Blosc()
+    total_samples = sum(s["samples"] for s in accepted)
+    out = np.empty(fmt.n, np.float32)
+    weighted = np.empty(fmt.chunk_size, np.float64)
+    for c in range(fmt.n_chunks):
+        lo, hi = fmt.bounds("codes", range(c, c + 1))
+        acc = np.zeros(hi - lo, np.float64)
+        for s in accepted:
+            with open(f"{root}/{s['key']}/codes/c/{c}", "rb") as f:
+                g = code_values(blosc.decode(f.read()), codes_dtype)
+            with open(f"{root}/{s['key']}/scales/c/{c}", "rb") as f:
+                scales = np.frombuffer(blosc.decode(f.read()), np.float32)
+            blocks = g.reshape(len(scales), fmt.block)  # a view: scaled in place
+            blocks *= scales[:, None]
+            np.multiply(g[: hi - lo], np.float64(s["samples"]), out=weighted[: hi - lo])
+            acc += weighted[: hi - lo]
+        out[lo:hi] = acc / total_samples
+    return out
+
+
+def code_values(raw: bytes, dtype: np.dtype) -> np.ndarray:
+    """Stored int8 codes as float32: two's complement (int8), or zigzag-folded (uint8, layout 2)."""
+    codes = np.frombuffer(raw, dtype)
+    if dtype == np.uint8:
+        codes = (codes >> 1).view(np.int8) ^ -(codes & 1).view(np.int8)
+    elif dtype != np.int8:
+        raise TypeError(f"no plain decoding of {dtype} codes")
+    return codes.astype(np.float32)
+
+
+def write_round(run: Run, shards: int) -> float:
+    """Every peer's int8 shard and manifest for the round; returns the seconds it took."""
+    t = time.perf_counter()
+    fmt = run.grad_format
+    for i in range(shards):
+        peer = f"peer{i:03d}"
+        arrays = codec.encode(synthetic_gradient(fmt.n, seed=i), fmt.codec, fmt.block)
+        samples = peer_samples(i)
+        upload(run, ROUND, peer, "p0", arrays, samples, loss=5.0 + 0.01 * i,
+               data=DataRef(stream=peer, ranges=[(0, samples)]))
+    return time.perf_counter() - t
+
+
+def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
+    """Benchmark 3 on a temporary ``file://`` bucket; a JSON-able dict of every number."""
+    started = time.perf_counter()
+    root = tempfile.mkdtemp(prefix="dedloc-bench-agg-")
+    try:
+        bucket = Bucket(f"file://{root}")
+        vrun = vector_run(bucket, "agg", n, target_batch_size=sum(peer_samples(i) for i in range(shards)))
+        write_s = write_round(vrun, shards)
+        parts = range(vrun.n_parts)
+
+        def validate():
+            assert Scheduler(vrun).try_close(ROUND) is not None, "round did not close"
+
+        validated = best_of(validate, repeats, reset=lambda: reset_round(vrun, ROUND), bucket=bucket)
+        close = bucket.read_json(vrun.keys.close(ROUND))
+        assert len(close["accepted"]) == shards, close["rejected"]
+
+        blosc_threads = numcodecs.blosc.use_threads
+        numcodecs.blosc.use_threads = False  # one core: Blosc would otherwise use both here
+        try:
+            lower = best_of(lambda: numpy_reduce(root, vrun, close["accepted"]), repeats)
+        finally:
+            numcodecs.blosc.use_threads = blosc_threads
+
+        def reset_reduced():
+            reset_round(vrun, ROUND, keep_close=True)
+            aggregator.prepare(vrun, ROUND)
+
+        with ThreadPoolExecutor(2) as pool:
+            reduce_parallel = best_of(
+                lambda: list(pool.map(lambda k: aggregator.reduce_part(vrun, ROUND, k), parts)),
+                repeats, reset=reset_reduced, bucket=bucket)
+            reduce_serial = best_of(lambda: [aggregator.reduce_part(vrun, ROUND, k) for k in parts],
+                                    repeats, reset=reset_reduced, bucket=bucket)
+            reduced = codec.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
+            expected = numpy_reduce(root, vrun, close["accepted"])
+            disagreement = float(np.abs(reduced - expected).max() / np.abs(expected).max())
+
+            def whole_round():
+                scheduler = Scheduler(vrun)
+                assert scheduler.try_close(ROUND) is not None, "round did not close"
+                scheduler.finish(ROUND, pool)
+
+            whole = best_of(whole_round, repeats, reset=lambda: reset_round(vrun, ROUND), bucket=bucket)
+            assert vrun.latest() == ROUND + 1
+
+        shard_bytes = sum(p.stat().st_size for p in _chunk_files(root, vrun))
+        timings = {
+            "lower_bound": {**lower, "what": "plain file reads of every shard chunk, Blosc-lz4 decode, "
+                            "codes x block scales, float64 sample-weighted sum; one core, no bucket"},
+            "reduce_parallel": {**reduce_parallel, "what": "aggregator.reduce_part for every part, "
+                                "2 threads as Scheduler.finish (writes the reduced gradient too)"},
+            "reduce_serial": {**reduce_serial, "what": "aggregator.reduce_part for every part, "
+                              "one after the other"},
+            "validate": {**validated, "what": "Scheduler.try_close: list, read every manifest, "
+                         "read+checksum+decode every shard, finiteness and norm, write CLOSE"},
+            "round": {**whole, "what": "try_close + finish (prepare, reduce, AdamW apply, commit), "
+                      "2 threads"},
+        }
+        for t in timings.values():
+            t["ratio"] = t["seconds"] / lower["seconds"]
+        return {
+            "benchmark": "aggregation (3)",
+            "what": "one int8 round of `shards` peers on a file:// bucket: scheduler steps against "
+                    "a plain-numpy read+decode+sum lower bound; seconds are best of `repeats` after a "
+                    "warm-up, ratio is to the lower bound, io is the bucket traffic of one call",
+            "n": n, "shards": shards, "repeats": repeats, "codec": vrun.config.codec,
+            "chunk_size": vrun.config.chunk_size, "chunks_per_part": vrun.config.chunks_per_part,
+            "n_chunks": vrun.grad_format.n_chunks, "n_parts": vrun.n_parts, "block": vrun.config.block_size,
+            "shard_chunk_bytes": shard_bytes,
+            "shard_compression": shard_bytes / (shards * (n + 4 * -(-n // vrun.config.block_size))),
+            "write_shards_s": write_s,
+            "timings": timings,
+            "lower_bound_disagreement": disagreement,
+            "lower_bound_disagreement_what": "max |reduced - lower bound| / max |lower bound|: the "
+                                             "two compute the same mean (float32 rounding apart)",
+            "runtime_s": time.perf_counter() - started,
+        }
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _chunk_files(root: str, vrun: Run) -> list[Path]:
+    """The zarr chunk files of the round's shards (what the lower bound reads)."""
+    return [p for p in Path(root, vrun.keys.shards_dir(ROUND)).rglob("*")
+            if p.is_file() and p.parent.name == "c"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(), indent=1))

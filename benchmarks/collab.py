@@ -1,0 +1,153 @@
+"""Benchmarks 1 and 4: a real collaboration on this machine, and the machine's limit beside it.
+
+``collaborate`` runs the way volunteers do: one ``dedloc aggregate`` and N ``dedloc worker``
+processes (one torch thread each) over a ``file://`` bucket. Throughput is the samples committed
+between the end of the warm-up and the last commit, over the time between those commits. Each
+worker's heartbeat carries its cumulative forward/backward seconds, wall seconds and bucket bytes,
+read at both ends of the same window: compute fraction and bytes per round come from those.
+
+``limit`` is the same training with no collaboration at all: one single-thread process per core,
+each accumulating micro-batches and stepping its own AdamW every target batch; samples/s summed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, dict]:
+    """Each peer's newest heartbeat, whatever round it was written for."""
+    found: dict[str, dict] = {}
+    progress = [k for k in bucket.find(f"{keys.root}/rounds") if "/progress/" in k]
+    for raw in bucket.read_many(progress).values():
+        if raw:
+            hb = json.loads(raw)
+            if hb["peer"] in peers and hb["time"] > found.get(hb["peer"], {}).get("time", 0):
+                found[hb["peer"]] = hb
+    return found
+
+
+def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8",
+                warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
+                timeout_s: float = 600) -> dict:
+    from dedloc_pipeline.config import recipe_config
+    from dedloc_pipeline.run import Run, init_run
+    from dedloc_pipeline.storage import Bucket
+
+    tmp = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
+    url = f"file://{tmp}/bucket"
+    cfg = recipe_config("bench", "tiny", target_batch_size=target, micro_batch=micro_batch, codec=codec,
+                        delayed_updates=delayed)
+    run = init_run(Bucket(url), cfg)
+    end = warmup + rounds
+    names = [f"peer-{i}" for i in range(peers)]
+    logs, procs = {}, {}
+    common = ["--bucket", url, "--run", "bench", "--until-round", str(end), "--poll", str(poll)]
+    for name in ["scheduler", *names]:
+        logs[name] = open(tmp / f"{name}.log", "w")
+        args = ["aggregate"] if name == "scheduler" else ["worker", "--peer-id", name, "--threads", "1"]
+        procs[name] = subprocess.Popen([DEDLOC, *args, *common], env=ENV, stdout=logs[name],
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    bucket = Bucket(url)  # the harness's own reads are not counted against the peers
+    deadline = time.monotonic() + timeout_s
+    try:
+        start = None
+        while True:
+            if start is None and bucket.exists(run.keys.commit(warmup)):
+                start = _heartbeats(bucket, run.keys, names)
+            if all(p.poll() is not None for p in procs.values()):
+                break
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs.values()):
+                raise RuntimeError("collaboration failed or timed out:\n" + _tails(tmp, procs))
+            time.sleep(0.2)
+        stop = _heartbeats(bucket, run.keys, names)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        for f in logs.values():
+            f.close()
+    commits = [run.commit_of(s) for s in range(warmup, end + 1)]
+    span = commits[-1]["committed_at"] - commits[0]["committed_at"]
+    samples = sum(c["samples"] for c in commits[1:])
+    n = run.flat.n
+    window = {p: {k: stop[p][k] - start[p][k] for k in ("compute_s", "wall_s", "bytes_up", "bytes_down")}
+              for p in names if p in start and p in stop}
+    return {
+        "system": "dedloc-pipeline", "peers": peers, "micro_batch": micro_batch, "target": target,
+        "codec": codec, "delayed_updates": delayed, "rounds": rounds, "n_params": n,
+        "samples_per_s": samples / span, "s_per_round": span / rounds,
+        "compute_fraction": sum(w["compute_s"] / w["wall_s"] for w in window.values()) / len(window),
+        "up_bytes_per_param": sum(w["bytes_up"] for w in window.values()) / len(window) / rounds / n,
+        "down_bytes_per_param": sum(w["bytes_down"] for w in window.values()) / len(window) / rounds / n,
+        "stale_fraction": sum(s["stale_samples"] for c in commits[1:] for s in _shards(run, c)) / samples,
+    }
+
+
+def _shards(run, commit: dict) -> list[dict]:
+    """Stale-sample counts live in the round's CLOSE (kept forever, like COMMIT)."""
+    close = run.bucket.read_json(run.keys.close(commit["round"]))
+    return close["accepted"]
+
+
+def _tails(tmp: Path, procs: dict) -> str:
+    return "\n".join(f"--- {n} (exit {p.poll()}) ---\n{(tmp / f'{n}.log').read_text()[-2000:]}"
+                     for n, p in procs.items())
+
+
+def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float) -> float:
+    """One process, one thread, no collaboration: samples/s over ``seconds`` after a warm-up."""
+    import torch
+
+    from dedloc_pipeline.data import SyntheticSource
+    from dedloc_pipeline.model import build_model, pretraining_loss_sum
+
+    torch.set_num_threads(1)
+    model = build_model("tiny", 0)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.01)
+    src = SyntheticSource(model.config.vocab_size, 128, seed=0)
+    cursor, counted, t_start = 0, 0, None
+    t0 = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if t_start is None and now - t0 >= warmup_s:
+            t_start, counted = now, 0
+        if t_start is not None and now - t_start >= seconds:
+            return counted / (now - t_start)
+        loss = pretraining_loss_sum(model, src.batch("alone", cursor, micro_batch))
+        loss.backward()
+        cursor += micro_batch
+        counted += micro_batch
+        if cursor % target == 0:
+            for p in model.parameters():
+                p.grad /= target
+            opt.step()
+            opt.zero_grad()
+
+
+def limit(micro_batch: int = 8, target: int = 256, seconds: float = 30.0, warmup_s: float = 8.0,
+          processes: int | None = None) -> dict:
+    processes = processes or os.cpu_count()
+    cmd = [sys.executable, "-m", "benchmarks.collab", "alone", str(micro_batch), str(target), str(seconds),
+           str(warmup_s)]
+    procs = [subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+    rates = [float(p.communicate(timeout=seconds + warmup_s + 120)[0].strip().splitlines()[-1]) for p in procs]
+    return {"system": "no collaboration", "processes": processes, "micro_batch": micro_batch,
+            "samples_per_s": sum(rates), "per_process": rates}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["alone"]:
+        mb, tgt, secs, wu = sys.argv[2:6]
+        print(_train_alone(int(mb), int(tgt), float(secs), float(wu)))
+    else:
+        print(json.dumps({"ours": collaborate(), "limit": limit()}, indent=1))

@@ -27,7 +27,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -77,17 +76,6 @@ class ShardTarget:
     grad_format: VectorFormat
 
 
-def _init_writer() -> None:
-    """Pool initializer: make ``dedloc_pipeline.shard`` importable without torch.
-
-    shard.py imports ``Run`` from run.py (torch, transformers) only to annotate ``upload``;
-    a stand-in module under that name lets it load, and ``upload`` gets a ShardTarget instead.
-    """
-    stub = types.ModuleType("dedloc_pipeline.run")
-    stub.Run = object
-    sys.modules.setdefault("dedloc_pipeline.run", stub)
-
-
 @functools.lru_cache(maxsize=None)
 def _target(url: str, run_name: str, n: int) -> ShardTarget:
     bucket, keys = Bucket(url), RunLayout(run_name)
@@ -98,7 +86,7 @@ def _target(url: str, run_name: str, n: int) -> ShardTarget:
 
 def _write_shard(job: tuple[str, str, int, int]) -> None:
     """Encode and upload peer i's shard of round 0 (chunks, then its manifest)."""
-    from dedloc_pipeline.shard import DataRef, upload  # after _init_writer's stand-in
+    from dedloc_pipeline.shard import DataRef, upload
 
     url, run_name, n, i = job
     target = _target(url, run_name, n)
@@ -206,7 +194,7 @@ def run(peers=(16, 64, 256), n: int = 1_000_000) -> dict:
     configs = [(p, n) for p in peers] + [(p, 4 * n) for p in sorted(peers)[:2]]
     try:
         bucket = Bucket(f"file://{root}")
-        writers = mp.get_context("spawn").Pool(2, initializer=_init_writer)
+        writers = mp.get_context("spawn").Pool(2)
         try:
             writers.map(_torch_loaded, range(2))  # the writers' start-up is not timed
             with ThreadPoolExecutor(2) as threads:

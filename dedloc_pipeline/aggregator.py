@@ -18,6 +18,7 @@ from . import codec, optim
 from .run import Run, RunError
 
 log = logging.getLogger(__name__)
+READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, memory stays bounded
 
 
 def _close(run: Run, r: int) -> dict:
@@ -36,11 +37,15 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     close = _close(run, r)
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
-    fmt = run.grad_format
+    fmt, accepted = run.grad_format, close["accepted"]
     total = np.zeros(hi - lo, np.float64)
-    for shard in close["accepted"]:
-        arrays = codec.read_vector(bucket, shard["key"], fmt, chunks, shard["checksums"], raw=True)
-        codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
+    for i in range(0, len(accepted), READ_BATCH):
+        batch = accepted[i:i + READ_BATCH]
+        found = codec.read_vectors(bucket, [s["key"] for s in batch], fmt, chunks, [s["checksums"] for s in batch])
+        for shard, arrays in zip(batch, found):
+            if isinstance(arrays, codec.CorruptShard):  # changed after CLOSE: refuse, never skip
+                raise arrays
+            codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
     grad = (total / close["samples"]).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}

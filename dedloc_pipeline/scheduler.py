@@ -28,26 +28,28 @@ class Scheduler:
         """Validate every manifest of round r (each new one once); (accepted, rejected)."""
         bucket, keys = self.run.bucket, self.run.keys
         manifests = [k for k in bucket.find(keys.manifests_dir(r)) if keys.shard_of(k) not in skip]
-        raw = bucket.read_many(manifests)
+        raw = {k: v for k, v in bucket.read_many(manifests).items() if v is not None}
+        new = [k for k, v in raw.items() if self._seen.get(k, (None,))[0] != v]
+        with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
+            for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k]), new)):
+                self._seen[mkey] = (raw[mkey], verdict)
         accepted, rejected = [], []
-        for mkey, data in raw.items():
-            if data is None:
-                continue
-            shard = keys.shard_of(mkey)
-            seen = self._seen.get(mkey)
-            if seen is None or seen[0] != data:
-                try:
-                    verdict: dict | str = validate(self.run, r, shard, data)
-                except Rejected as exc:
-                    verdict = str(exc)
-                    log.warning("round %d: rejected shard %s: %s", r, shard, verdict)
-                self._seen[mkey] = (data, verdict)
-            verdict = self._seen[mkey][1]
+        for mkey in raw:
+            shard, verdict = keys.shard_of(mkey), self._seen[mkey][1]
             if isinstance(verdict, str):
                 rejected.append({"key": shard, "reason": verdict})
             else:
                 accepted.append(verdict)
         return accepted, rejected
+
+    def _check(self, r: int, mkey: str, data: bytes) -> dict | str:
+        """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
+        shard = self.run.keys.shard_of(mkey)
+        try:
+            return validate(self.run, r, shard, data)
+        except Rejected as exc:
+            log.warning("round %d: rejected shard %s: %s", r, shard, exc)
+            return str(exc)
 
     def _late(self, r: int) -> list[dict]:
         """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``)."""

@@ -11,13 +11,16 @@ import hashlib
 import json
 import math
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from . import codec
 from .layout import LAYOUT_VERSION
-from .run import Run
+
+if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
+    from .run import Run
 
 PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 

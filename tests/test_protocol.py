@@ -82,6 +82,8 @@ def test_shard_without_manifest_is_never_read(make_run):
     ("nan", "non-finite gradient"),
     ("huge", "gradient norm"),
     ("corrupt_chunk", "checksum"),
+    ("garbage_chunk", "undecodable chunk"),
+    ("missing_chunk", "checksum"),
     ("zero_samples", "malformed manifest"),
 ])
 def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
@@ -106,6 +108,10 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         shutil.copy(run.bucket.path(f"{other}/values/c/1"), run.bucket.path(f"{key}/values/c/1"))
         run.bucket.delete(other)
         run.bucket.delete(run.keys.manifest(other))
+    if fault == "garbage_chunk":
+        run.bucket.write_bytes(f"{key}/values/c/1", np.random.default_rng(0).bytes(5000))
+    if fault == "missing_chunk":  # zarr reads a missing chunk as zeros: the checksum catches it
+        run.bucket.delete(f"{key}/values/c/1")
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert [s["peer"] for s in close["accepted"]] == ["honest"]

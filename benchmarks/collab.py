@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+
 DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -38,7 +40,7 @@ def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, dict]:
 
 def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8",
                 warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
-                timeout_s: float = 600) -> dict:
+                timeout_s: float = 600, worker_args: tuple[str, ...] = ()) -> dict:
     from dedloc_pipeline.config import recipe_config
     from dedloc_pipeline.run import Run, init_run
     from dedloc_pipeline.storage import Bucket
@@ -54,16 +56,22 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     common = ["--bucket", url, "--run", "bench", "--until-round", str(end), "--poll", str(poll)]
     for name in ["scheduler", *names]:
         logs[name] = open(tmp / f"{name}.log", "w")
-        args = ["aggregate"] if name == "scheduler" else ["worker", "--peer-id", name, "--threads", "1"]
+        args = ["aggregate"] if name == "scheduler" else ["worker", "--peer-id", name, "--threads", "1",
+                                                          *worker_args]
         procs[name] = subprocess.Popen([DEDLOC, *args, *common], env=ENV, stdout=logs[name],
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     bucket = Bucket(url)  # the harness's own reads are not counted against the peers
+    handles = {n: psutil.Process(p.pid) for n, p in procs.items()}
     deadline = time.monotonic() + timeout_s
+    stop_cpu: dict = {}
     try:
         start = None
         while True:
             if start is None and bucket.exists(run.keys.commit(warmup)):
                 start = _heartbeats(bucket, run.keys, names)
+                cpu0 = {n: _cpu(h) for n, h in handles.items()}
+            if start is not None and not stop_cpu and bucket.exists(run.keys.commit(end)):
+                stop_cpu = {n: _cpu(h) for n, h in handles.items()}
             if all(p.poll() is not None for p in procs.values()):
                 break
             if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs.values()):
@@ -90,7 +98,18 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
         "up_bytes_per_param": sum(w["bytes_up"] for w in window.values()) / len(window) / rounds / n,
         "down_bytes_per_param": sum(w["bytes_down"] for w in window.values()) / len(window) / rounds / n,
         "stale_fraction": sum(s["stale_samples"] for c in commits[1:] for s in _shards(run, c)) / samples,
+        # where the machine's CPU went in the window: share of (cores x window) per role
+        "cpu_share": {"scheduler": (stop_cpu["scheduler"] - cpu0["scheduler"]) / span / os.cpu_count(),
+                      "workers": sum(stop_cpu[p] - cpu0[p] for p in names) / span / os.cpu_count()},
     }
+
+
+def _cpu(proc) -> float:
+    try:
+        t = proc.cpu_times()
+        return t.user + t.system
+    except psutil.NoSuchProcess:  # exited right at the end: its last reading is lost
+        return float("nan")
 
 
 def _shards(run, commit: dict) -> list[dict]:
@@ -129,7 +148,8 @@ def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float)
         counted += micro_batch
         if cursor % target == 0:
             for p in model.parameters():
-                p.grad /= target
+                if p.grad is not None:  # the sentence-order head has none on synthetic data
+                    p.grad /= target
             opt.step()
             opt.zero_grad()
 

@@ -36,7 +36,8 @@ def _table(title: str, columns: list[str], rows: list[list]) -> Table:
 
 def throughput(out: dict) -> Table:
     ours = collab.collaborate(delayed=True)
-    out["throughput"] = res = {"ours": ours, "limit": collab.limit()}
+    out["throughput"] = res = {"ours": ours, "limit": collab.limit(),
+                               "limit_per_peer": collab.limit(processes=ours["peers"])}
     try:
         res["hivemind"] = hivemind_peers.run()
     except ImportError as exc:
@@ -48,7 +49,8 @@ def throughput(out: dict) -> Table:
     rows = [[name, r.get("samples_per_s", "-"), r.get("s_per_round", "-"), r.get("compute_fraction", "-"),
              r["samples_per_s"] / lim if "samples_per_s" in r else "-"]
             for name, r in (("dedloc-pipeline", ours), ("hivemind 1.1.12", res["hivemind"]),
-                            ("limit: no collaboration", res["limit"]))]
+                            ("limit: no collaboration, a process per core", res["limit"]),
+                            ("no collaboration, a process per peer", res["limit_per_peer"]))]
     return _table("1. throughput: tiny, 4 peers, micro-batch 8, target 256, int8",
                   ["system", "samples/s", "s/round", "compute fraction", "of limit"], rows)
 

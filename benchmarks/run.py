@@ -19,8 +19,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from . import aggregation, collab, hivemind_peers, scale, wire
-
 console = Console()
 BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale")
 
@@ -34,7 +32,12 @@ def _table(title: str, columns: list[str], rows: list[list]) -> Table:
     return t
 
 
+# Each runner imports its benchmark: the scale benchmark's spawned writers re-import this module
+# and must stay light (no torch).
+
 def throughput(out: dict) -> Table:
+    from . import collab, hivemind_peers
+
     ours = collab.collaborate(delayed=True)
     out["throughput"] = res = {"ours": ours, "limit": collab.limit(),
                                "limit_per_peer": collab.limit(processes=ours["peers"])}
@@ -56,6 +59,8 @@ def throughput(out: dict) -> Table:
 
 
 def compute(out: dict) -> Table:
+    from . import collab
+
     on = out.get("throughput", {}).get("ours") or collab.collaborate(delayed=True)
     off = collab.collaborate(delayed=False)
     out["compute"] = {"delayed": on, "not_delayed": off}
@@ -66,6 +71,8 @@ def compute(out: dict) -> Table:
 
 
 def wire_(out: dict) -> Table:
+    from . import wire
+
     out["wire"] = res = wire.run()
     rows = [[c["codec"], c["download_codec"], c["up_bytes_per_param"], c["down_bytes_per_param"],
              c["total_bytes_per_param"], c["loss_max_rel_dev"]] for c in res["cases"]]
@@ -74,12 +81,16 @@ def wire_(out: dict) -> Table:
 
 
 def aggregation_(out: dict) -> Table:
+    from . import aggregation
+
     out["aggregation"] = res = aggregation.run()
     return _table("3. aggregation: 16 int8 shards of 10M parameters, file://", ["step", "seconds", "× lower bound"],
                   [[k, v["seconds"], v.get("ratio", "-")] for k, v in res["timings"].items()])
 
 
 def scale_(out: dict) -> Table:
+    from . import scale
+
     out["scale"] = res = scale.run()
     rows = [[c["peers"], c["n_params"], c["validate_s"], c["finish_s"], c["requests"]] for c in res["cases"]]
     return _table("5. scale: simulated peers per round (1M parameters)",

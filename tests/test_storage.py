@@ -108,3 +108,29 @@ def test_s3_markers_use_conditional_writes(s3_bucket):
     with pytest.raises(FileExistsError):
         s3_bucket.fs.pipe_file(s3_bucket.path("x/M.json"), b"2", mode="create")
     assert json.loads(s3_bucket.read_bytes("x/M.json")) == 1
+
+
+def test_io_stats_count_every_request_and_byte(any_bucket):
+    """What benchmarks and heartbeats report as traffic: the Bucket's calls and its zarr stores'."""
+    import numpy as np
+
+    from dedloc_pipeline import codec
+
+    b = any_bucket
+    b.write_bytes("t/a.bin", b"x" * 1000)
+    assert b.read_bytes("t/a.bin") == b"x" * 1000 and b.read_bytes("t/none") is None
+    b.read_many(["t/a.bin", "t/none"])
+    b.exists("t/a.bin")
+    b.find("t")
+    got = b.stats.snapshot()
+    assert got["requests"] == {"put": 1, "get": 4, "head": 1, "list": 1}
+    assert got["bytes_written"] == 1000 and got["bytes_read"] == 2000
+    fmt = codec.VectorFormat("none", 1000, 500, 100)
+    codec.write_vector(b, "t/v", fmt, {"values": np.arange(1000, dtype=np.float32)})
+    wrote = b.stats.snapshot()["bytes_written"] - 1000
+    assert 1000 < wrote < 4000 + 1000  # two compressed chunks and the array's metadata
+    before = b.stats.snapshot()
+    codec.read_vector(b, "t/v", fmt, range(1, 2))
+    after = b.stats.snapshot()
+    assert after["requests"]["get"] - before["requests"]["get"] == 2  # metadata and one chunk
+    assert 0 < after["bytes_read"] - before["bytes_read"] < wrote

@@ -38,7 +38,7 @@ def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, dict]:
     return found
 
 
-def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8",
+def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8", preset: str = "tiny",
                 warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
                 timeout_s: float = 600, worker_args: tuple[str, ...] = ()) -> dict:
     from dedloc_pipeline.config import recipe_config
@@ -47,7 +47,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
 
     tmp = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
     url = f"file://{tmp}/bucket"
-    cfg = recipe_config("bench", "tiny", target_batch_size=target, micro_batch=micro_batch, codec=codec,
+    cfg = recipe_config("bench", preset, target_batch_size=target, micro_batch=micro_batch, codec=codec,
                         delayed_updates=delayed)
     run = init_run(Bucket(url), cfg)
     end = warmup + rounds
@@ -91,7 +91,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     window = {p: {k: stop[p][k] - start[p][k] for k in ("compute_s", "wall_s", "bytes_up", "bytes_down")}
               for p in names if p in start and p in stop}
     return {
-        "system": "dedloc-pipeline", "peers": peers, "micro_batch": micro_batch, "target": target,
+        "system": "dedloc-pipeline", "preset": preset, "peers": peers, "micro_batch": micro_batch, "target": target,
         "codec": codec, "delayed_updates": delayed, "rounds": rounds, "n_params": n,
         "samples_per_s": samples / span, "s_per_round": span / rounds,
         "compute_fraction": sum(w["compute_s"] / w["wall_s"] for w in window.values()) / len(window),

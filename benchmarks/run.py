@@ -97,11 +97,22 @@ def scale_(out: dict) -> Table:
                   ["peers", "params", "validate s", "reduce+apply s", "requests"], rows)
 
 
+def gpu(out: dict) -> Table:
+    """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
+    from . import collab
+
+    out["gpu"] = r = collab.collaborate(peers=1, preset="sahajbert", micro_batch=8, target=128, warmup=1,
+                                        rounds=3, worker_args=("--device", "cuda"), timeout_s=540)
+    return _table("sahajbert worker on the GPU (ALBERT-large, sequence 512, micro-batch 8, target 128)",
+                  ["samples/s", "s/round", "compute fraction"],
+                  [[r["samples_per_s"], r["s_per_round"], r["compute_fraction"]]])
+
+
 RUNNERS = {"throughput": throughput, "wire": wire_, "aggregation": aggregation_, "compute": compute,
-           "scale": scale_}
+           "scale": scale_, "gpu": gpu}
 
 
-def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}"),
+def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu"),
          out_dir: Path = typer.Option(Path(".dedloc/bench"), help="where results.json goes")):
     """Run the benchmarks and write OUT_DIR/results.json."""
     names = only or list(BENCHMARKS)

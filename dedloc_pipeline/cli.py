@@ -160,6 +160,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            threads: Optional[int] = typer.Option(None, help="torch threads"),
            micro_batch: Optional[int] = typer.Option(None, help="this volunteer's micro-batch"),
            poll: float = typer.Option(1.0, help="seconds between bucket polls"),
+           device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
            verbose: bool = True):
     """Join a run as a volunteer: compute gradients and upload shards."""
     _setup(verbose)
@@ -169,7 +170,11 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     try:
         if peer_id is not None and not re.match(PEER_ID, peer_id):
             raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
-        w = Worker(_open(bucket, run, endpoint_url), peer_id, micro_batch, threads, poll_s=poll)
+        import torch
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
+        w = Worker(_open(bucket, run, endpoint_url), peer_id, micro_batch, threads, poll_s=poll, device=device)
         state = w.serve(until_round)
         typer.echo(f"{w.peer}: stopped at state {state}; uploaded {w.uploaded_samples} samples")
     except _ERRORS as exc:

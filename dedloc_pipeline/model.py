@@ -83,7 +83,7 @@ class FlatLayout:
     def get(self) -> np.ndarray:
         out = np.empty(self.n, np.float32)
         for t in self.tensors:
-            out[t.offset:t.offset + t.size] = self._params[t.name].detach().reshape(-1).numpy()
+            out[t.offset:t.offset + t.size] = self._params[t.name].detach().reshape(-1).cpu().numpy()
         return out
 
     def set(self, flat: np.ndarray) -> None:
@@ -97,7 +97,7 @@ class FlatLayout:
         for t in self.tensors:
             g = self._params[t.name].grad
             if g is not None:
-                out[t.offset:t.offset + t.size] = g.reshape(-1).numpy()
+                out[t.offset:t.offset + t.size] = g.reshape(-1).cpu().numpy()
         return out
 
 
@@ -113,7 +113,7 @@ def pretraining_losses(model: AlbertForPreTraining, batch: dict[str, torch.Tenso
     labels = batch["labels"]
     masked = labels != -100
     tok = F.cross_entropy(model.predictions(out.last_hidden_state[masked]), labels[masked], reduction="none")
-    per_sample = torch.zeros(len(labels), dtype=tok.dtype).index_add(0, masked.nonzero()[:, 0], tok)
+    per_sample = torch.zeros(len(labels), dtype=tok.dtype, device=tok.device).index_add(0, masked.nonzero()[:, 0], tok)
     mlm = per_sample / masked.sum(1).clamp(min=1)
     sop_logits = model.sop_classifier(out.pooler_output)
     sop = batch.get("sentence_order_label")

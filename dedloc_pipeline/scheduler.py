@@ -106,6 +106,8 @@ class Scheduler:
             return False
         self.finish(r, pool)
         prune(self.run, r + 1)
+        current = f"{self.run.keys.round(r)}/"  # verdicts older than the closed round: never asked again
+        self._seen = {k: v for k, v in self._seen.items() if k.startswith(current)}
         return True
 
     def serve(self, until_round: int | None = None, max_wait_s: float | None = None) -> int:

@@ -48,7 +48,8 @@ class RoundView:
 
 class Worker:
     def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
-                 threads: int | None = None, delayed: bool | None = None, poll_s: float = 1.0):
+                 threads: int | None = None, delayed: bool | None = None, poll_s: float = 1.0,
+                 device: str = "cpu"):
         self.run = run
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.micro_batch = micro_batch or run.config.micro_batch
@@ -56,7 +57,8 @@ class Worker:
         self.poll_s = poll_s
         if threads:
             torch.set_num_threads(threads)
-        self.model = run.build_model()
+        self.device = torch.device(device)
+        self.model = run.build_model().to(self.device)
         self.flat = FlatLayout(self.model)
         cfg = run.config
         self.source = make_source(run, owner=self.peer)
@@ -203,12 +205,12 @@ class Worker:
             self.acc = Accumulator(round=round_)
             self.model.zero_grad(set_to_none=False)
         acc, n = self.acc, self.micro_batch
-        batch = self.source.batch(self.peer, self.cursor, n)
+        batch = {k: v.to(self.device) for k, v in self.source.batch(self.peer, self.cursor, n).items()}
         t0 = time.perf_counter()
         loss = pretraining_loss_sum(self.model, batch)
         loss.backward()
+        acc.loss_sum += loss.item()  # waits for the device: the timer covers the whole step
         self.compute_s += time.perf_counter() - t0
-        acc.loss_sum += loss.item()
         if acc.ranges and acc.ranges[-1][0] + acc.ranges[-1][1] == self.cursor:
             acc.ranges[-1][1] += n
         else:

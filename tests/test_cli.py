@@ -11,6 +11,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from .conftest import small_config
@@ -144,6 +145,13 @@ def test_bad_peer_id(trained):
     url, run, _ = trained
     line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--peer-id", "no spaces/please"))
     assert "peer id" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_worker_on_a_missing_gpu(trained):
+    url, run, _ = trained
+    line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--device", "cuda"))
+    assert "no CUDA device" in line
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 # (gradient codec, parameter-delta codec); None is the run's default for that codec
-CASES = [("none", None), ("fp16", None), ("int8", "int8"), ("int8", None)]
+CASES = [("none", None), ("fp16", None), ("int8", "int8"), ("int8", None), ("int4", None)]
 
 
 def _lockstep(url: str, name: str, peers: int, rounds: int, warmup: int):

@@ -156,7 +156,7 @@ class PairSource:
         raw = self.bucket.read_bytes(meta["key"])
         if raw is None or hashlib.blake2b(raw, digest_size=16).hexdigest() != meta["blake2b"]:
             raise DataError(f"data shard {meta['key']} is missing or does not match its hash in DATA.json")
-        with np.load(io.BytesIO(raw)) as z:
+        with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
 
     # samples
@@ -197,7 +197,7 @@ def unigram_log_probs(bucket: Bucket, name: str, vocab_size: int) -> np.ndarray:
     raw = bucket.read_bytes(meta["key"]) if meta else None
     if raw is None or hashlib.blake2b(raw, digest_size=16).hexdigest() != meta["blake2b"]:
         raise DataError(f"data set {name!r} has no intact unigram counts (make it again with the tokenize flow)")
-    with np.load(io.BytesIO(raw)) as z:
+    with np.load(io.BytesIO(raw), allow_pickle=False) as z:
         counts = np.zeros(vocab_size)
         counts[:len(z["counts"])] = z["counts"][:vocab_size]
     return np.log((counts + 1) / (counts.sum() + vocab_size)).astype(np.float32)

@@ -89,8 +89,9 @@ def _zigzag(codes: np.ndarray) -> np.ndarray:
     return (codes.view(np.uint8) << 1) ^ (codes >> 7).view(np.uint8)
 
 
-def _unzigzag(z: np.ndarray) -> np.ndarray:
-    return (z >> 1).view(np.int8) ^ -(z & 1).view(np.int8)
+def _levels(z: np.ndarray) -> np.ndarray:
+    """Stored (zigzag-folded) codes back to their signed levels, as float32."""
+    return ((z >> 1).view(np.int8) ^ -(z & 1).view(np.int8)).astype(np.float32)
 
 
 def _per_block(values: np.ndarray, factors: np.ndarray, block: int) -> np.ndarray:
@@ -106,7 +107,7 @@ def decode(arrays: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
     """Exact inverse of the codec's rounding: deterministic, so every peer gets the same bits."""
     if codec in ("none", "fp16"):
         return arrays["values"].astype(np.float32)
-    return _per_block(_unzigzag(arrays["codes"]).astype(np.float32), arrays["scales"], block)
+    return _per_block(_levels(arrays["codes"]), arrays["scales"], block)
 
 
 def accumulate(total: np.ndarray, arrays: dict[str, np.ndarray], codec: str, block: int,
@@ -115,8 +116,7 @@ def accumulate(total: np.ndarray, arrays: dict[str, np.ndarray], codec: str, blo
     if codec in ("none", "fp16"):
         total += arrays["values"].astype(np.float64) * weight
         return
-    total += _per_block(_unzigzag(arrays["codes"]).astype(np.float32), arrays["scales"] * np.float32(weight),
-                        block)
+    total += _per_block(_levels(arrays["codes"]), arrays["scales"] * np.float32(weight), block)
 
 
 def squared_norm(arrays: dict[str, np.ndarray], codec: str, block: int) -> float:
@@ -125,7 +125,7 @@ def squared_norm(arrays: dict[str, np.ndarray], codec: str, block: int) -> float
         v = arrays["values"].astype(np.float64)
         return float(v @ v)
     scales = arrays["scales"].astype(np.float64)
-    levels = _unzigzag(arrays["codes"]).astype(np.float32)
+    levels = _levels(arrays["codes"])
     full = len(levels) // block
     sums = np.einsum("ij,ij->i", *[levels[: full * block].reshape(full, block)] * 2)
     tail = levels[full * block:]

@@ -4,6 +4,11 @@ A reader trusts only markers, so plain writes only need to be whole when they la
 files are written to a temporary name and renamed; S3 PUTs are atomic by nature. Markers that
 must exist at most once (CLOSE, COMMIT) are created with ``create``: ``If-None-Match: *`` on
 S3, a hard link on local disks.
+
+Every request, the Bucket's own and its zarr stores' chunk I/O, goes through one retry policy:
+a request that fails or times out is tried again, and since a reply can be lost after the
+request took effect, every write is safe to repeat (``create`` included: finding its own bytes
+already there counts as created).
 """
 
 from __future__ import annotations
@@ -12,17 +17,18 @@ import functools
 import json
 import logging
 import os
-import tempfile
 import threading
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import zarr
 from tenacity import (
+    AsyncRetrying,
+    Retrying,
     before_sleep_log,
-    retry,
     retry_if_exception,
     stop_after_attempt,
     stop_after_delay,
@@ -68,37 +74,43 @@ class IOStats:
                     "bytes_written": self.bytes_written}
 
 
-class _CountingStore(zarr.storage.WrapperStore):
-    """A zarr store that adds its requests and bytes to an IOStats."""
+class _BucketStore(zarr.storage.WrapperStore):
+    """A bucket's zarr store: chunk I/O retried like the Bucket's own calls, and counted."""
 
-    def __init__(self, store, stats: IOStats):
+    def __init__(self, store, bucket: "Bucket"):
         super().__init__(store)
-        self.stats = stats
+        self.bucket = bucket
 
     def _with_store(self, store):
-        return type(self)(store, self.stats)
+        return type(self)(store, self.bucket)
+
+    async def _call(self, fn, *args):
+        try:
+            return await AsyncRetrying(**self.bucket.retry.tenacity())(fn, *args)
+        except Exception as exc:
+            raise _gave_up(self.bucket, exc) from exc
 
     async def get(self, key, prototype, byte_range=None):
-        buf = await self._store.get(key, prototype, byte_range)
-        self.stats.add("get", read=0 if buf is None else len(buf))
+        buf = await self._call(self._store.get, key, prototype, byte_range)
+        self.bucket.stats.add("get", read=0 if buf is None else len(buf))
         return buf
 
     async def get_partial_values(self, prototype, key_ranges):
-        bufs = await self._store.get_partial_values(prototype, key_ranges)
-        self.stats.add("get", read=sum(len(b) for b in bufs if b is not None), n=len(bufs))
+        bufs = await self._call(self._store.get_partial_values, prototype, key_ranges)
+        self.bucket.stats.add("get", read=sum(len(b) for b in bufs if b is not None), n=len(bufs))
         return bufs
 
     async def set(self, key, value):
-        await self._store.set(key, value)
-        self.stats.add("put", written=len(value))
+        await self._call(self._store.set, key, value)
+        self.bucket.stats.add("put", written=len(value))
 
     async def exists(self, key):
-        self.stats.add("head")
-        return await self._store.exists(key)
+        self.bucket.stats.add("head")
+        return await self._call(self._store.exists, key)
 
     async def delete(self, key):
-        self.stats.add("delete")
-        return await self._store.delete(key)
+        self.bucket.stats.add("delete")
+        return await self._call(self._store.delete, key)
 
 
 def _transient(exc: BaseException) -> bool:
@@ -107,24 +119,38 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, (OSError, TimeoutError, ConnectionError)) and not isinstance(exc, _PERMANENT)
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff, bounded in attempts and in time."""
+
+    attempts: int = 6
+    wait_s: float = 0.2
+    max_wait_s: float = 5.0
+    deadline_s: float = 60.0
+
+    def tenacity(self) -> dict:
+        return dict(retry=retry_if_exception(_transient),
+                    wait=wait_exponential(multiplier=self.wait_s, max=self.max_wait_s),
+                    stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline_s),
+                    before_sleep=before_sleep_log(log, logging.WARNING), reraise=True)
+
+
+def _gave_up(bucket: "Bucket", exc: Exception) -> Exception:
+    return StorageError(f"bucket {bucket.url} unreachable: {exc}") if _transient(exc) else exc
+
+
 def _retried(fn):
-    """Retry transient storage errors with exponential backoff, bounded in attempts and time."""
-    inner = retry(
-        retry=retry_if_exception(_transient),
-        wait=wait_exponential(multiplier=0.2, max=5),
-        stop=stop_after_attempt(6) | stop_after_delay(60),
-        before_sleep=before_sleep_log(log, logging.WARNING),
-        reraise=True,
-    )(fn)
+    """Retry transient storage errors with the bucket's policy; then a StorageError."""
 
     @functools.wraps(fn)
     def wrapper(self, *a, **kw):
         try:
-            return inner(self, *a, **kw)
+            return Retrying(**self.retry.tenacity())(fn, self, *a, **kw)
         except Exception as exc:
-            if _transient(exc):
-                raise StorageError(f"bucket {self.url} unreachable: {exc}") from exc
-            raise
+            err = _gave_up(self, exc)
+            if err is exc:
+                raise
+            raise err from exc
 
     return wrapper
 
@@ -133,8 +159,8 @@ class Bucket:
     """One bucket URL (``file://``, a plain path, ``s3://``, ``memory://``)."""
 
     def __init__(self, url: str, endpoint_url: str | None = None, storage_options: dict | None = None,
-                 timeout: float = 30.0):
-        self.url = url.rstrip("/")
+                 timeout: float = 30.0, retry: RetryPolicy = RetryPolicy()):
+        self.url, self.retry = url.rstrip("/"), retry
         protocol, _, rest = self.url.partition("://")
         if not rest:
             protocol, rest = "file", os.path.abspath(self.url)
@@ -154,7 +180,7 @@ class Bucket:
         self.root = rest if self.local else self.fs._strip_protocol(self.url)
         self.stats = IOStats()
         if self.local:
-            os.makedirs(self.root, exist_ok=True)
+            self.fs.makedirs(self.root, exist_ok=True)
 
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"
@@ -231,35 +257,37 @@ class Bucket:
             self.fs.pipe_file(path, data)
             return
         tmp = self._local_tmp(path, data)
-        os.replace(tmp, path)
+        try:
+            self.fs.mv(tmp, path)
+        finally:
+            self._discard(tmp)
 
     def write_json(self, key: str, obj: Any) -> None:
         self.write_bytes(key, _dumps(obj))
 
     @_retried
     def create(self, key: str, data: bytes) -> bool:
-        """Write ``key`` only if it does not exist yet. True if this call created it."""
+        """Write ``key`` only if it does not exist yet. True if this call created it, or an
+        earlier attempt of it did (the same bytes are there: its reply was lost)."""
         path = self.path(key)
         self.stats.add("put", written=len(data))
-        if self.local:
-            tmp = self._local_tmp(path, data)
-            try:
-                os.link(tmp, path)
-                return True
-            except FileExistsError:
-                return False
-            finally:
-                os.unlink(tmp)
-        if self.protocol == "memory":
-            if self.fs.exists(path):
-                return False
-            self.fs.pipe_file(path, data)
-            return True
         try:
-            self.fs.pipe_file(path, data, mode="create")
+            if self.local:
+                tmp = self._local_tmp(path, data)
+                try:
+                    self.fs.link(tmp, path)
+                finally:
+                    self._discard(tmp)
+            elif self.protocol == "memory":
+                if self.fs.exists(path):
+                    raise FileExistsError(path)
+                self.fs.pipe_file(path, data)
+            else:
+                self.fs.pipe_file(path, data, mode="create")
             return True
         except FileExistsError:
-            return False
+            self.stats.add("get")
+            return self.fs.cat_file(path) == data
 
     def create_json(self, key: str, obj: Any) -> bool:
         return self.create(key, _dumps(obj))
@@ -273,21 +301,34 @@ class Bucket:
             pass
 
     def _local_tmp(self, path: str, data: bytes) -> str:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{uuid.uuid4().hex[:8]}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        """A whole copy beside ``path``, under a hidden name, to be renamed or linked into place."""
+        head, name = path.rsplit("/", 1)
+        self.fs.makedirs(head, exist_ok=True)
+        tmp = f"{head}/.{uuid.uuid4().hex[:8]}.{name}"
+        try:
+            self.fs.pipe_file(tmp, data)
+        except BaseException:
+            self._discard(tmp)
+            raise
         return tmp
+
+    def _discard(self, tmp: str) -> None:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
     # arrays
     def zarr_store(self, key: str):
-        """A zarr store rooted at ``key`` (zarr 3 needs an async filesystem for remote URLs)."""
+        """A zarr store rooted at ``key``, retried and counted."""
+        return _BucketStore(self._store(key), self)
+
+    def _store(self, key: str):
+        """The backend's own store (zarr 3 needs an async filesystem for remote URLs)."""
         if self.local:
-            store = zarr.storage.LocalStore(self.path(key))
-        else:
-            store = zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
-                                                      storage_options=self.options or None)
-        return _CountingStore(store, self.stats)
+            return zarr.storage.LocalStore(self.path(key))
+        return zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
+                                                 storage_options=self.options or None)
 
 
 def _dumps(obj: Any) -> bytes:

@@ -15,7 +15,9 @@ from pydantic import ValidationError
 from typer.core import TyperGroup
 
 from .config import CloseRule, recipe_config
+from . import identity
 from .data import DataError
+from .identity import IdentityError
 from .run import Run, RunError, init_run
 from .storage import Bucket, StorageError
 
@@ -116,7 +118,7 @@ def _open(bucket: str, run: str, endpoint: str | None) -> Run:
     return Run(Bucket(bucket, endpoint_url=endpoint), run)
 
 
-_ERRORS = (RunError, DataError, StorageError, ValueError, ValidationError, FileNotFoundError, PermissionError)
+_ERRORS = (RunError, DataError, StorageError, IdentityError, ValueError, ValidationError, FileNotFoundError, PermissionError)
 
 
 @app.command()
@@ -135,15 +137,18 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          late_shards: str = typer.Option("reject", help="reject | fold (count in the next round)"),
          delayed_updates: bool = typer.Option(True, help="keep computing while a round is reduced"),
          peer_timeout: float = typer.Option(20.0, help="seconds before a silent peer counts as gone"),
+         organizer_key: Optional[str] = typer.Option(
+             None, help="your private key (`dedloc keygen`): admit only shards of volunteers you enrol"),
          verbose: bool = False):
     """Create a run in the bucket and commit state 0."""
     _setup(verbose)
     try:
+        org = identity.public(identity.load(organizer_key)) if organizer_key else None
         cfg = recipe_config(run, preset, data=data, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
                             micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
                             download_codec=download_codec.value if download_codec else None,
                             block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
-                            delayed_updates=delayed_updates, peer_timeout_s=peer_timeout,
+                            delayed_updates=delayed_updates, peer_timeout_s=peer_timeout, organizer_key=org,
                             optimizer={"name": optimizer.value if optimizer else None, "lr": lr},
                             close=CloseRule(timeout_s=close_timeout, min_fraction=min_fraction,
                                             late_shards=late_shards))
@@ -161,6 +166,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            micro_batch: Optional[int] = typer.Option(None, help="this volunteer's micro-batch"),
            poll: float = typer.Option(1.0, help="seconds between bucket polls"),
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
+           key: Optional[str] = typer.Option(None, envvar="DEDLOC_KEY",
+                                             help="your private key: signs your shards (runs that require it)"),
            verbose: bool = True):
     """Join a run as a volunteer: compute gradients and upload shards."""
     _setup(verbose)
@@ -174,7 +181,9 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
-        w = Worker(_open(bucket, run, endpoint_url), peer_id, micro_batch, threads, poll_s=poll, device=device)
+        signer = identity.load(key) if key else None
+        w = Worker(_open(bucket, run, endpoint_url), peer_id, micro_batch, threads, poll_s=poll, device=device,
+                   signer=signer)
         state = w.serve(until_round)
         typer.echo(f"{w.peer}: stopped at state {state}; uploaded {w.uploaded_samples} samples")
     except _ERRORS as exc:
@@ -213,6 +222,75 @@ def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
         typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
     except _ERRORS as exc:
         _fail(exc)
+
+
+@app.command()
+def keygen(out: str = typer.Option(..., help="file for the new private key (kept secret, never overwritten)")):
+    """Make a volunteer's or organizer's Ed25519 key pair; prints the public key to share."""
+    try:
+        pub = identity.public(identity.generate(out))
+    except _ERRORS as exc:
+        _fail(exc)
+    typer.echo(f"private key: {out} (keep it secret)\npublic key: {pub}")
+
+
+@app.command()
+def enroll(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           organizer_key: str = typer.Option(..., help="the private key the run was created with"),
+           volunteer: str = typer.Option(..., help="name; its peers are NAME or NAME.anything"),
+           public_key: str = typer.Option(..., help="the volunteer's public key (`dedloc keygen` prints it)")):
+    """Admit a volunteer's shards: add its public key to the run's signed roster."""
+    _setup(False)
+    try:
+        r, org = _signed_run(bucket, run, endpoint_url, organizer_key)
+        roster = identity.update_roster(r.bucket, run, org, enroll={volunteer: public_key})
+        typer.echo(f"run {run}: {volunteer} enrolled (roster version {roster.version}, "
+                   f"{len(roster.volunteers)} volunteers)")
+    except _ERRORS as exc:
+        _fail(exc)
+
+
+@app.command()
+def revoke(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           organizer_key: str = typer.Option(..., help="the private key the run was created with"),
+           volunteer: str = typer.Option(..., help="whose shards are refused from now on")):
+    """Refuse a volunteer's shards from the open round on (committed rounds stay as they are)."""
+    _setup(False)
+    try:
+        r, org = _signed_run(bucket, run, endpoint_url, organizer_key)
+        roster = identity.update_roster(r.bucket, run, org, revoke=[volunteer])
+        typer.echo(f"run {run}: {volunteer} revoked (roster version {roster.version})")
+    except _ERRORS as exc:
+        _fail(exc)
+
+
+@app.command()
+def policy(bucket: str = typer.Option(..., "--bucket", help="s3://bucket/prefix of the run"), run: str = RunOpt,
+           peer: str = typer.Option(..., help="the volunteer's peer id"),
+           format: str = typer.Option("aws", "--format", help="aws (IAM/STS session policy) | minio | r2"),
+           data: Optional[str] = typer.Option(None, help="narrow reads to this data set"),
+           ttl: int = typer.Option(86400, help="r2: seconds the temporary credentials live"),
+           parent_access_key_id: Optional[str] = typer.Option(None, help="r2: the organizer's access key id")):
+    """Print least-privilege rights for one volunteer: write its own prefixes, read the run (docs/security.md)."""
+    from .policy import policy_for
+    options = {"data": data}
+    if format == "r2":
+        options.update(ttl_seconds=ttl, **({"parent_access_key_id": parent_access_key_id}
+                                           if parent_access_key_id else {}))
+    try:
+        typer.echo(json.dumps(policy_for(bucket, run, peer, format, **options), indent=2))
+    except _ERRORS as exc:
+        _fail(exc)
+
+
+def _signed_run(bucket: str, run: str, endpoint: str | None, organizer_key: str):
+    r = _open(bucket, run, endpoint)
+    org = identity.load(organizer_key)
+    if r.config.organizer_key is None:
+        raise RunError(f"run {run!r} was created without --organizer-key: it accepts unsigned shards")
+    if identity.public(org) != r.config.organizer_key:
+        raise IdentityError(f"{organizer_key} is not the key run {run!r} was created with")
+    return r, org
 
 
 @app.command("eval")

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .identity import check_public
 from .layout import LAYOUT_VERSION
 from .model import PRESETS
 
@@ -55,6 +56,12 @@ class RunConfig(BaseModel):
     chunk_size: int = Field(1 << 20, gt=0, description="elements per zarr chunk of the flat vector")
     chunks_per_part: int = Field(1, gt=0, description="chunks one aggregator task reduces")
     max_grad_norm: float = Field(1e4, gt=0, description="a shard above this L2 norm is rejected")
+    norm_screen: float | None = Field(
+        10.0, gt=1, description="reject a shard whose norm is above this multiple of the median of "
+        "the round's shards (with 3 or more); None: off")
+    organizer_key: str | None = Field(
+        None, description="Ed25519 public key (base64): when set, only shards signed by volunteers "
+        "in the roster this key signed are admitted")
     delayed_updates: bool = True
     unigram_bias: bool = Field(False, description="start the masked-LM output bias at the data's log "
                                "unigram frequencies, so training need not pass through the unigram phase")
@@ -70,6 +77,8 @@ class RunConfig(BaseModel):
             raise ValueError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         if self.chunk_size % self.block_size:
             raise ValueError("chunk_size must be a multiple of block_size")
+        if self.organizer_key is not None:
+            check_public(self.organizer_key)
         if self.layout_version != LAYOUT_VERSION:
             raise ValueError(
                 f"run uses bucket layout v{self.layout_version}; this dedloc reads v{LAYOUT_VERSION}"

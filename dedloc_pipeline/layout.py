@@ -22,6 +22,11 @@ class RunLayout:
         return f"{self.root}/run.json"
 
     @property
+    def roster(self) -> str:
+        """The organizer-signed list of enrolled and revoked volunteer keys (identity.py)."""
+        return f"{self.root}/ROSTER.json"
+
+    @property
     def latest(self) -> str:
         return f"{self.root}/state/LATEST.json"
 

@@ -11,9 +11,11 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from . import aggregator
+import numpy as np
+
+from . import aggregator, identity
 from .run import Run
-from .shard import Rejected, validate
+from .shard import Rejected, manifest_limit, validate
 
 log = logging.getLogger(__name__)
 
@@ -22,19 +24,50 @@ class Scheduler:
     def __init__(self, run: Run, parallel: int = 2, poll_s: float = 1.0):
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self._seen: dict[str, tuple[str, dict | str]] = {}  # manifest key -> (raw, verdict)
+        self._roster: identity.Roster | None = None
+        self._roster_floor = -1  # the version the last CLOSE used: a restart accepts no older one
+
+    def roster(self) -> identity.Roster | None:
+        """The newest valid roster (runs with an organizer key). A changed roster clears every
+        verdict (a revocation applies to shards not yet closed); a forged one, or an older
+        version than one seen (a replay), is refused and the last good one kept."""
+        org = self.run.config.organizer_key
+        if org is None:
+            return None
+        try:
+            found = identity.read_roster(self.run.bucket, self.run.name, org)
+        except identity.IdentityError as exc:
+            log.error("%s; keeping roster version %s", exc, self._roster and self._roster.version)
+            return self._roster
+        if found is None or found == self._roster:
+            return self._roster
+        seen = max(self._roster.version if self._roster else -1, self._roster_floor)
+        if found.version < seen or (self._roster is not None and found.version == seen):
+            log.error("refused roster version %d: version %d was seen (a replayed roster)", found.version, seen)
+            return self._roster
+        self._roster, self._seen = found, {}
+        log.info("roster version %d: %d volunteers, %d revoked keys", found.version,
+                 len(found.volunteers), len(found.revoked))
+        return found
 
     # closing
     def _verdicts(self, r: int, skip: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
         """Validate every manifest of round r (each new one once); (accepted, rejected)."""
         bucket, keys = self.run.bucket, self.run.keys
-        manifests = [k for k in bucket.find(keys.manifests_dir(r)) if keys.shard_of(k) not in skip]
-        raw = {k: v for k, v in bucket.read_many(manifests).items() if v is not None}
+        roster = self.roster()
+        listed = {k: n for k, n in bucket.sizes(keys.manifests_dir(r)).items() if keys.shard_of(k) not in skip}
+        limit = manifest_limit(self.run.grad_format)
+        raw = {k: v for k, v in bucket.read_many([k for k, n in listed.items() if n <= limit]).items()
+               if v is not None}
+        for k in listed.keys() - raw.keys():  # never read: it could be any size
+            if listed[k] > limit and self._seen.get(k, (None,))[0] != listed[k]:
+                self._seen[k] = (listed[k], self._reject(r, k, f"manifest of {listed[k]} bytes, above {limit}"))
         new = [k for k, v in raw.items() if self._seen.get(k, (None,))[0] != v]
         with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-            for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k]), new)):
+            for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k], roster), new)):
                 self._seen[mkey] = (raw[mkey], verdict)
         accepted, rejected = [], []
-        for mkey in raw:
+        for mkey in sorted(k for k in listed if k in self._seen):
             shard, verdict = keys.shard_of(mkey), self._seen[mkey][1]
             if isinstance(verdict, str):
                 rejected.append({"key": shard, "reason": verdict})
@@ -42,14 +75,30 @@ class Scheduler:
                 accepted.append(verdict)
         return accepted, rejected
 
-    def _check(self, r: int, mkey: str, data: bytes) -> dict | str:
+    def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None) -> dict | str:
         """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
-        shard = self.run.keys.shard_of(mkey)
         try:
-            return validate(self.run, r, shard, data)
+            return validate(self.run, r, self.run.keys.shard_of(mkey), data, roster)
         except Rejected as exc:
-            log.warning("round %d: rejected shard %s: %s", r, shard, exc)
-            return str(exc)
+            return self._reject(r, mkey, str(exc))
+
+    def _reject(self, r: int, mkey: str, reason: str) -> str:
+        log.warning("round %d: rejected shard %s: %s", r, self.run.keys.shard_of(mkey), reason)
+        return reason
+
+    def _screen(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
+        """Shards far above the round's median norm, rejected: a gradient scaled up is the
+        cheapest attack on a mean, and no absolute bound fits every stage of training."""
+        factor = self.run.config.norm_screen
+        if factor is None or len(accepted) < 3:
+            return accepted, []
+        bound = factor * float(np.median([s["norm"] for s in accepted]))
+        kept = [s for s in accepted if s["norm"] <= bound]
+        out = [{"key": s["key"], "reason": f"gradient norm {s['norm']:.3g} above {factor:g}x the "
+                f"round's median ({bound:.3g})"} for s in accepted if s["norm"] > bound]
+        for s in out:
+            log.warning("round %d: rejected shard %s: %s", r, s["key"], s["reason"])
+        return kept, out
 
     def _late(self, r: int) -> list[dict]:
         """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``)."""
@@ -66,8 +115,11 @@ class Scheduler:
         close = bucket.read_json(keys.close(r))
         if close is not None:
             return close
+        if self._roster is None and r > 0 and self.run.config.organizer_key is not None:
+            self._roster_floor = (bucket.read_json(keys.close(r - 1)) or {}).get("roster") or -1
         accepted, rejected = self._verdicts(r)
-        accepted += self._late(r)
+        accepted, screened = self._screen(r, accepted + self._late(r))
+        rejected += screened
         samples = sum(s["samples"] for s in accepted)
         target = self.run.config.target_batch_size
         opened = self.run.commit_of(r)["committed_at"]
@@ -76,7 +128,8 @@ class Scheduler:
         if samples < target and not (timed_out and samples >= rule.min_fraction * target):
             return None
         accepted.sort(key=lambda s: s["key"])
-        close = {"round": r, "samples": samples, "target": target, "accepted": accepted,
+        roster = self._roster.version if self._roster is not None else None
+        close = {"round": r, "samples": samples, "target": target, "accepted": accepted, "roster": roster,
                  "rejected": sorted(rejected, key=lambda s: s["key"]), "opened_at": opened,
                  "closed_at": now, "reason": "target" if samples >= target else "timeout"}
         if not bucket.create_json(keys.close(r), close):

@@ -2,7 +2,9 @@
 
 A shard is the codec's zarr arrays followed by its manifest (data first, marker last). The
 manifest says who computed it, on how many samples (and which), with what codec, and the hash of
-every chunk, so the scheduler can reject anything torn, corrupted, forged or malformed.
+every chunk, so the scheduler can reject anything torn, corrupted, forged or malformed. In a run
+with an organizer key the manifest is signed by its volunteer (identity.py), which makes the
+chunk hashes, round and peer in it unforgeable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import codec
+from . import codec, identity
 from .layout import LAYOUT_VERSION
 
 if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
@@ -52,11 +54,15 @@ class Manifest(BaseModel):
     data: DataRef
     checksums: dict[str, list[str]]
     created_at: float
+    signature: str | None = None  # Ed25519 over every other field (identity.canonical)
+
+    def payload(self) -> dict:
+        return self.model_dump(mode="json", exclude={"signature"})
 
 
-def upload(run: Run, r: int, peer: str, part: str, arrays: dict,
-           samples: int, loss: float, data: DataRef, stale_samples: int = 0) -> str:
-    """Write a shard: chunks first, then the manifest. Returns the shard's key."""
+def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, loss: float,
+           data: DataRef, stale_samples: int = 0, signer: identity.Ed25519PrivateKey | None = None) -> str:
+    """Write a shard: chunks first, then the manifest (signed if given a key). Returns its key."""
     key = run.keys.shard(r, peer, part)
     sums = codec.write_vector(run.bucket, key, run.grad_format, arrays)
     fmt = run.grad_format
@@ -64,12 +70,28 @@ def upload(run: Run, r: int, peer: str, part: str, arrays: dict,
                  codec=fmt.codec, n=fmt.n, chunk_size=fmt.chunk_size, block=fmt.block,
                  samples=samples, loss=loss, stale_samples=stale_samples, data=data,
                  checksums=sums, created_at=time.time())
+    if signer is not None:
+        m.signature = identity.sign(signer, m.payload())
     run.bucket.write_json(run.keys.manifest(key), m.model_dump(mode="json"))
     return key
 
 
-def validate(run: Run, r: int, key: str, raw: bytes) -> dict:
-    """Admit a shard of round r or raise Rejected. Reads every chunk once."""
+def manifest_limit(fmt: codec.VectorFormat) -> int:
+    """The most bytes an honest manifest takes (fixed fields, a signature, a hash per chunk):
+    anything larger is rejected before it is read."""
+    return 4096 + 64 * fmt.n_chunks * len(fmt.arrays())
+
+
+def stored_limit(fmt: codec.VectorFormat) -> int:
+    """The most bytes an honest shard's files take: Blosc stores a chunk it cannot compress as
+    it is, behind a 16-byte header; zarr's metadata is under a kilobyte per array."""
+    raw = sum(np.dtype(dtype).itemsize * length for dtype, length, _ in fmt.arrays().values())
+    return raw + 64 * fmt.n_chunks * len(fmt.arrays()) + 4096 * len(fmt.arrays())
+
+
+def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None) -> dict:
+    """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
+    that needs only the manifest."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:
@@ -85,10 +107,15 @@ def validate(run: Run, r: int, key: str, raw: bytes) -> dict:
     for name, (_, _, _) in fmt.arrays().items():
         if len(m.checksums.get(name, [])) != fmt.n_chunks:
             raise Rejected(f"manifest lists {len(m.checksums.get(name, []))} chunks of {name}")
+    if run.config.organizer_key is not None:
+        _check_signature(m, roster)
     if not math.isfinite(m.loss):
         raise Rejected("non-finite loss")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
+    stored = sum(run.bucket.sizes(key).values())
+    if stored > stored_limit(fmt):
+        raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
     try:
         arrays = codec.read_vector(run.bucket, key, fmt, checksums=m.checksums, raw=True)
     except codec.CorruptShard as exc:
@@ -102,3 +129,16 @@ def validate(run: Run, r: int, key: str, raw: bytes) -> dict:
             "loss": m.loss, "stale_samples": m.stale_samples, "checksums": m.checksums,
             "data": m.data.model_dump(mode="json"), "norm": norm, "late": False,
             "manifest_sha": hashlib.sha256(raw).hexdigest()}
+
+
+def _check_signature(m: Manifest, roster: identity.Roster | None) -> None:
+    if m.signature is None:
+        raise Rejected("unsigned shard in a run that requires signatures")
+    if roster is None:
+        raise Rejected("no roster signed by the organizer: nobody is enrolled yet")
+    try:
+        key = roster.key_of(m.peer)
+    except identity.IdentityError as exc:
+        raise Rejected(str(exc)) from exc
+    if not identity.verify(key, m.payload(), m.signature):
+        raise Rejected(f"signature does not match {m.peer.split('.', 1)[0]!r}'s enrolled key")

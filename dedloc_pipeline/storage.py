@@ -237,14 +237,19 @@ class Bucket:
             return []
         return sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in entries)
 
-    @_retried
     def find(self, prefix: str) -> list[str]:
         """Every key below ``prefix``, relative to the bucket root."""
+        return sorted(self.sizes(prefix))
+
+    @_retried
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every key below ``prefix`` and its size in bytes (S3 lists them together)."""
         n = len(self.root) + 1
         try:
-            found = sorted(p[n:] for p in self.fs.find(self.path(prefix)))
+            found = {p[n:]: int(info.get("size") or 0)
+                     for p, info in self.fs.find(self.path(prefix), detail=True).items()}
         except FileNotFoundError:
-            found = []
+            found = {}
         self.stats.add("list", n=1 + len(found) // 1000)  # S3 lists 1000 keys a request
         return found
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import shard
+from . import identity, shard
 from .codec import CorruptShard, ErrorFeedback
 from .data import make_source
 from .model import FlatLayout, pretraining_loss_sum
@@ -49,9 +49,11 @@ class RoundView:
 class Worker:
     def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
                  threads: int | None = None, delayed: bool | None = None, poll_s: float = 1.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None):
         self.run = run
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
+        self.signer = signer
+        _check_enrolled(run, self.peer, signer)
         self.micro_batch = micro_batch or run.config.micro_batch
         self.delayed = run.config.delayed_updates if delayed is None else delayed
         self.poll_s = poll_s
@@ -226,7 +228,7 @@ class Worker:
         key = shard.upload(self.run, acc.round, self.peer, part, arrays, acc.samples,
                            acc.loss_sum / acc.samples,
                            shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
-                           stale_samples=acc.stale_samples)
+                           stale_samples=acc.stale_samples, signer=self.signer)
         self._uploaded.add(acc.round)
         self.uploaded_samples += acc.samples
         log.info("%s: uploaded %d samples to round %d (%s)", self.peer, acc.samples, acc.round, key)
@@ -273,3 +275,23 @@ class Worker:
         finally:
             self.leave()
         return self.state
+
+
+def _check_enrolled(run: Run, peer: str, signer: identity.Ed25519PrivateKey | None) -> None:
+    """In a run that requires signatures, fail at start, not with every shard rejected."""
+    org = run.config.organizer_key
+    if org is None:
+        return
+    if signer is None:
+        raise identity.IdentityError(f"run {run.name!r} admits only signed shards: pass --key "
+                                     "(make one with `dedloc keygen`)")
+    roster = identity.read_roster(run.bucket, run.name, org)
+    mine, problem = identity.public(signer), "nobody is enrolled yet"
+    if roster is not None:
+        try:
+            problem = None if roster.key_of(peer) == mine else f"peer {peer!r} is enrolled with another key"
+        except identity.IdentityError as exc:
+            problem = str(exc)
+    if problem:
+        raise identity.IdentityError(f"run {run.name!r}: {problem}; send the organizer your volunteer "
+                                     f"name and your public key {mine}")

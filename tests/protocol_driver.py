@@ -9,10 +9,11 @@ from dedloc_pipeline.worker import Worker
 
 
 def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | None = None,
-                max_steps: int = 2000, scheduler_every: int = 2) -> list[Worker]:
+                max_steps: int = 2000, scheduler_every: int = 2, signers: dict | None = None) -> list[Worker]:
     """Every worker takes one step, and every few such steps the scheduler one (so workers see
     full rounds that are not yet committed), until state ``rounds`` is committed."""
-    workers = [Worker(run, name, micro_batch=mb, threads=1, delayed=delayed, poll_s=0)
+    signers = signers or {}
+    workers = [Worker(run, name, micro_batch=mb, threads=1, delayed=delayed, poll_s=0, signer=signers.get(name))
                for name, mb in peers]
     sched = Scheduler(run, parallel=2, poll_s=0)
     with ThreadPoolExecutor(2) as pool:

@@ -256,3 +256,42 @@ def test_eval_of_a_synthetic_run_says_what_is_missing(tmp_path):
     assert res.exit_code == 2 and "no tokenizer" in res.output
     res = cli("eval", "--bucket", url, "--run", "syn", "--task", "sentiment")
     assert res.exit_code == 2 and "unknown task" in res.output
+
+
+def test_keys_enrolment_and_revocation(tmp_path):
+    """The organizer's commands around a signed run, and what a volunteer sees."""
+    b = f"file://{tmp_path}/b"
+    org, vol = str(tmp_path / "org.pem"), str(tmp_path / "alice.pem")
+    res = cli("keygen", "--out", org)
+    assert res.exit_code == 0 and "public key: " in res.output
+    assert "exists" in error_line(cli("keygen", "--out", org))  # never overwritten
+    assert oct(os.stat(org).st_mode & 0o777) == "0o600"
+    alice_pub = cli("keygen", "--out", vol).output.split("public key: ")[1].strip()
+    init = ["init", "--bucket", b, "--run", "r", "--seq-len", "32", "--chunk-size", str(1 << 18)]
+    assert cli(*init, "--organizer-key", org).exit_code == 0
+    assert "organizer_key" in json.dumps(Bucket(b).read_json("runs/r/run.json"))
+    worker = ["worker", "--bucket", b, "--run", "r", "--peer-id", "alice", "--until-round", "0", "--device", "cpu"]
+    assert "pass --key" in error_line(cli(*worker))
+    assert "nobody is enrolled" in error_line(cli(*worker, "--key", vol))
+    assert "not the key" in error_line(cli("enroll", "--bucket", b, "--run", "r", "--organizer-key", vol,
+                                           "--volunteer", "alice", "--public-key", alice_pub))
+    assert "not an Ed25519 public key" in error_line(cli("enroll", "--bucket", b, "--run", "r", "--organizer-key",
+                                                         org, "--volunteer", "alice", "--public-key", "xyz"))
+    res = cli("enroll", "--bucket", b, "--run", "r", "--organizer-key", org, "--volunteer", "alice",
+              "--public-key", alice_pub)
+    assert res.exit_code == 0 and "version 1" in res.output
+    assert cli(*worker, "--key", vol).exit_code == 0
+    res = cli("revoke", "--bucket", b, "--run", "r", "--organizer-key", org, "--volunteer", "alice")
+    assert res.exit_code == 0 and "version 2" in res.output
+    assert "revoked" in error_line(cli(*worker, "--key", vol))
+    cli("init", "--bucket", b, "--run", "open", "--seq-len", "32", "--chunk-size", str(1 << 18))
+    assert "without --organizer-key" in error_line(cli("revoke", "--bucket", b, "--run", "open", "--organizer-key",
+                                                       org, "--volunteer", "alice"))
+
+
+def test_policy_prints_a_volunteers_rights():
+    res = cli("policy", "--bucket", "s3://collab/sahajbert", "--run", "demo", "--peer", "alice")
+    doc = json.loads(res.output)
+    puts = [s for s in doc["Statement"] if s["Effect"] == "Allow" and "s3:PutObject" in str(s["Action"])]
+    assert puts and all("alice" in r or "claims" in r for s in puts for r in s["Resource"])
+    assert "peer id" in error_line(cli("policy", "--bucket", "s3://collab/x", "--run", "demo", "--peer", "a*"))

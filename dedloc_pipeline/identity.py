@@ -1,0 +1,157 @@
+"""Volunteer identity: Ed25519 keys, signed manifests, and the organizer's signed roster.
+
+A run created with an organizer key admits only shards whose manifest is signed by an enrolled,
+unrevoked volunteer. Enrolment lives in the bucket as ROSTER.json, signed by the organizer, so
+volunteers can be added or revoked while the run goes on without touching the immutable run.json
+(which holds only the organizer's public key). The signature covers every manifest field, round,
+peer, part and chunk hashes included, so a shard cannot be replayed into another round or passed
+off as another peer's, and an edited roster is refused.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import BaseModel, ConfigDict, Field
+
+from .layout import RunLayout
+from .storage import Bucket
+
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # a volunteer; its peers are NAME or NAME.anything
+
+
+class IdentityError(ValueError):
+    """A key, signature or roster that cannot be used."""
+
+
+def canonical(obj: dict) -> bytes:
+    """The bytes that are signed: sorted keys, no spaces (json floats round-trip exactly)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def generate(path: str | Path) -> Ed25519PrivateKey:
+    """A new private key in ``path`` (PKCS#8 PEM, readable by its owner only); never overwrites."""
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                            serialization.NoEncryption())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError as exc:
+        raise IdentityError(f"{path} exists: a key is never overwritten") from exc
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+    return key
+
+
+def load(path: str | Path) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except FileNotFoundError as exc:
+        raise IdentityError(f"no key at {path} (make one with `dedloc keygen`)") from exc
+    except ValueError as exc:
+        raise IdentityError(f"{path} is not a PEM private key") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise IdentityError(f"{path} is not an Ed25519 key")
+    return key
+
+
+def public(key: Ed25519PrivateKey) -> str:
+    """The public half as base64 of its 32 raw bytes: what a volunteer sends the organizer."""
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode()
+
+
+def sign(key: Ed25519PrivateKey, obj: dict) -> str:
+    return base64.b64encode(key.sign(canonical(obj))).decode()
+
+
+def verify(public_key: str, obj: dict, signature: str | None) -> bool:
+    if not signature:
+        return False
+    try:
+        pub = Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key, validate=True))
+        pub.verify(base64.b64decode(signature, validate=True), canonical(obj))
+        return True
+    except (InvalidSignature, ValueError):
+        return False
+
+
+def check_public(public_key: str) -> str:
+    try:
+        Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key, validate=True))
+    except ValueError as exc:
+        raise IdentityError(f"not an Ed25519 public key: {public_key!r}") from exc
+    return public_key
+
+
+class Roster(BaseModel):
+    """Who may contribute to a run: volunteer name -> public key, and the revoked keys."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run: str
+    version: int = Field(0, ge=0, description="grows with each change: an older roster is a replay")
+    volunteers: dict[str, str] = {}
+    revoked: list[str] = []
+    signed_at: float = 0.0
+    signature: str | None = None
+
+    def payload(self) -> dict:
+        return self.model_dump(mode="json", exclude={"signature"})
+
+    def key_of(self, peer: str) -> str:
+        """The public key that must sign ``peer``'s shards; IdentityError if it has none."""
+        name = peer.split(".", 1)[0]
+        key = self.volunteers.get(name)
+        if key is None:
+            raise IdentityError(f"peer {peer!r} is not enrolled")
+        if key in self.revoked:
+            raise IdentityError(f"volunteer {name!r} is revoked")
+        return key
+
+
+def read_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None:
+    """The run's roster if its organizer signed it; None if there is none yet."""
+    raw = bucket.read_bytes(RunLayout(run).roster)
+    if raw is None:
+        return None
+    try:
+        roster = Roster.model_validate_json(raw)
+    except ValueError as exc:
+        raise IdentityError(f"run {run!r}: ROSTER.json is malformed") from exc
+    if roster.run != run or not verify(organizer_key, roster.payload(), roster.signature):
+        raise IdentityError(f"run {run!r}: ROSTER.json is not signed by the run's organizer")
+    return roster
+
+
+def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll: dict[str, str] | None = None,
+                  revoke: list[str] = ()) -> Roster:
+    """Enrol volunteers (name -> public key) and revoke others by name; sign; write."""
+    org = public(organizer)
+    roster = read_roster(bucket, run, org) or Roster(run=run)
+    volunteers, revoked = dict(roster.volunteers), list(roster.revoked)
+    for name, key in (enroll or {}).items():
+        if not re.match(NAME, name):
+            raise IdentityError(f"volunteer name {name!r} must match {NAME}")
+        if check_public(key) in revoked:
+            raise IdentityError(f"that key was revoked: {name!r} needs a new one (`dedloc keygen`)")
+        volunteers[name] = key
+    for name in revoke:
+        if name not in volunteers:
+            raise IdentityError(f"no volunteer {name!r} in the roster")
+        revoked.append(volunteers[name])
+    new = Roster(run=run, version=roster.version + 1, volunteers=volunteers, revoked=sorted(set(revoked)),
+                 signed_at=time.time())
+    new.signature = sign(organizer, new.payload())
+    bucket.write_bytes(RunLayout(run).roster, new.model_dump_json(indent=1).encode())
+    return new

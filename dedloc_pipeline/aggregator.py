@@ -1,6 +1,7 @@
 """Aggregators: each owns a part (a range of chunks) of the flat vector for one round.
 
-``reduce_part`` takes the sample-weighted mean of the accepted shards over its range;
+``reduce_part`` takes the sample-weighted mean of the accepted shards over its range (or a
+robust estimate: ``robust.py``);
 ``apply_part`` runs the optimizer step on that range and writes the range of the next state.
 Both read only immutable inputs (CLOSE, state r) and write deterministic outputs before their
 marker, so running one twice, or after a crash, gives the same bytes.
@@ -14,7 +15,7 @@ import time
 
 import numpy as np
 
-from . import codec, optim
+from . import codec, optim, robust
 from .run import Run, RunError
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,23 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
     fmt, accepted = run.grad_format, close["accepted"]
+    robust_mode = run.config.aggregation != "mean" and len(accepted) > 2
     total = np.zeros(hi - lo, np.float64)
+    stacked = np.empty((len(accepted) if robust_mode else 0, hi - lo), np.float32)
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
         found = codec.read_vectors(bucket, [s["key"] for s in batch], fmt, chunks, [s["checksums"] for s in batch])
-        for shard, arrays in zip(batch, found):
+        for j, (shard, arrays) in enumerate(zip(batch, found)):
             if isinstance(arrays, codec.CorruptShard):  # changed after CLOSE: refuse, never skip
                 raise arrays
-            codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
-    grad = (total / close["samples"]).astype(np.float32)
+            if robust_mode:
+                stacked[i + j] = codec.decode(arrays, fmt.codec, fmt.block)
+            else:
+                codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
+    if robust_mode:
+        grad = robust.aggregate(stacked, [s["samples"] for s in accepted], run.config)
+    else:
+        grad = (total / close["samples"]).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}
     if run.config.optimizer.name == "lamb":  # trust ratios need whole-tensor norms: sum them here

@@ -9,12 +9,18 @@ from dedloc_pipeline.worker import Worker
 
 
 def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | None = None,
-                max_steps: int = 2000, scheduler_every: int = 2, signers: dict | None = None) -> list[Worker]:
+                max_steps: int = 2000, scheduler_every: int = 2, signers: dict | None = None,
+                tamper: dict | None = None) -> list[Worker]:
     """Every worker takes one step, and every few such steps the scheduler one (so workers see
-    full rounds that are not yet committed), until state ``rounds`` is committed."""
+    full rounds that are not yet committed), until state ``rounds`` is committed. ``tamper``
+    maps a peer to what it does to its gradient before uploading (a byzantine peer)."""
     signers = signers or {}
     workers = [Worker(run, name, micro_batch=mb, threads=1, delayed=delayed, poll_s=0, signer=signers.get(name))
                for name, mb in peers]
+    for w in workers:
+        if w.peer in (tamper or {}):
+            honest, attack = w.flat.grad, tamper[w.peer]
+            w.flat.grad = lambda honest=honest, attack=attack: attack(honest())
     sched = Scheduler(run, parallel=2, poll_s=0)
     with ThreadPoolExecutor(2) as pool:
         for i in range(max_steps):

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
 from dedloc_pipeline import codec, identity, shard
 from dedloc_pipeline.run import init_run
@@ -166,3 +167,66 @@ def test_signed_volunteers_train_a_run(signed):
     for r in range(2):
         close = run.bucket.read_json(run.keys.close(r))
         assert close["rejected"] == [] and close["roster"] == 1 and close["samples"] >= 24
+
+
+# case 9: oversized and outsized shards
+
+def _noise(run, seed, scale=1e-3):
+    return np.random.default_rng(seed).standard_normal(run.flat.n).astype(np.float32) * scale
+
+
+@pytest.mark.parametrize("fault,reason", [
+    ("padded_manifest", "manifest of"),
+    ("stuffed_shard", "more than its format takes"),
+    ("scaled_x1000", "median"),
+])
+def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, caplog, fault, reason):
+    """Bounds that hold at any stage of training: bytes an honest shard cannot take (checked
+    before anything is read), and a norm far above the round's median (default 10x)."""
+    run = make_run(codec="int8")
+    b, k = run.bucket, run.keys
+    honest = [shard.upload(run, 0, p, "0001", codec.encode(_noise(run, i), "int8", 4096), 8, 5.0,
+                           shard.DataRef(stream=p, ranges=[(0, 8)])) for i, p in enumerate("abc")]
+    grad = _noise(run, 9) * (1000 if fault == "scaled_x1000" else 1)
+    bad = shard.upload(run, 0, "mallory", "0001", codec.encode(grad, "int8", 4096), 8, 5.0,
+                       shard.DataRef(stream="mallory", ranges=[(0, 8)]))
+    if fault == "padded_manifest":  # valid JSON, a megabyte of it
+        b.write_bytes(k.manifest(bad), b.read_bytes(k.manifest(bad)) + b" " * (1 << 20))
+    if fault == "stuffed_shard":
+        b.write_bytes(f"{bad}/codes/c/junk", np.random.default_rng(0).bytes(4 * run.flat.n))
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
+        close = Scheduler(run, 1, 0).try_close(0)
+    assert sorted(s["key"] for s in close["accepted"]) == honest
+    assert [s["key"] for s in close["rejected"]] == [bad] and reason in close["rejected"][0]["reason"]
+    assert any(bad in rec.message for rec in caplog.records)
+
+
+# case 11: byzantine peers
+
+def _heldout_loss(run, state):
+    from dedloc_pipeline.data import make_source
+    from dedloc_pipeline.model import FlatLayout, pretraining_loss_sum
+    model = run.build_model()
+    FlatLayout(model).set(run.load_params(state))
+    batch = make_source(run).batch("heldout", 0, 32)
+    with torch.no_grad():
+        return float(pretraining_loss_sum(model, batch)) / 32
+
+
+@pytest.mark.parametrize("aggregation,attack,falls", [
+    ("mean", "flipped_x1000", False),  # the attack works on an unprotected mean ...
+    ("trimmed_mean", "flipped_x1000", True),  # ... and not through a robust estimate
+    ("centered_clip", "flipped_x1000", True),
+    ("centered_clip", "scaled_x1000", True),
+    ("centered_clip", "flipped", True),
+])
+def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, falls):
+    """One peer in five (20%) sends its gradient scaled x1000, sign-flipped, or both, every
+    round. The norm screen is off here, so only the aggregation stands in the way."""
+    factor = {"flipped_x1000": -1000.0, "scaled_x1000": 1000.0, "flipped": -1.0}[attack]
+    run = make_run(aggregation=aggregation, norm_screen=None, max_grad_norm=1e12, seq_len=32)
+    peers = [(p, 4) for p in ("a", "b", "c", "d", "mallory")]
+    collaborate(run, peers, rounds=3, tamper={"mallory": lambda g: factor * g})
+    assert all("mallory" in run.commit_of(s)["contributors"] for s in range(1, 4))
+    before, after = _heldout_loss(run, 0), _heldout_loss(run, 3)
+    assert (after < before - 0.05) is falls, (before, after)

@@ -230,3 +230,42 @@ def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, fal
     assert all("mallory" in run.commit_of(s)["contributors"] for s in range(1, 4))
     before, after = _heldout_loss(run, 0), _heldout_loss(run, 3)
     assert (after < before - 0.05) is falls, (before, after)
+
+
+# case 1: a worker killed mid-upload
+
+KILLED_AT_THE_MANIFEST = """
+import os, signal, sys
+from dedloc_pipeline.run import Run
+from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.worker import Worker
+run = Run(Bucket(sys.argv[1]), sys.argv[2])
+write_json = run.bucket.write_json
+def dies_before_manifests(key, obj):
+    if "/manifests/" in key:  # every chunk is written; the marker is next
+        os.kill(os.getpid(), signal.SIGKILL)
+    write_json(key, obj)
+run.bucket.write_json = dies_before_manifests
+Worker(run, "a", micro_batch=4, threads=1, poll_s=0).serve()
+"""
+
+
+def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
+    """SIGKILL after the chunks, before the manifest: the torn shard is never read, the restarted
+    peer computes those samples again (they were never counted), and pruning removes the debris."""
+    import subprocess
+    import sys
+    run = make_run(keep_states=2)
+    proc = subprocess.run([sys.executable, "-c", KILLED_AT_THE_MANIFEST, run.bucket.url, run.name], timeout=120)
+    assert proc.returncode == -9
+    b, k = run.bucket, run.keys
+    n = len(k.shards_dir(0)) + 1
+    torn = {k.shards_dir(0) + "/" + "/".join(key[n:].split("/")[:2]) for key in b.find(k.shards_dir(0))}
+    assert len(torn) == 1 and b.find(k.manifests_dir(0)) == [] and b.find(next(iter(torn)))
+    collaborate(run, [("a", 4), ("b", 4)], rounds=4)
+    close = b.read_json(k.close(0))
+    listed = [s["key"] for s in close["accepted"] + close["rejected"]]
+    assert torn.isdisjoint(listed) and close["rejected"] == [] and close["samples"] >= 24
+    first = min(start for s in close["accepted"] if s["peer"] == "a" for start, _ in s["data"]["ranges"])
+    assert first == 0  # the killed upload's samples come again, counted once
+    assert b.find(k.shards_dir(0)) == []  # pruned with its round

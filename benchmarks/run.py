@@ -108,11 +108,19 @@ def gpu(out: dict) -> Table:
                   [[r["samples_per_s"], r["s_per_round"], r["compute_fraction"]]])
 
 
+def soak_(out: dict) -> Table:
+    """Not in the default set: 300 rounds with churn; memory, fds and the bucket stay bounded (docs/soak.md)."""
+    from . import soak
+
+    out["soak"] = r = soak.soak()
+    return soak.table(r)
+
+
 RUNNERS = {"throughput": throughput, "wire": wire_, "aggregation": aggregation_, "compute": compute,
-           "scale": scale_, "gpu": gpu}
+           "scale": scale_, "gpu": gpu, "soak": soak_}
 
 
-def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu"),
+def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu, soak"),
          out_dir: Path = typer.Option(Path(".dedloc/bench"), help="where results.json goes")):
     """Run the benchmarks and write OUT_DIR/results.json."""
     names = only or list(BENCHMARKS)

@@ -31,20 +31,21 @@ def finish(run, r):
 
 @pytest.mark.parametrize("backend", ["file", "s3"])
 def test_a_collaboration_through_a_failing_bucket_commits_the_same_states(backend, tmp_path, request):
-    """10% of requests fail or time out (half of them after taking effect), in every process's
-    filesystem calls and zarr chunk I/O: retries carry the run to the same states, bit for bit,
-    as a run on a healthy bucket, with nothing rejected on the way."""
+    """10% of requests fail or time out (half of them after taking effect), in every peer's and
+    the scheduler's filesystem calls and zarr chunk I/O: retries carry the run to the same
+    states, bit for bit, as a run on a healthy bucket, with nothing rejected on the way."""
     cfg = small_config(codec="int8", delayed_updates=True)
     healthy = init_run(Bucket(str(tmp_path / "healthy")), cfg)
-    collaborate(healthy, PEERS, rounds=3)
+    rounds = 3 if backend == "file" else 2  # moto is slow; faults hit every request kind either way
+    collaborate(healthy, PEERS, rounds=rounds)
 
     url = str(tmp_path / "faulty") if backend == "file" else request.getfixturevalue("s3_bucket").url
     faults = Faults(0.10, seed=1)
     run = init_run(inject(Bucket(url), faults), cfg)
-    collaborate(run, PEERS, rounds=3)
+    collaborate(run, PEERS, rounds=rounds)
 
     assert faults.injected["before"] > 20 and faults.injected["after"] > 20, faults.injected
-    for s in range(1, 4):
+    for s in range(1, rounds + 1):
         assert run.commit_of(s)["checksums"] == healthy.commit_of(s)["checksums"]
         assert run.commit_of(s)["rejected"] == []
 

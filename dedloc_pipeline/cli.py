@@ -68,6 +68,12 @@ class CodecName(str, Enum):
     int4 = "int4"
 
 
+class Aggregation(str, Enum):
+    mean = "mean"
+    trimmed_mean = "trimmed_mean"
+    centered_clip = "centered_clip"
+
+
 class OptimizerName(str, Enum):
     adamw = "adamw"
     lamb = "lamb"
@@ -93,7 +99,8 @@ _FLAGS = {"run": "--run", "preset": "--preset", "seed": "--seed", "seq_len": "--
           "target_batch_size": "--target-batch", "micro_batch": "--micro-batch", "codec": "--codec",
           "chunk_size": "--chunk-size", "block_size": "--chunk-size", "chunks_per_part": "--chunks-per-part",
           "peer_timeout_s": "--peer-timeout", "lr": "--lr", "timeout_s": "--close-timeout",
-          "min_fraction": "--min-fraction", "late_shards": "--late-shards"}
+          "min_fraction": "--min-fraction", "late_shards": "--late-shards", "aggregation": "--aggregation",
+          "organizer_key": "--organizer-key"}
 
 
 def _describe(exc: BaseException) -> str:
@@ -139,6 +146,8 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          peer_timeout: float = typer.Option(20.0, help="seconds before a silent peer counts as gone"),
          organizer_key: Optional[str] = typer.Option(
              None, help="your private key (`dedloc keygen`): admit only shards of volunteers you enrol"),
+         aggregation: Aggregation = typer.Option(
+             Aggregation.mean, help="mean (exact) | trimmed_mean | centered_clip (robust to byzantine peers)"),
          verbose: bool = False):
     """Create a run in the bucket and commit state 0."""
     _setup(verbose)
@@ -149,6 +158,7 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
                             download_codec=download_codec.value if download_codec else None,
                             block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
                             delayed_updates=delayed_updates, peer_timeout_s=peer_timeout, organizer_key=org,
+                            aggregation=aggregation.value,
                             optimizer={"name": optimizer.value if optimizer else None, "lr": lr},
                             close=CloseRule(timeout_s=close_timeout, min_fraction=min_fraction,
                                             late_shards=late_shards))

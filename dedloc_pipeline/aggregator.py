@@ -59,19 +59,19 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}
     if run.config.optimizer.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
-        p, state, _ = _read_state(run, r, part)
+        p, state, _ = _read_state(run, r, part, residual=False)
         partials = optim.partials(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1)
     bucket.write_json(marker, {"part": part, "partials": partials})
     return marker
 
 
-def _read_state(run: Run, r: int, part: int):
+def _read_state(run: Run, r: int, part: int, residual: bool = True):
     chunks = run.part_chunks(part)
     fmt, keys = run.dense_format, run.keys
     p = codec.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
     state = {n: codec.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy() for n in optim.STATE}
-    residual = codec.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy()
-    return p, state, residual
+    res = codec.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy() if residual else None
+    return p, state, res
 
 
 def prepare(run: Run, r: int) -> None:

@@ -8,6 +8,7 @@ COMMIT is created at most once.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -88,16 +89,23 @@ class Scheduler:
 
     def _screen(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
         """Shards far above the round's median norm, rejected: a gradient scaled up is the
-        cheapest attack on a mean, and no absolute bound fits every stage of training."""
+        cheapest attack on a mean, and no absolute bound fits every stage of training. A mean
+        over fewer samples is noisier (its norm grows like 1/sqrt(samples)), so norms are
+        compared as if each shard had the median shard's samples (never more)."""
         factor = self.run.config.norm_screen
         if factor is None or len(accepted) < 3:
             return accepted, []
-        bound = factor * float(np.median([s["norm"] for s in accepted]))
-        kept = [s for s in accepted if s["norm"] <= bound]
-        out = [{"key": s["key"], "reason": f"gradient norm {s['norm']:.3g} above {factor:g}x the "
-                f"round's median ({bound:.3g})"} for s in accepted if s["norm"] > bound]
-        for s in out:
-            log.warning("round %d: rejected shard %s: %s", r, s["key"], s["reason"])
+        typical = float(np.median([s["samples"] for s in accepted]))
+        scaled = [s["norm"] * math.sqrt(min(s["samples"], typical) / typical) for s in accepted]
+        bound = factor * float(np.median(scaled))
+        kept, out = [], []
+        for s, z in zip(accepted, scaled):
+            if z <= bound:
+                kept.append(s)
+                continue
+            out.append({"key": s["key"], "reason": f"gradient norm {s['norm']:.3g} ({z:.3g} at the median "
+                        f"shard's samples) above {factor:g}x the round's median ({bound:.3g})"})
+            log.warning("round %d: rejected shard %s: %s", r, s["key"], out[-1]["reason"])
         return kept, out
 
     def _late(self, r: int) -> list[dict]:

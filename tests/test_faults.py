@@ -270,3 +270,16 @@ def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
     first = min(start for s in close["accepted"] if s["peer"] == "a" for start, _ in s["data"]["ranges"])
     assert first == 0  # the killed upload's samples come again, counted once
     assert b.find(k.shards_dir(0)) == []  # pruned with its round
+
+
+def test_the_norm_screen_spares_honest_small_shards(make_run):
+    """A mean over 1 sample is ~sqrt(256) = 16 times noisier than one over 256: not an outlier."""
+    run = make_run(codec="int8", target_batch_size=8)
+    rng = np.random.default_rng(0)
+    keys = []
+    for i, n in enumerate([256, 256, 256, 1]):
+        g = rng.standard_normal(run.flat.n).astype(np.float32) * 1e-3 / np.sqrt(n)
+        keys.append(shard.upload(run, 0, f"p{i}", "0001", codec.encode(g, "int8", 4096), n, 5.0,
+                                 shard.DataRef(stream=f"p{i}", ranges=[(0, n)])))
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert close["rejected"] == [] and sorted(s["key"] for s in close["accepted"]) == keys

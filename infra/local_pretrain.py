@@ -2,7 +2,9 @@
 
 Starts (or reuses) the local Prefect server, serves the flows, runs ``tokenize``, triggers
 ``pretrain`` on the bucket, starts local volunteer workers, waits for the flow run, runs
-``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C.
+``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C. The run
+is a signed one, as a public run would be: an organizer key and a key per local volunteer in
+``.dedloc/keys/``, the volunteers enrolled in the run's roster (README, "Running a collaboration").
 Settings come from the environment (the Makefile's variables; MAX_DOCS caps the corpus,
 EVAL_EPOCHS and EVAL_TRAIN the fine-tuning, for quick runs).
 """
@@ -29,6 +31,11 @@ BIN = Path(sys.executable).parent
 
 def env(name: str, default: str) -> str:
     return os.environ.get(name) or default
+
+
+def key(path: Path):
+    from dedloc_pipeline import identity
+    return identity.load(path) if path.exists() else identity.generate(path)
 
 
 def wait_for(what: str, check, timeout: float, procs=()) -> None:
@@ -89,6 +96,7 @@ def main() -> int:
             wait_for(f"deployment {name}", lambda n=name: asyncio.run(_deployment_exists(n)), 120, procs)
 
         from prefect.deployments import run_deployment
+        from dedloc_pipeline import identity
         from dedloc_pipeline.model import PRESETS
         from dedloc_pipeline.run import Run
         from dedloc_pipeline.storage import Bucket
@@ -100,7 +108,10 @@ def main() -> int:
             timeout=1800, poll_interval=1, as_subflow=False)
         if not fr.state.is_completed():
             raise RuntimeError(f"tokenize flow ended {fr.state.name}")
-        config = {"preset": preset, "target_batch_size": target, "data": data, "seq_len": seq_len}
+        keys = ROOT / ".dedloc/keys"
+        organizer = key(keys / "organizer.pem")
+        config = {"preset": preset, "target_batch_size": target, "data": data, "seq_len": seq_len,
+                  "organizer_key": identity.public(organizer)}
         fr = run_deployment("pretrain/local", parameters={"bucket": bucket, "run": run, "rounds": rounds,
                                                           "config": config},
                             timeout=0, as_subflow=False)
@@ -108,12 +119,15 @@ def main() -> int:
               flush=True)
         b = Bucket(bucket)
         wait_for(f"run {run} in {bucket}", lambda: b.exists(f"runs/{run}/state/LATEST.json"), 300, procs)
-        for i in range(1, workers + 1):
+        peers = {f"local-{i}": keys / f"local-{i}.pem" for i in range(1, workers + 1)}
+        roster = identity.update_roster(b, run, organizer, enroll={p: identity.public(key(k)) for p, k in peers.items()})
+        for i, (peer, path) in enumerate(peers.items(), 1):
             procs.append(subprocess.Popen(
-                [str(BIN / "dedloc"), "worker", "--bucket", bucket, "--run", run, "--peer-id", f"local-{i}",
-                 "--threads", "1", "--until-round", str(rounds)],
+                [str(BIN / "dedloc"), "worker", "--bucket", bucket, "--run", run, "--peer-id", peer,
+                 "--key", str(path), "--threads", "1", "--until-round", str(rounds)],
                 stdout=open(logs / f"worker-{i}.log", "ab"), stderr=subprocess.STDOUT))
-        print(f"{workers} volunteer workers started (logs in {logs})", flush=True)
+        print(f"{workers} volunteer workers started, enrolled in the run's signed roster (version "
+              f"{roster.version}; keys in {keys}, logs in {logs})", flush=True)
         r = Run(b, run)
         last = -1
         while True:

@@ -116,6 +116,15 @@ def apply_part(run: Run, r: int, part: int) -> str:
     return marker
 
 
+def _streams(before: dict[str, int], close: dict) -> dict[str, int]:
+    """Each stream's end, as of this round's accepted shards (deterministic: safe to repeat)."""
+    ends = dict(before)
+    for s in close["accepted"]:
+        stream = s["data"]["stream"]
+        ends[stream] = max([ends.get(stream, 0)] + [a + c for a, c in s["data"]["ranges"]])
+    return ends
+
+
 def commit_state(run: Run, r: int) -> dict:
     """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
     keys, bucket = run.keys, run.bucket
@@ -133,6 +142,7 @@ def commit_state(run: Run, r: int) -> dict:
                 delta_sums.setdefault(name, []).extend(s)
         shards = [{k: s[k] for k in ("key", "peer", "samples", "loss", "manifest_sha", "late")}
                   for s in close["accepted"]]
+        bucket.write_json(keys.streams(r + 1), _streams(bucket.read_json(keys.streams(r)) or {}, close))
         loss = sum(s["samples"] * s["loss"] for s in shards) / close["samples"]
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],

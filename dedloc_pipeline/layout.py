@@ -52,6 +52,11 @@ class RunLayout:
         """Marker: the aggregator of chunk range ``part`` wrote its slice of state r."""
         return f"{self.state(r)}/applied/{part:05d}.json"
 
+    def streams(self, r: int) -> str:
+        """How far each peer's data stream is counted in states up to r: where a returning peer
+        continues (manifests are pruned with their rounds; this is written with each commit)."""
+        return f"{self.state(r)}/streams.json"
+
     def commit(self, r: int) -> str:
         return f"{self.state(r)}/COMMIT.json"
 

@@ -202,6 +202,7 @@ def prune(run: Run, newest: int, window: int = 3) -> None:
     last = newest - cfg.keep_states
     for s in range(max(1, last - window), last + 1):
         bucket.delete(f"{keys.state(s)}/applied")
+        bucket.delete(keys.streams(s))
         bucket.delete(keys.delta(s))
         if s % cfg.checkpoint_every:
             bucket.delete(keys.params(s))

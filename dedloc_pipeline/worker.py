@@ -127,8 +127,10 @@ class Worker:
             self._drop()
 
     def _resume_cursor(self, r: int) -> int:
-        """Continue this peer's stream after the samples it already uploaded."""
-        keys, end = self.run.keys, 0
+        """Continue this peer's stream after the samples it already uploaded: those counted up
+        to state r (its streams record), and those in manifests of rounds not yet committed."""
+        keys = self.run.keys
+        end = int((self.run.bucket.read_json(keys.streams(r)) or {}).get(self.peer, 0))
         for rr in (r - 1, r):
             if rr < 0:
                 continue

@@ -265,6 +265,22 @@ def test_a_restarted_peer_continues_its_data_stream(make_run):
     assert len(seen) == len(set(seen))  # no sample counted twice
 
 
+def test_a_peer_back_after_its_manifests_were_pruned_continues_its_stream(make_run):
+    """Found by the soak: the returning peer's manifests are gone with their rounds; the
+    latest state's streams record still says where its stream is counted up to."""
+    run = make_run(keep_states=2)
+    collaborate(run, [("a", 4), ("b", 4)], rounds=2)
+    collaborate(run, [("b", 4), ("c", 4)], rounds=4)  # a is away; its rounds are pruned
+    assert run.bucket.find(f"{run.keys.manifests_dir(0)}/a") == []
+    collaborate(run, [("a", 4), ("b", 4)], rounds=6)
+    seen = []
+    for r in range(6):
+        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            if s["peer"] == "a":
+                seen += [i for start, n in s["data"]["ranges"] for i in range(start, start + n)]
+    assert len(seen) == len(set(seen)) and max(seen) >= 24
+
+
 def test_a_bucket_of_another_layout_version_is_refused_untouched(bucket):
     bucket.write_json("runs/old/run.json", {"layout_version": 0, "run": "old"})
     before = bucket.find("runs")

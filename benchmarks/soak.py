@@ -1,0 +1,467 @@
+"""Soak: hundreds of rounds of a small run with churn, in one process; memory, open files and the
+bucket must stay bounded, and nothing may be lost (docs/soak.md).
+
+A scheduler and a changing set of ``Worker``s (poll 0, one torch thread) run in lock-step against
+a ``file://`` bucket in a temporary folder, as ``tests/protocol_driver.py`` does: every live worker
+takes one step, and every second such step the scheduler takes one. Churn follows a fixed seeded
+schedule, once per cycle of ``every`` rounds (offsets within the cycle):
+
+    1  leave    a live peer calls ``leave()`` and is dropped
+    3  join     a peer with a new id joins
+    5  restart  a live peer leaves and a new Worker with the same id starts at once (a process restart)
+    7  return   a departed peer id comes back after rounds away (a new Worker, same id)
+    9  leave    another live peer leaves
+
+so the population is the same at the start of every cycle. After every ``sample_every``-th commit
+the process samples its RSS (``VmRSS``), open file descriptors, threads, the bucket's bytes and
+files (``os.walk``; split into the ledger, the kept checkpoints and the rest, the working set), the
+wall time and the committed loss. At the end it checks that every state 0..rounds has a COMMIT
+and every round a CLOSE, that each COMMIT counts its CLOSE's samples and no shard was rejected
+(every peer is honest), that no sample index of any peer's stream is counted twice across the
+accepted shards of all CLOSEs and restarted or returning peers resume after what they uploaded,
+that pruning left only the checkpoints, that the loss fell, that fds and threads are constant
+after warm-up and that the working set did not grow; it reports the slope of RSS over the second
+half (``--trim`` adds RSS after ``malloc_trim``, a diagnostic).
+
+``python -m benchmarks.soak --rounds 300 --out .dedloc/bench/soak.json`` prints a table, writes the
+results and, if matplotlib is importable, ``soak.png`` next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+EVENTS = {1: "leave", 3: "join", 5: "restart", 7: "return", 9: "leave"}  # offset in a cycle (>= 10 rounds)
+
+# What "bounded" means in the verdict (docs/soak.md): fds and threads may move by at most this
+# much after warm-up; the working set may reach at most this multiple of its first-half maximum.
+FD_SLACK, THREAD_SLACK, BUCKET_RATIO = 2, 1, 1.5
+
+
+def soak_config(run: str = "soak", **kw):
+    """tests/conftest.py's small_config, with int8 shards, delayed updates and pruning as in
+    production (benchmarks import nothing from tests/)."""
+    from dedloc_pipeline.config import CloseRule, OptimizerConfig, RunConfig
+
+    base = dict(run=run, seq_len=32, chunk_size=1 << 18, block_size=4096, chunks_per_part=3,
+                target_batch_size=24, micro_batch=4, codec="int8", delayed_updates=True,
+                keep_states=3, checkpoint_every=50, peer_timeout_s=30.0)
+    base.update(kw)
+    return RunConfig(**base, optimizer=OptimizerConfig(), close=CloseRule())
+
+
+def schedule(rounds: int, every: int = 10) -> dict[int, str]:
+    """Churn events by the state after whose commit they happen."""
+    return {s: EVENTS[s % every] for s in range(1, rounds) if s % every in EVENTS}
+
+
+# process figures
+def rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def bucket_usage(root: str, run_root: str, latest: int, keep_states: int, checkpoint_every: int) -> dict:
+    """Bytes and files under the bucket: the ledger (COMMIT, CLOSE, run.json, LATEST), the
+    checkpoints kept forever (params and optimizer of every ``checkpoint_every``-th state older
+    than the kept window), and the rest: the working set pruning must keep bounded."""
+    usage = {k: 0 for k in ("bytes", "files", "ledger_bytes", "ledger_files", "checkpoint_bytes",
+                            "checkpoint_files", "working_bytes", "working_files")}
+    states = os.path.join(root, run_root, "state")
+    for d, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(d, name)
+            try:
+                size = os.stat(path).st_size
+            except FileNotFoundError:
+                continue
+            if name in ("COMMIT.json", "CLOSE.json", "run.json", "LATEST.json"):
+                kind = "ledger"
+            else:
+                kind = "working"
+                rel = os.path.relpath(path, states)
+                if not rel.startswith(".."):
+                    head = rel.split(os.sep, 1)[0]
+                    if head.isdigit():
+                        s = int(head)
+                        if s % checkpoint_every == 0 and s <= latest - keep_states:
+                            kind = "checkpoint"
+            usage["bytes"] += size
+            usage["files"] += 1
+            usage[f"{kind}_bytes"] += size
+            usage[f"{kind}_files"] += 1
+    return usage
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+# the run
+def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3, every: int = 10,
+         bucket_dir: str | None = None, keep_bucket: bool = False, trim: bool = False, log=print) -> dict:
+    """Run ``rounds`` rounds with churn and return the samples, the events and the verdicts.
+
+    ``trim``: a diagnostic. After each RSS sample, ``malloc_trim(0)`` hands glibc's free heap
+    back to the system and RSS is read again (``rss_trimmed_mb``): growth that survives it is
+    memory still in use, not the allocator's retention."""
+    import torch
+
+    from dedloc_pipeline.run import init_run
+    from dedloc_pipeline.scheduler import Scheduler
+    from dedloc_pipeline.storage import Bucket
+    from dedloc_pipeline.worker import Worker
+
+    torch.set_num_threads(1)
+    code = _code_version()  # what this process imported, whatever is committed meanwhile
+    tmp = bucket_dir or tempfile.mkdtemp(prefix="dedloc-soak-")
+    root = os.path.join(tmp, "bucket")
+    cfg = soak_config()
+    run = init_run(Bucket(f"file://{root}"), cfg)
+    rng = random.Random(seed)
+    events_at = schedule(rounds, every)
+
+    def worker(peer: str) -> Worker:
+        return Worker(run, peer, micro_batch=cfg.micro_batch, threads=1, poll_s=0)
+
+    def ledger_end(peer: str, upto: int, since: int = 0) -> int:
+        """Where the peer's uploaded stream ends, by the CLOSEs of rounds ``since`` .. ``upto`` - 1."""
+        end = 0
+        for r in range(since, upto):
+            for s in (run.bucket.read_json(run.keys.close(r)) or {}).get("accepted", []):
+                if s["peer"] == peer:
+                    end = max([end] + [a + n for a, n in s["data"]["ranges"]])
+        return end
+
+    live: dict[str, Worker] = {}
+    departed: dict[str, int] = {}  # peer -> state at which it left
+    born: dict[str, int] = {}  # peer -> state at which its current Worker started
+    next_id = 0
+    for _ in range(peers):
+        live[f"p{next_id:03d}"], born[f"p{next_id:03d}"] = worker(f"p{next_id:03d}"), 0
+        next_id += 1
+    events: list[dict] = []
+
+    def start(peer: str, kind: str, state: int) -> None:
+        w = live[peer] = worker(peer)
+        w.sync()  # where its stream resumes: after what its earlier incarnations uploaded
+        ev = {"state": state, "event": kind, "peer": peer, "resumes_at": w.cursor}
+        if kind in ("restart", "return"):
+            ev["ledger_end"] = ledger_end(peer, state)  # over all its incarnations
+            ev["away_rounds"] = state - departed.pop(peer, state)
+        if kind == "restart":  # what the Worker it replaces uploaded
+            ev["incarnation_end"] = ledger_end(peer, state, since=born[peer])
+        born[peer] = state
+        events.append(ev)
+
+    def churn(state: int) -> None:
+        nonlocal next_id
+        kind = events_at.get(state)
+        if kind == "leave" and len(live) > 1:
+            peer = rng.choice(sorted(live))
+            live.pop(peer).leave()
+            departed[peer] = state
+            events.append({"state": state, "event": "leave", "peer": peer})
+        elif kind == "join" or (kind == "return" and not departed):
+            peer = f"p{next_id:03d}"
+            next_id += 1
+            start(peer, "join", state)
+        elif kind == "restart" and live:
+            peer = rng.choice(sorted(live))
+            live.pop(peer).leave()
+            departed[peer] = state
+            start(peer, "restart", state)
+        elif kind == "return":
+            start(rng.choice(sorted(departed)), "return", state)
+
+    samples: list[dict] = []
+    round_s: list[float] = []
+    losses: dict[int, float] = {}
+
+    def sample(state: int, t: float) -> None:
+        usage = bucket_usage(root, run.keys.root, state, cfg.keep_states, cfg.checkpoint_every)
+        samples.append({"state": state, "t": round(t, 2), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
+                        "threads": threading.active_count(), "py_objects": len(gc.get_objects()),
+                        "peers": len(live),
+                        "loss": losses.get(state), **usage})
+        if trim:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            samples[-1]["rss_trimmed_mb"] = round(rss_mb(), 1)
+
+    sched = Scheduler(run, parallel=2, poll_s=0)
+    t0 = time.monotonic()
+    sample(0, 0.0)
+    state, steps, last_commit = 0, -1, t0  # the scheduler steps on the first iteration, then every second
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            while state < rounds:  # lock-step, as tests/protocol_driver.py
+                for w in list(live.values()):
+                    w.step()
+                steps += 1
+                if steps > 400:  # a round fills in a handful of steps
+                    raise RuntimeError(f"state {state + 1} not committed in {steps} steps")
+                if steps % 2 or not sched.step(pool):
+                    continue
+                state, steps, now = state + 1, 0, time.monotonic()
+                round_s.append(now - last_commit)
+                last_commit = now
+                losses[state] = run.commit_of(state)["loss"]
+                churn(state)
+                if state % sample_every == 0 or state == rounds:
+                    sample(state, now - t0)
+                if log and state % max(1, rounds // 10) == 0:
+                    s = samples[-1]
+                    log(f"state {state}/{rounds}: {now - t0:.0f} s, loss {losses[state]:.3f}, "
+                        f"RSS {s['rss_mb']:.0f} MB, fds {s['fds']}, threads {s['threads']}, "
+                        f"bucket {s['bytes'] / 2**20:.1f} MiB in {s['files']} files, {len(live)} peers")
+            wall = time.monotonic() - t0
+            for w in live.values():
+                w.leave()
+        checks = verify(run, rounds, cfg)
+    finally:
+        if not keep_bucket and bucket_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    res = summarize(samples, round_s, wall, rounds, checks, events, cfg)
+    res["config"] = cfg.model_dump(mode="json")
+    res["code"] = code
+    res["settings"] = {"rounds": rounds, "sample_every": sample_every, "seed": seed, "peers": peers,
+                       "every": every, "trim": trim, "events": {str(k): v for k, v in EVENTS.items()}}
+    if keep_bucket or bucket_dir is not None:
+        res["bucket"] = root
+    return res
+
+
+def _code_version() -> dict:
+    """The commit measured, and whether dedloc_pipeline/ differed from it."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "dedloc_pipeline"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def verify(run, rounds: int, cfg) -> dict:
+    """The ledger after the run: nothing lost, nothing counted twice."""
+    b, k = run.bucket, run.keys
+    missing_commits = [s for s in range(rounds + 1) if not b.exists(k.commit(s))]
+    missing_closes, mismatched, streams, rejected = [], [], {}, []
+    for r in range(rounds):
+        close = b.read_json(k.close(r))
+        if close is None:
+            missing_closes.append(r)
+            continue
+        commit = b.read_json(k.commit(r + 1)) or {}
+        if commit.get("samples") != close["samples"] or close["samples"] < close["target"]:
+            mismatched.append(r)
+        rejected += [dict(s, round=r) for s in close["rejected"]]
+        for s in close["accepted"]:
+            idx = streams.setdefault(s["data"]["stream"], [])
+            idx += [i for a, n in s["data"]["ranges"] for i in range(a, a + n)]
+    twice = {p: len(ix) - len(set(ix)) for p, ix in streams.items() if len(ix) != len(set(ix))}
+    latest = run.latest()
+    kept = [s for s in range(latest + 1) if b.find(k.params(s))]
+    expect = sorted({s for s in range(latest + 1)
+                     if s % cfg.checkpoint_every == 0 or s > latest - cfg.keep_states})
+    return {"missing_commits": missing_commits, "missing_closes": missing_closes,
+            "samples_mismatched": mismatched, "samples_counted_twice": twice, "rejected_shards": rejected,
+            "streams": len(streams), "stream_samples": sum(len(v) for v in streams.values()),
+            "states_with_params": kept, "states_with_params_expected": expect}
+
+
+def summarize(samples: list[dict], round_s: list[float], wall: float, rounds: int, checks: dict,
+              events: list[dict], cfg) -> dict:
+    half = rounds // 2
+    settle = min(10, max(1, rounds // 4))  # fds and threads: constant from here on
+    first = [s for s in samples if s["state"] <= half]
+    second = [s for s in samples if s["state"] >= half]
+    steady = [s for s in samples if s["state"] >= settle]
+    warm = [s for s in first if s["state"] >= settle] or first
+    slope = _slope([s["state"] for s in second], [s["rss_mb"] for s in second]) * 100
+    losses = [s["loss"] for s in samples if s["loss"] is not None]
+
+    def span(key, rows):
+        vals = [s[key] for s in rows]
+        return {"min": min(vals), "max": max(vals)}
+
+    fds, threads = span("fds", steady), span("threads", steady)
+    work1, work2 = max(s["working_bytes"] for s in first), max(s["working_bytes"] for s in second)
+    after = round_s[settle:] or round_s
+    resumed = [e for e in events if e["event"] in ("restart", "return")]
+    verdict = {
+        "all_commits": not checks["missing_commits"],
+        "all_closes": not checks["missing_closes"],
+        "commits_count_their_closes": not checks["samples_mismatched"],
+        "no_shard_rejected": not checks["rejected_shards"],  # every peer here is honest
+        "no_sample_counted_twice": not checks["samples_counted_twice"],
+        # a restart continues after what the Worker it replaces uploaded; a return (after rounds
+        # away) after everything the peer id ever uploaded
+        "restarted_streams_continue": all(e["resumes_at"] >= e["incarnation_end"] for e in resumed
+                                          if e["event"] == "restart"),
+        "returned_streams_continue": all(e["resumes_at"] >= e["ledger_end"] for e in resumed
+                                         if e["event"] == "return"),
+        "pruned_to_checkpoints": checks["states_with_params"] == checks["states_with_params_expected"],
+        "loss_fell": bool(losses) and losses[-1] < losses[0],
+        "fds_constant": fds["max"] - fds["min"] <= FD_SLACK,
+        "threads_constant": threads["max"] - threads["min"] <= THREAD_SLACK,
+        # judged over two churn cycles or more: before that the kept states are still filling up
+        "working_set_bounded": work2 <= BUCKET_RATIO * work1 if rounds >= 20 else None,
+    }
+    return {
+        "rounds": rounds, "wall_s": round(wall, 1), "s_per_round": round(wall / rounds, 3),
+        "s_per_round_after_warmup": round(sum(after) / len(after), 3), "max_round_s": round(max(round_s), 2),
+        "warmup_state": settle, "second_half_from": half,
+        "rss_mb": {"start": samples[0]["rss_mb"], "after_warmup": next(s["rss_mb"] for s in samples
+                                                                        if s["state"] >= settle),
+                   "at_half": second[0]["rss_mb"], "end": samples[-1]["rss_mb"],
+                   "max": max(s["rss_mb"] for s in samples),
+                   "second_half": span("rss_mb", second),
+                   "slope_mb_per_100_rounds": round(slope, 2),
+                   # a leak of x MB a round shows here as about x * rounds / 2
+                   "growth_second_half_mb": round(max(s["rss_mb"] for s in second)
+                                                  - max(s["rss_mb"] for s in warm), 1)},
+        "rss_trimmed_mb": None if "rss_trimmed_mb" not in samples[0] else {
+            "after_warmup": warm[0]["rss_trimmed_mb"], "at_half": second[0]["rss_trimmed_mb"],
+            "end": samples[-1]["rss_trimmed_mb"], "second_half": span("rss_trimmed_mb", second),
+            "slope_mb_per_100_rounds": round(_slope([s["state"] for s in second],
+                                                    [s["rss_trimmed_mb"] for s in second]) * 100, 2)},
+        "py_objects": {"after_warmup": warm[0]["py_objects"], "at_half": second[0]["py_objects"],
+                       "end": samples[-1]["py_objects"],
+                       "slope_per_100_rounds": round(_slope([s["state"] for s in second],
+                                                            [s["py_objects"] for s in second]) * 100)},
+        "fds": {**fds, "start": samples[0]["fds"]}, "threads": {**threads, "start": samples[0]["threads"]},
+        "bucket": {"end": {k: samples[-1][k] for k in samples[-1] if "bytes" in k or "files" in k},
+                   "working_bytes_max_first_half": work1, "working_bytes_max_second_half": work2,
+                   "bytes_max": max(s["bytes"] for s in samples), "files_max": max(s["files"] for s in samples),
+                   "ledger_bytes_per_round": round(samples[-1]["ledger_bytes"] / rounds)},
+        "loss": {"first": losses[0] if losses else None, "last": losses[-1] if losses else None,
+                 "first_10_mean": sum(losses[:10]) / len(losses[:10]) if losses else None,
+                 "last_10_mean": sum(losses[-10:]) / len(losses[-10:]) if losses else None},
+        "events": events, "checks": checks, "verdict": verdict, "ok": all(v is not False for v in verdict.values()),
+        "samples": samples,
+    }
+
+
+# output
+def table(res: dict):
+    from rich.table import Table
+
+    r, b, loss = res["rss_mb"], res["bucket"], res["loss"]
+    MiB = 2 ** 20
+    t = Table(title=f"soak: {res['rounds']} rounds, tiny (sequence 32), int8, delayed updates, churn every "
+                    f"{res['settings']['every']} rounds", title_justify="left")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [
+        ("wall time", f"{res['wall_s']:.0f} s"),
+        ("s/round (after warm-up; slowest)", f"{res['s_per_round']:.2f} ({res['s_per_round_after_warmup']:.2f}; "
+                                             f"{res['max_round_s']:.2f})"),
+        ("RSS start / after warm-up / half / end", f"{r['start']:.0f} / {r['after_warmup']:.0f} / "
+                                                   f"{r['at_half']:.0f} / {r['end']:.0f} MB"),
+        ("RSS second half min–max", f"{r['second_half']['min']:.0f}–{r['second_half']['max']:.0f} MB"),
+        ("RSS slope, second half", f"{r['slope_mb_per_100_rounds']:+.1f} MB / 100 rounds"),
+        ("RSS growth: second-half max − first-half max after warm-up", f"{r['growth_second_half_mb']:+.0f} MB"),
+        ("Python objects after warm-up / half / end (slope)",
+         f"{res['py_objects']['after_warmup']} / {res['py_objects']['at_half']} / {res['py_objects']['end']} "
+         f"({res['py_objects']['slope_per_100_rounds']:+d} / 100 rounds)"),
+        *([] if not (tr := res.get("rss_trimmed_mb")) else [(
+            "RSS after malloc_trim: warm-up / half / end (slope)",
+            f"{tr['after_warmup']:.0f} / {tr['at_half']:.0f} / {tr['end']:.0f} MB "
+            f"({tr['slope_mb_per_100_rounds']:+.1f} / 100 rounds)")]),
+        ("open fds after warm-up (start)", f"{res['fds']['min']}–{res['fds']['max']} ({res['fds']['start']})"),
+        ("threads after warm-up (start)", f"{res['threads']['min']}–{res['threads']['max']} "
+                                          f"({res['threads']['start']})"),
+        ("bucket at the end", f"{b['end']['bytes'] / MiB:.1f} MiB, {b['end']['files']} files"),
+        ("  ledger / checkpoints / working set", f"{b['end']['ledger_bytes'] / MiB:.2f} / "
+                                                 f"{b['end']['checkpoint_bytes'] / MiB:.1f} / "
+                                                 f"{b['end']['working_bytes'] / MiB:.1f} MiB"),
+        ("working set max, first / second half", f"{b['working_bytes_max_first_half'] / MiB:.1f} / "
+                                                 f"{b['working_bytes_max_second_half'] / MiB:.1f} MiB"),
+        ("loss first → last (means of 10)", f"{loss['first']:.3f} → {loss['last']:.3f} "
+                                            f"({loss['first_10_mean']:.3f} → {loss['last_10_mean']:.3f})"),
+        ("churn events", ", ".join(f"{k} {sum(e['event'] == k for e in res['events'])}"
+                                   for k in ("leave", "join", "restart", "return"))),
+    ]
+    rows += [(f"check: {k.replace('_', ' ')}", {True: "ok", False: "FAILED", None: "not judged"}[v])
+             for k, v in res["verdict"].items()]
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def plot(res: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    s = res["samples"]
+    x = [p["state"] for p in s]
+    fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    series = [("RSS (MB)", [p["rss_mb"] for p in s]), ("open fds", [p["fds"] for p in s]),
+              ("bucket (MiB)", [p["bytes"] / 2**20 for p in s]), ("committed loss", [p["loss"] for p in s])]
+    for ax, (label, y) in zip(axes, series):
+        ax.plot(x, y)
+        ax.set_ylabel(label)
+    axes[2].plot(x, [p["working_bytes"] / 2**20 for p in s], label="working set")
+    axes[2].legend()
+    axes[-1].set_xlabel("state (rounds committed)")
+    fig.tight_layout()
+    fig.savefig(path)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--sample-every", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path(".dedloc/bench/soak.json"))
+    ap.add_argument("--keep-bucket", action="store_true")
+    ap.add_argument("--trim", action="store_true", help="diagnostic: malloc_trim(0) after each RSS sample")
+    args = ap.parse_args(argv)
+    from rich.console import Console
+
+    res = soak(args.rounds, sample_every=args.sample_every, seed=args.seed, keep_bucket=args.keep_bucket,
+               trim=args.trim)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    Console().print(table(res))
+    if plot(res, args.out.with_suffix(".png")):
+        print(f"plot: {args.out.with_suffix('.png')}")
+    print(f"results: {args.out}" + ("" if res["ok"] else "  (some checks FAILED)"))
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -178,27 +178,24 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
            key: Optional[str] = typer.Option(None, envvar="DEDLOC_KEY",
                                              help="your private key: signs your shards (runs that require it)"),
+           plain: bool = typer.Option(False, "--plain", help="plain progress lines, even in a terminal"),
+           progress_every: float = typer.Option(10.0, help="seconds between plain progress lines"),
            verbose: bool = True):
-    """Join a run as a volunteer: compute gradients and upload shards."""
+    """Join a run as a volunteer: compute gradients and upload shards, with a live progress display.
+
+    Ctrl-C finishes an upload under way, leaves, and prints what you contributed (exit status
+    130); a second Ctrl-C quits at once."""
     _setup(verbose)
-    from .shard import PEER_ID
-    import re
-    from .worker import Worker
+    from .progress import make_worker, summary_text, volunteer
     try:
-        if peer_id is not None and not re.match(PEER_ID, peer_id):
-            raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
-        import torch
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
-        signer = identity.load(key) if key else None
-        w = Worker(_open(bucket, run, endpoint_url), peer_id, micro_batch, threads, poll_s=poll, device=device,
-                   signer=signer)
-        state = w.serve(until_round)
-        typer.echo(f"{w.peer}: stopped at state {state}; uploaded {w.uploaded_samples} samples")
+        w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url)
+        s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     except _ERRORS as exc:
         _fail(exc)
     except KeyboardInterrupt:
+        raise typer.Exit(130)
+    typer.echo(summary_text(s))
+    if s["ended"] in ("ctrl_c", "interrupted"):
         raise typer.Exit(130)
 
 
@@ -349,9 +346,9 @@ def export(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 @app.command()
 def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            as_json: bool = typer.Option(False, "--json", help="one JSON object")):
-    """Where a run stands: open round, peers, history."""
+    """Where a run stands: the open round and its ETA, the last rounds, the contributors."""
     _setup(False)
-    from .status import status as get_status
+    from .status import show, status as get_status
     try:
         s = get_status(_open(bucket, run, endpoint_url))
     except _ERRORS as exc:
@@ -359,11 +356,38 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     if as_json:
         typer.echo(json.dumps(s))
         return
-    p = s["progress"]
-    typer.echo(f"run {s['run']}: state {s['round']}, round {p['round']} at {p['samples']}/"
-               f"{s['target_batch_size']} samples from {p['peers']} live peers")
-    for h in s["history"][-10:]:
-        typer.echo(f"  round {h['round']:>5}: loss {h['loss']:.4f}, {h['samples']} samples, "
-                   f"{len(h['contributors'])} shards")
-    for q in s["peers"]:
-        typer.echo(f"  peer {q['peer_id']}: {q['samples']} samples in {q['rounds']} rounds")
+    from rich.console import Console
+    show(s, Console())
+
+
+@app.command()
+def plot(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+         out: str = typer.Option(..., help="folder for the PNG figures")):
+    """Draw the ledger as PNGs: loss, samples/s and contributors per round."""
+    _setup(False)
+    from .plots import write
+    from .status import status as get_status
+    try:
+        paths = write(get_status(_open(bucket, run, endpoint_url))["history"], out)
+    except _ERRORS as exc:
+        _fail(exc)
+    typer.echo("\n".join(paths))
+
+
+@app.command()
+def report(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           out: str = typer.Option(..., help="the HTML file to write"),
+           upload: bool = typer.Option(False, help="also put it in the bucket (runs/RUN/report/index.html)")):
+    """Write one self-contained HTML page of the run (figures, leaderboard, rounds, evaluations)."""
+    _setup(False)
+    from .report import publish, render
+    try:
+        r = _open(bucket, run, endpoint_url)
+        page = render(r)
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(page)
+        typer.echo(f"report written to {out}")
+        if upload:
+            typer.echo(f"uploaded to {publish(r, page)}")
+    except _ERRORS as exc:
+        _fail(exc)

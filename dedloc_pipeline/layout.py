@@ -103,6 +103,10 @@ class RunLayout:
         """Marker: the organizer ended the run; workers leave, schedulers commit what is closed and stop."""
         return f"{self.root}/STOP.json"
 
+    def report(self) -> str:
+        """The run's static HTML page (`dedloc report --upload`): one key the organizer can publish."""
+        return f"{self.root}/report/index.html"
+
     def eval(self, r: int, task: str) -> str:
         return f"{self.root}/evals/{_r(r)}/{task}.json"
 

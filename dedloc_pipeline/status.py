@@ -1,60 +1,161 @@
-"""What a run looks like now, read from the bucket alone (``dedloc status``)."""
+"""What a run looks like now, read from the bucket alone (``dedloc status``, ``plot``, ``report``).
+
+Every number of a closed round comes from its COMMIT (the ledger); only the open round's progress
+and the peers' last-seen times come from heartbeats, which any peer writes about itself and which
+are therefore parsed defensively.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from .run import Run
 
 
-def _commits(run: Run) -> list[dict]:
+def _commits(run: Run) -> dict[int, dict]:
+    """Every COMMIT, state 0 included, in one batch (concurrent on S3: long runs have thousands)."""
     keys = run.keys
-    states = sorted(int(s) for s in run.bucket.list(keys.states) if s.isdigit() and int(s) > 0)
+    states = sorted(int(s) for s in run.bucket.list(keys.states) if s.isdigit())
     raw = run.bucket.read_many([keys.commit(s) for s in states])
-    return [json.loads(raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))]
+    return {s: json.loads(raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))}
 
 
-def status(run: Run) -> dict:
-    """The open round's progress, every peer's contribution, and the ledger of closed rounds."""
-    keys, bucket, cfg = run.keys, run.bucket, run.config
+def _heartbeats(run: Run, r: int) -> dict[str, dict]:
+    """Round r's heartbeats by peer. The peer is the key's name, which the volunteer's bucket
+    policy binds to it, not the body's claim; unreadable or non-finite heartbeats are skipped."""
+    found = run.bucket.read_many(run.bucket.find(run.keys.progress_dir(r)))
+    beats = {}
+    for key, raw in found.items():
+        try:
+            body = json.loads(raw)
+            beat = {"samples": max(0, int(body.get("samples", 0))), "time": float(body["time"]),
+                    "samples_per_s": max(0.0, float(body.get("samples_per_s") or 0.0))}
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+            continue
+        if math.isfinite(beat["time"]) and math.isfinite(beat["samples_per_s"]):
+            beats[key.rsplit("/", 1)[-1].removesuffix(".json")] = beat
+    return beats
+
+
+def _manifest_samples(run: Run, r: int) -> int:
+    total = 0
+    for raw in run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r))).values():
+        try:
+            total += int(json.loads(raw)["samples"])
+        except (TypeError, ValueError, KeyError):
+            continue
+    return total
+
+
+def _round(c: dict) -> dict:
+    """One closed round as the ledger has it; its duration runs from opening to commit."""
+    opened, committed = c.get("opened_at"), c["committed_at"]
+    duration = committed - opened if opened is not None else None
+    return {"round": c["round"], "samples": c["samples"], "contributors": c["contributors"],
+            "peers": len(set(c["contributors"])), "loss": c["loss"], "rejected": len(c.get("rejected", [])),
+            "lr": c.get("lr"), "opened_at": opened, "closed_at": c["closed_at"], "committed_at": committed,
+            "duration_s": duration,
+            "samples_per_s": c["samples"] / duration if duration and duration > 0 else None}
+
+
+def status(run: Run, now: float | None = None) -> dict:
+    """The open round's progress and ETA, the contributors' leaderboard, and the ledger of closed rounds."""
+    cfg, bucket = run.config, run.bucket
+    now = time.time() if now is None else now
     latest = run.latest()
     commits = _commits(run)
-    now = time.time()
     peers: dict[str, dict] = {}
 
     def peer(pid: str) -> dict:
-        return peers.setdefault(pid, {"peer_id": pid, "samples": 0, "rounds": 0, "last_seen": None})
+        return peers.setdefault(pid, {"peer_id": pid, "samples": 0, "rounds": 0, "last_seen": None,
+                                      "live": False})
 
-    history = []
-    for c in commits:
-        for pid in dict.fromkeys(s["peer"] for s in c.get("shards", [])):
+    history = [_round(commits[s]) for s in sorted(commits) if s > 0]
+    for s in sorted(commits):
+        c = commits[s]
+        for pid in set(c.get("contributors", [])):
             peer(pid)["rounds"] += 1
-        for s in c.get("shards", []):
-            p = peer(s["peer"])
-            p["samples"] += s["samples"]
+        for sh in c.get("shards", []):
+            p = peer(sh["peer"])
+            p["samples"] += sh["samples"]
             p["last_seen"] = max(p["last_seen"] or 0.0, c["closed_at"])
-        history.append({"round": c["round"], "samples": c["samples"], "contributors": c["contributors"],
-                        "loss": c["loss"], "rejected": len(c.get("rejected", [])), "lr": c.get("lr"),
-                        "closed_at": c["closed_at"], "committed_at": c["committed_at"]})
-    progress = [json.loads(v) for v in bucket.read_many(bucket.find(keys.progress_dir(latest))).values() if v]
-    live = [p for p in progress if now - float(p.get("time", 0)) < cfg.peer_timeout_s]
-    for p in progress:
-        q = peer(p["peer"])
-        q["last_seen"] = max(q["last_seen"] or 0.0, float(p["time"]))
-    manifests = bucket.find(keys.manifests_dir(latest))
-    uploaded = 0
-    for v in bucket.read_many(manifests).values():
-        try:
-            uploaded += int(json.loads(v)["samples"]) if v else 0
-        except (ValueError, KeyError, TypeError):
-            continue
+    beats = _heartbeats(run, latest)
+    live = {pid: b for pid, b in beats.items() if now - b["time"] < cfg.peer_timeout_s}
+    for pid, b in beats.items():
+        p = peer(pid)
+        p["last_seen"] = max(p["last_seen"] or 0.0, b["time"])
+        p["live"] = pid in live
+    uploaded = _manifest_samples(run, latest)
+    target = cfg.target_batch_size
+    samples = uploaded + sum(b["samples"] for b in live.values())
+    rate = sum(b["samples_per_s"] for b in live.values())
+    closed = bucket.exists(run.keys.close(latest))
+    remaining = max(0, target - samples)
+    eta = 0.0 if closed or not remaining else (remaining / rate if rate > 0 else None)
     return {
-        "run": run.name, "round": latest, "target_batch_size": cfg.target_batch_size,
-        "codec": cfg.codec, "optimizer": cfg.optimizer.name, "n_params": run.commit_of(0).get("n_params"),
-        "progress": {"round": latest, "samples": uploaded + sum(int(p["samples"]) for p in live),
-                     "uploaded_samples": uploaded, "peers": len(live),
-                     "closed": bucket.exists(keys.close(latest))},
-        "peers": sorted(peers.values(), key=lambda p: -p["samples"]),
+        "run": run.name, "round": latest, "target_batch_size": target,
+        "codec": cfg.codec, "optimizer": cfg.optimizer.name, "n_params": commits.get(0, {}).get("n_params"),
+        "progress": {"round": latest, "samples": samples, "uploaded_samples": uploaded, "peers": len(live),
+                     "closed": closed, "target": target, "fraction": min(1.0, samples / target),
+                     "samples_per_s": rate, "eta_s": eta},
+        "peers": sorted(peers.values(), key=lambda p: (-p["samples"], p["peer_id"])),
         "history": history,
+        "at": now,
     }
+
+
+def duration(seconds: float | None) -> str:
+    """``42 s``, ``3 min 5 s``, ``2 h 10 min``: what a person reads at a glance."""
+    if seconds is None:
+        return "?"
+    s = round(seconds)
+    if s < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"
+
+
+def show(s: dict, console) -> None:
+    """``dedloc status`` for people: a headline, the open round's bar, the last rounds, the leaderboard.
+
+    Every string from the bucket goes in as ``Text``, never as markup, so a peer cannot style the
+    organizer's terminal.
+    """
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    p, now = s["progress"], s["at"]
+    console.print(Text(f"run {s['run']}: state {s['round']}, round {p['round']} at {p['samples']}/"
+                       f"{s['target_batch_size']} samples from {p['peers']} live peers", style="bold"))
+    eta = "closed, being reduced" if p["closed"] else (
+        f"ETA {duration(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown")
+    done = round(30 * p["fraction"])
+    bar = Text(f"open round {p['round']} ")
+    bar.append("━" * done, style="green").append("─" * (30 - done), style="dim")
+    bar.append(f" {100 * p['fraction']:.0f}% of {s['target_batch_size']}, {p['samples_per_s']:.1f} samples/s, {eta}")
+    console.print(bar)
+
+    rounds = Table(box=None, show_header=False, title="last rounds", title_justify="left", padding=(0, 1),
+                   pad_edge=False)
+    for _ in range(6):
+        rounds.add_column(no_wrap=True)
+    for h in s["history"][-10:]:
+        speed = f"{h['samples_per_s']:.1f} samples/s" if h["samples_per_s"] else ""
+        rounds.add_row(f"round {h['round']}:", f"loss {h['loss']:.4f}", f"{h['samples']} samples",
+                       f"{h['peers']} contributors", duration(h["duration_s"]), speed)
+    if s["history"]:
+        console.print(rounds)
+
+    board = Table(title="contributors", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    board.add_column("peer", no_wrap=True, overflow="ellipsis", max_width=64)
+    for name in ("samples", "rounds", "last seen"):  # counted in COMMITs; last seen: heartbeats too
+        board.add_column(name, justify="right", no_wrap=True)
+    for q in s["peers"]:
+        seen = "live" if q["live"] else (
+            f"{duration(max(0.0, now - q['last_seen']))} ago" if q["last_seen"] else "never")
+        board.add_row(Text(q["peer_id"]), f"{q['samples']:,}", str(q["rounds"]), seen)
+    console.print(board)

@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -42,8 +43,28 @@ class Accumulator:
 class RoundView:
     manifest_samples: int = 0
     fresh_samples: int = 0  # other peers' un-uploaded samples, from live heartbeats
+    peers: int = 0  # other live peers
+    samples_per_s: float = 0.0  # their speed together
     closed: bool = False
     at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A volunteer's progress at one moment, for a display (taken without a bucket call)."""
+
+    peer: str
+    state: int | None
+    activity: str  # starting | computing | uploading | waiting (for the next state)
+    round: int | None  # the round the pending samples are for (state + 1: computed ahead)
+    pending: int  # computed and not uploaded
+    computed: int
+    uploaded: int
+    uploads: tuple[tuple[int, str, int], ...]
+    target: int
+    view: RoundView | None  # round ``state`` as last seen; None just after a sync or an upload
+    bytes_up: int
+    bytes_down: int
 
 
 class Worker:
@@ -76,6 +97,8 @@ class Worker:
         self._last_progress = 0.0
         self._last_sync = 0.0
         self._rate = (time.monotonic(), 0)
+        self.activity = "starting"
+        self.uploads: list[tuple[int, str, int]] = []  # (round, shard key, samples) of every upload
         self.uploaded_samples = 0
         self.computed_samples = 0
         self.compute_s = 0.0  # in forward and backward: the share of wall time that is training
@@ -165,6 +188,8 @@ class Worker:
                 p = json.loads(raw)
                 if p.get("round") == r and now - float(p["time"]) < timeout:
                     v.fresh_samples += int(p["samples"])
+                    v.peers += 1
+                    v.samples_per_s += float(p.get("samples_per_s", 0.0))
             except (ValueError, KeyError, TypeError):
                 continue
         self._view = v
@@ -186,7 +211,9 @@ class Worker:
                 self._upload(acc)  # may still make it before CLOSE; late otherwise
         if full and not self.delayed:
             self._report(force=False)
+            self.activity = "waiting"
             return False
+        self.activity = "computing"
         self._compute(r + 1 if full else r)
         acc = self.acc
         self._report(force=False)
@@ -227,11 +254,13 @@ class Worker:
     def _upload(self, acc: Accumulator) -> None:
         arrays = self.feedback.encode(self.flat.grad() / acc.samples)
         part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+        self.activity = "uploading"
         key = shard.upload(self.run, acc.round, self.peer, part, arrays, acc.samples,
                            acc.loss_sum / acc.samples,
                            shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
                            stale_samples=acc.stale_samples, signer=self.signer)
         self._uploaded.add(acc.round)
+        self.uploads.append((acc.round, key, acc.samples))
         self.uploaded_samples += acc.samples
         log.info("%s: uploaded %d samples to round %d (%s)", self.peer, acc.samples, acc.round, key)
         self._drop()
@@ -260,18 +289,30 @@ class Worker:
             "bytes_up": io.bytes_written, "bytes_down": io.bytes_read})
         self._last_progress = now
 
+    def snapshot(self) -> Snapshot:
+        """What this volunteer is doing; safe to call from a display's thread."""
+        acc, io = self.acc, self.run.bucket.stats
+        return Snapshot(peer=self.peer, state=self.state, activity=self.activity,
+                        round=acc.round if acc is not None else self.state,
+                        pending=acc.samples if acc is not None else 0, computed=self.computed_samples,
+                        uploaded=self.uploaded_samples, uploads=tuple(self.uploads),
+                        target=self.run.config.target_batch_size, view=self._view,
+                        bytes_up=io.bytes_written, bytes_down=io.bytes_read)
+
     def leave(self) -> None:
         """Tell the others this peer's pending samples will not come."""
         if self.state is not None:
             self._drop()
             self._report(force=True)
 
-    def serve(self, until_round: int | None = None) -> int:
-        """Work until state ``until_round`` is committed (or forever); returns the last state."""
+    def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
+        """Work until state ``until_round`` is committed, the run is stopped, or ``stop()`` says
+        so (asked between steps: an upload under way completes first); returns the last state."""
         self.started = time.monotonic()
         self.sync()
         try:
-            while (until_round is None or self.state < until_round) and not self.stopped:
+            while not (self.stopped or (until_round is not None and self.state >= until_round)
+                       or (stop is not None and stop())):
                 if not self.step():
                     time.sleep(self.poll_s / 4)
         finally:

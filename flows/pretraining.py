@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
+                               update_progress_artifact)
 
-from dedloc_pipeline import aggregator
+from dedloc_pipeline import aggregator, report
 from dedloc_pipeline.config import recipe_config
 from dedloc_pipeline.run import init_run
 from dedloc_pipeline.scheduler import prune
+from dedloc_pipeline.status import status
 from dedloc_pipeline.storage import Bucket
 
 from flows.common import artifact_key, dask_address, open_run, scheduler, task_runner
@@ -53,6 +55,15 @@ def commit(bucket: str, run: str, r: int) -> dict:
     prune(rn, r + 1)
     return {k: c[k] for k in ("state", "round", "samples", "loss", "contributors", "closed_at",
                               "committed_at")}
+
+
+@task(retries=2, retry_delay_seconds=2)
+def publish_report(bucket: str, run: str) -> dict:
+    """The run's HTML report into the bucket; returns the leaderboard and the summary for the artifacts."""
+    rn = open_run(bucket, run)
+    s = status(rn)
+    key = report.publish(rn, report.render(rn, s))
+    return {"leaderboard": report.leaderboard_rows(s), "markdown": report.markdown(s, f"{rn.bucket.url}/{key}")}
 
 
 @flow(name="dedloc-round", log_prints=True)
@@ -103,6 +114,11 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
             log.info("state %d committed: loss %.4f from %d samples", s["state"], s["loss"], s["samples"])
             if rounds and rounds > first:
                 update_progress_artifact(progress, 100.0 * min(1.0, (s["state"] - first) / (rounds - first)))
+    published = publish_report(bucket, run)
+    create_table_artifact(key=artifact_key(run, "leaderboard"), table=published["leaderboard"],
+                          description=f"contributors of run {run}: samples counted in committed rounds")
+    create_markdown_artifact(key=artifact_key(run, "report"), markdown=published["markdown"],
+                             description=f"run {run}: loss, last rounds, and where its HTML report is")
     return {"run": run, "state": rn.latest(), "rounds_done": len(summaries), "stopped_by": reason,
             "losses": [s["loss"] for s in summaries]}
 

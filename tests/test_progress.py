@@ -1,0 +1,151 @@
+"""What a volunteer sees: the progress display, Ctrl-C in the middle of an upload, and join()."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from rich.console import Console
+
+import dedloc_pipeline
+from dedloc_pipeline import shard
+from dedloc_pipeline.progress import Display, Ledger, summary, summary_text
+from dedloc_pipeline.run import Run, init_run
+from dedloc_pipeline.scheduler import Scheduler
+from dedloc_pipeline.storage import Bucket
+
+from .conftest import small_config
+from .protocol_driver import collaborate
+
+
+def test_display_shows_the_worker_and_the_ledger(make_run):
+    """Two peers fill round 0; then alice computes one micro-batch of round 1 while bob's heartbeat
+    says 8 samples pending at 2 samples/s: 12 of 24 in, 12 to go at 2/s (alice's own speed is not
+    known at the first look), and everything alice uploaded counted in COMMIT 1."""
+    run = make_run()
+    alice, _ = collaborate(run, [("alice", 4), ("bob", 4)], rounds=1)
+    mine = [s for s in run.commit_of(1)["shards"] if s["peer"] == "alice"]
+    assert mine and sum(s["samples"] for s in mine) == alice.uploaded_samples
+    run.bucket.write_json(run.keys.progress(1, "bob"), {"peer": "bob", "round": 1, "samples": 8,
+                                                         "samples_per_s": 2.0, "time": time.time()})
+    alice.step()
+    display = Display(alice, plain=True, console=Console(file=io.StringIO()))
+    f = display.facts()
+    assert f["snapshot"].state == 1 and f["activity"] == "computing round 1"
+    assert (f["manifest"], f["others"], f["mine"], f["peers"]) == (0, 8, 4, 1)
+    assert f["eta_s"] == pytest.approx(6.0) and f["counted"] == alice.uploaded_samples
+
+    line = display.line(f)
+    assert "\x1b" not in line
+    for part in ("alice state 1: computing round 1", "round 1 12/24 (50%) ETA 0:00:06",
+                 f"4 pending, {alice.uploaded_samples} uploaded in {len(mine)} shards, "
+                 f"{alice.uploaded_samples} counted", "others 2.0, 1 peers"):
+        assert part in line, line
+    term = Console(file=io.StringIO(), force_terminal=True, width=140)
+    term.print(display.panel(f))
+    assert "12/24 (50%) · ETA 0:00:06" in term.file.getvalue()
+
+    s = summary(alice, "until_round", Ledger(run))
+    assert (s["samples_uploaded"], s["shards"], s["rounds"]) == (alice.uploaded_samples, len(mine), 1)
+    assert (s["samples_counted"], s["shards_counted"], s["samples_open"], s["rejected"]) == \
+        (alice.uploaded_samples, len(mine), 0, [])
+    text = summary_text(s)
+    assert "alice: stopped at state 1 (state reached)" in text
+    assert f"counted   {alice.uploaded_samples} samples ({len(mine)} shards)" in text
+
+    # drawn from its own thread: a line every `every` seconds, none with escape codes
+    out = io.StringIO()
+    with Display(alice, plain=True, every=0.05, console=Console(file=out)):
+        time.sleep(0.3)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2 and all(ln.count(" alice state 1: ") == 1 and "\x1b" not in ln for ln in lines)
+
+
+def test_join_returns_the_summary(make_run, bucket, capsys):
+    """The notebook API: alone with a scheduler, until state 1, then until another thread says stop."""
+    run = make_run()
+    sched = threading.Thread(target=Scheduler(run, parallel=1, poll_s=0.05).serve, args=(1,), daemon=True)
+    sched.start()
+    s = dedloc_pipeline.join(bucket=bucket.url, run=run.name, peer_id="alice", device="cpu", until_round=1,
+                             threads=1, poll=0.1, plain=True, every=0.5)
+    sched.join(30)
+    assert s["ended"] == "until_round" and s["state"] == 1
+    assert (s["samples_uploaded"], s["shards"], s["rounds"], s["samples_counted"]) == (24, 1, 1, 24)
+    out = capsys.readouterr().out
+    assert "alice: stopped at state 1 (state reached)" in out and "\x1b" not in out
+
+    stop = threading.Event()
+    threading.Timer(1.0, stop.set).start()
+    s = dedloc_pipeline.join(bucket=bucket.url, run=run.name, peer_id="alice", device="cpu", threads=1,
+                             poll=0.1, plain=True, stop=stop)
+    assert s["ended"] == "stop_requested" and s["state"] == 1
+    progress = run.bucket.read_json(run.keys.progress(1, "alice"))
+    assert progress["samples"] == 0  # left: its pending samples withdrawn
+
+
+# Ctrl-C pressed from inside the first chunk write of the first shard (at the main thread, as a
+# terminal does), once or twice a second apart; every chunk write of that shard waits meanwhile.
+INTERRUPTED_WORKER = """
+import asyncio, os, signal, sys, threading
+from dedloc_pipeline import storage
+from dedloc_pipeline.cli import app
+
+presses, write, pressed = int(os.environ["PRESSES"]), storage._BucketStore.set, []
+
+async def slow_set(self, key, value):
+    if key.startswith("c/"):
+        if not pressed:
+            pressed.append(key)
+            for _ in range(presses):
+                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                await asyncio.sleep(1.0)
+        else:
+            await asyncio.sleep(0.2)
+    await write(self, key, value)
+
+storage._BucketStore.set = slow_set
+app(sys.argv[1:], prog_name="dedloc")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
+    """Alone in a run of target 8 a worker uploads after two micro-batches. One Ctrl-C during the
+    chunk writes: the shard completes, manifest last, and the summary counts it. Two: the shard
+    is abandoned before its manifest. Either way every manifest's chunks are there and whole,
+    the heartbeat withdraws the pending samples, and the exit status is 130."""
+    procs = {}
+    try:
+        for presses in (1, 2):  # both at once: most of each is importing torch
+            url = f"file://{tmp_path}/b{presses}"
+            init_run(Bucket(url), small_config("r", target_batch_size=8, micro_batch=4))
+            env = dict(os.environ, PRESSES=str(presses), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            procs[presses] = (url, subprocess.Popen(
+                [sys.executable, "-c", INTERRUPTED_WORKER, "worker", "--bucket", url, "--run", "r",
+                 "--peer-id", "alice", "--threads", "1", "--poll", "0.2", "--device", "cpu", "--plain"],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for presses, (url, p) in procs.items():
+            out, _ = p.communicate(timeout=100)
+            run = Run(Bucket(url), "r")
+            manifests = run.bucket.find(run.keys.manifests_dir(0))
+            for m in manifests:  # the scheduler's own checks: chunks present, checksums right
+                shard.validate(run, 0, run.keys.shard_of(m), run.bucket.read_bytes(m))
+            assert p.returncode == 130, out
+            assert run.bucket.read_json(run.keys.progress(0, "alice"))["samples"] == 0, out
+            assert run.bucket.find(run.keys.shards_dir(0)), out  # the upload had begun
+            if presses == 1:
+                assert len(manifests) == 1, out
+                assert "stopped cleanly after Ctrl-C" in out and "uploaded  8 samples in 1 shards" in out, out
+                assert "open      8 samples in rounds not committed yet" in out, out
+            else:
+                assert manifests == [], out
+                assert "(interrupted)" in out and "uploaded  0 samples in 0 shards" in out, out
+    finally:
+        for _, p in procs.values():
+            if p.poll() is None:
+                p.kill()

@@ -16,7 +16,7 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install corpus test bench pretrain worker eval status server stop clean
+.PHONY: install browser corpus test bench pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -33,8 +33,14 @@ corpus: $(CORPUS)/PROVENANCE.json
 $(CORPUS)/PROVENANCE.json: | $(STAMP)
 	$(BIN)/python -m dedloc_pipeline.corpus $(CORPUS)
 
-test: install corpus
-	$(BIN)/python -m pytest -q -ra tests
+# Headless chromium renders the report page in the tests: Debian's package, installed if missing.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
+
+test: install corpus browser
+	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 # Every benchmark in one run (docs/benchmarks.md): tables on screen, numbers in .dedloc/bench/.
 BENCH_STAMP := $(VENV)/.bench-stamp

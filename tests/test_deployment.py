@@ -110,6 +110,8 @@ def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = Run(Bucket(env["BUCKET"]), "ci")
     assert run.latest() == 2
+    assert run.config.organizer_key and run.commit_of(2)["rejected"] == []  # a signed run, enrolled workers
+    assert set(run.commit_of(1)["contributors"] + run.commit_of(2)["contributors"]) <= {"local-1", "local-2"}
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
     assert summary["rounds"] == 2
     assert summary["samples"] == run.commit_of(1)["samples"] + run.commit_of(2)["samples"]

@@ -205,3 +205,31 @@ def test_flow_summary_markdown(collab):
     rows = report.leaderboard_rows(status(run))
     assert {r["peer"]: r["samples counted"] for r in rows}["ann"] == sum(
         sh["samples"] for c in commits for sh in c["shards"] if sh["peer"] == "ann")
+
+
+def test_report_renders_in_headless_chromium(collab, tmp_path):
+    """What a browser shows: Debian's chromium renders the page (scripts blocked by its CSP),
+    the DOM it ends with holds the tables and images, and the screenshot is not blank."""
+    import shutil
+    import subprocess
+
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert browser, "chromium is installed by `make install` (Debian's package)"
+    url, run, commits, _, _ = collab
+    page = tmp_path / "report.html"
+    cli("report", "--bucket", url, "--run", run.name, "--out", str(page))
+    flags = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,2400"]
+    dom = subprocess.run([*flags, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    shown = Page()
+    shown.feed(dom.stdout)
+    assert len(shown.imgs) == 3 and shown.tags.count("script") == 0
+    assert [row[0] for row in shown.rows["rounds"][1:]] == [str(c["round"]) for c in commits]
+    assert XSS_PEER in "".join(shown.text)  # shown as text
+    shot = tmp_path / "shot.png"
+    res = subprocess.run([*flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
+    assert res.returncode == 0 and shot.read_bytes().startswith(PNG), res.stderr[-2000:]
+    import matplotlib.image
+    pixels = matplotlib.image.imread(shot)
+    assert len({tuple(p) for p in pixels.reshape(-1, pixels.shape[-1])[::97]}) > 20  # figures drawn

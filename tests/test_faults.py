@@ -36,7 +36,7 @@ def test_a_collaboration_through_a_failing_bucket_commits_the_same_states(backen
     states, bit for bit, as a run on a healthy bucket, with nothing rejected on the way."""
     cfg = small_config(codec="int8", delayed_updates=True)
     healthy = init_run(Bucket(str(tmp_path / "healthy")), cfg)
-    rounds = 3 if backend == "file" else 2  # moto is slow; faults hit every request kind either way
+    rounds = 2  # every kind of request (init, shards, closes, reduces, commits, deltas) meets faults
     collaborate(healthy, PEERS, rounds=rounds)
 
     url = str(tmp_path / "faulty") if backend == "file" else request.getfixturevalue("s3_bucket").url
@@ -218,13 +218,13 @@ def _heldout_loss(run, state):
     ("mean", "flipped_x1000", False),  # the attack works on an unprotected mean ...
     ("trimmed_mean", "flipped_x1000", True),  # ... and not through a robust estimate
     ("centered_clip", "flipped_x1000", True),
-    ("centered_clip", "scaled_x1000", True),
     ("centered_clip", "flipped", True),
 ])
 def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, falls):
-    """One peer in five (20%) sends its gradient scaled x1000, sign-flipped, or both, every
-    round. The norm screen is off here, so only the aggregation stands in the way."""
-    factor = {"flipped_x1000": -1000.0, "scaled_x1000": 1000.0, "flipped": -1.0}[attack]
+    """One peer in five (20%) sends its gradient sign-flipped, or scaled x(-1000), every round.
+    The norm screen is off here, so only the aggregation stands in the way (a gradient scaled
+    x1000 alone is the norm screen's case, above)."""
+    factor = {"flipped_x1000": -1000.0, "flipped": -1.0}[attack]
     run = make_run(aggregation=aggregation, norm_screen=None, max_grad_norm=1e12, seq_len=32)
     peers = [(p, 4) for p in ("a", "b", "c", "d", "mallory")]
     collaborate(run, peers, rounds=3, tamper={"mallory": lambda g: factor * g})

@@ -247,14 +247,9 @@ def enroll(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            volunteer: str = typer.Option(..., help="name; its peers are NAME or NAME.anything"),
            public_key: str = typer.Option(..., help="the volunteer's public key (`dedloc keygen` prints it)")):
     """Admit a volunteer's shards: add its public key to the run's signed roster."""
-    _setup(False)
-    try:
-        r, org = _signed_run(bucket, run, endpoint_url, organizer_key)
-        roster = identity.update_roster(r.bucket, run, org, enroll={volunteer: public_key})
-        typer.echo(f"run {run}: {volunteer} enrolled (roster version {roster.version}, "
-                   f"{len(roster.volunteers)} volunteers)")
-    except _ERRORS as exc:
-        _fail(exc)
+    roster = _change_roster(bucket, run, endpoint_url, organizer_key, enroll={volunteer: public_key})
+    typer.echo(f"run {run}: {volunteer} enrolled (roster version {roster.version}, "
+               f"{len(roster.volunteers)} volunteers)")
 
 
 @app.command()
@@ -262,13 +257,8 @@ def revoke(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            organizer_key: str = typer.Option(..., help="the private key the run was created with"),
            volunteer: str = typer.Option(..., help="whose shards are refused from now on")):
     """Refuse a volunteer's shards from the open round on (committed rounds stay as they are)."""
-    _setup(False)
-    try:
-        r, org = _signed_run(bucket, run, endpoint_url, organizer_key)
-        roster = identity.update_roster(r.bucket, run, org, revoke=[volunteer])
-        typer.echo(f"run {run}: {volunteer} revoked (roster version {roster.version})")
-    except _ERRORS as exc:
-        _fail(exc)
+    roster = _change_roster(bucket, run, endpoint_url, organizer_key, revoke=[volunteer])
+    typer.echo(f"run {run}: {volunteer} revoked (roster version {roster.version})")
 
 
 @app.command()
@@ -290,14 +280,19 @@ def policy(bucket: str = typer.Option(..., "--bucket", help="s3://bucket/prefix 
         _fail(exc)
 
 
-def _signed_run(bucket: str, run: str, endpoint: str | None, organizer_key: str):
-    r = _open(bucket, run, endpoint)
-    org = identity.load(organizer_key)
-    if r.config.organizer_key is None:
-        raise RunError(f"run {run!r} was created without --organizer-key: it accepts unsigned shards")
-    if identity.public(org) != r.config.organizer_key:
-        raise IdentityError(f"{organizer_key} is not the key run {run!r} was created with")
-    return r, org
+def _change_roster(bucket: str, run: str, endpoint: str | None, organizer_key: str, **change):
+    """Enrol or revoke in a signed run's roster, with the key the run was created with."""
+    _setup(False)
+    try:
+        r = _open(bucket, run, endpoint)
+        org = identity.load(organizer_key)
+        if r.config.organizer_key is None:
+            raise RunError(f"run {run!r} was created without --organizer-key: it accepts unsigned shards")
+        if identity.public(org) != r.config.organizer_key:
+            raise IdentityError(f"{organizer_key} is not the key run {run!r} was created with")
+        return identity.update_roster(r.bucket, run, org, **change)
+    except _ERRORS as exc:
+        _fail(exc)
 
 
 @app.command("eval")

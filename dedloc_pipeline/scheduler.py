@@ -62,7 +62,8 @@ class Scheduler:
                if v is not None}
         for k in listed.keys() - raw.keys():  # never read: it could be any size
             if listed[k] > limit and self._seen.get(k, (None,))[0] != listed[k]:
-                self._seen[k] = (listed[k], self._reject(r, k, f"manifest of {listed[k]} bytes, above {limit}"))
+                reason = f"manifest of {listed[k]} bytes, above {limit}"
+                self._seen[k] = (listed[k], self._reject(r, keys.shard_of(k), reason))
         new = [k for k, v in raw.items() if self._seen.get(k, (None,))[0] != v]
         with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
             for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k], roster), new)):
@@ -78,13 +79,15 @@ class Scheduler:
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None) -> dict | str:
         """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
+        shard = self.run.keys.shard_of(mkey)
         try:
-            return validate(self.run, r, self.run.keys.shard_of(mkey), data, roster)
+            return validate(self.run, r, shard, data, roster)
         except Rejected as exc:
-            return self._reject(r, mkey, str(exc))
+            return self._reject(r, shard, str(exc))
 
-    def _reject(self, r: int, mkey: str, reason: str) -> str:
-        log.warning("round %d: rejected shard %s: %s", r, self.run.keys.shard_of(mkey), reason)
+    @staticmethod
+    def _reject(r: int, shard: str, reason: str) -> str:
+        log.warning("round %d: rejected shard %s: %s", r, shard, reason)
         return reason
 
     def _screen(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -103,9 +106,9 @@ class Scheduler:
             if z <= bound:
                 kept.append(s)
                 continue
-            out.append({"key": s["key"], "reason": f"gradient norm {s['norm']:.3g} ({z:.3g} at the median "
-                        f"shard's samples) above {factor:g}x the round's median ({bound:.3g})"})
-            log.warning("round %d: rejected shard %s: %s", r, s["key"], out[-1]["reason"])
+            out.append({"key": s["key"], "reason": self._reject(
+                r, s["key"], f"gradient norm {s['norm']:.3g} ({z:.3g} at the median shard's samples) "
+                f"above {factor:g}x the round's median ({bound:.3g})")})
         return kept, out
 
     def _late(self, r: int) -> list[dict]:

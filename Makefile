@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 CORPUS := .dedloc/corpus
 corpus: $(CORPUS)/PROVENANCE.json
 $(CORPUS)/PROVENANCE.json: | $(STAMP)
-	$(BIN)/python -m dedloc_pipeline.corpus $(CORPUS)
+	$(BIN)/python -m dedloc_pipeline.model.corpus $(CORPUS)
 
 # Headless chromium renders the report page in the tests: Debian's package, installed if missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -41,9 +41,9 @@ def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, dict]:
 def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8", preset: str = "tiny",
                 warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
                 timeout_s: float = 600, worker_args: tuple[str, ...] = ()) -> dict:
-    from dedloc_pipeline.config import recipe_config
-    from dedloc_pipeline.run import Run, init_run
-    from dedloc_pipeline.storage import Bucket
+    from dedloc_pipeline.protocol.config import recipe_config
+    from dedloc_pipeline.protocol.run import Run, init_run
+    from dedloc_pipeline.storage.bucket import Bucket
 
     tmp = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
     url = f"file://{tmp}/bucket"
@@ -127,8 +127,8 @@ def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float)
     """One process, one thread, no collaboration: samples/s over ``seconds`` after a warm-up."""
     import torch
 
-    from dedloc_pipeline.data import SyntheticSource
-    from dedloc_pipeline.model import build_model, pretraining_loss_sum
+    from dedloc_pipeline.model.data import SyntheticSource
+    from dedloc_pipeline.model.albert import build_model, pretraining_loss_sum
 
     torch.set_num_threads(1)
     model = build_model("tiny", 0)

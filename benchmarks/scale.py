@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dedloc_pipeline.codec import VectorFormat, encode
-from dedloc_pipeline.layout import RunLayout
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.storage.codec import VectorFormat, encode
+from dedloc_pipeline.storage.layout import RunLayout
+from dedloc_pipeline.storage.bucket import Bucket
 
 ROUND = 0
 # build_model("sahajbert", 0): sum of parameter sizes (measured once; building it takes ~30 s here).
@@ -86,7 +86,7 @@ def _target(url: str, run_name: str, n: int) -> ShardTarget:
 
 def _write_shard(job: tuple[str, str, int, int]) -> None:
     """Encode and upload peer i's shard of round 0 (chunks, then its manifest)."""
-    from dedloc_pipeline.shard import DataRef, upload
+    from dedloc_pipeline.protocol.shard import DataRef, upload
 
     url, run_name, n, i = job
     target = _target(url, run_name, n)
@@ -159,7 +159,7 @@ def _sum_io(a: dict, b: dict) -> dict:
 def measure(bucket: Bucket, writers, threads: ThreadPoolExecutor, peers: int, n: int) -> dict:
     """One round of ``peers`` shards of ``n`` parameters: write, validate, finish."""
     from benchmarks.aggregation import io_delta, vector_run
-    from dedloc_pipeline.scheduler import Scheduler
+    from dedloc_pipeline.protocol.scheduler import Scheduler
 
     name = f"scale-{peers}p-{n}"
     vrun = vector_run(bucket, name, n, target_batch_size=sum(peer_samples(i) for i in range(peers)))

@@ -54,7 +54,7 @@ FD_SLACK, THREAD_SLACK, BUCKET_RATIO = 2, 1, 1.5
 def soak_config(run: str = "soak", **kw):
     """tests/conftest.py's small_config, with int8 shards, delayed updates and pruning as in
     production (benchmarks import nothing from tests/)."""
-    from dedloc_pipeline.config import CloseRule, OptimizerConfig, RunConfig
+    from dedloc_pipeline.protocol.config import CloseRule, OptimizerConfig, RunConfig
 
     base = dict(run=run, seq_len=32, chunk_size=1 << 18, block_size=4096, chunks_per_part=3,
                 target_batch_size=24, micro_batch=4, codec="int8", delayed_updates=True,
@@ -132,10 +132,10 @@ def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3
     memory still in use, not the allocator's retention."""
     import torch
 
-    from dedloc_pipeline.run import init_run
-    from dedloc_pipeline.scheduler import Scheduler
-    from dedloc_pipeline.storage import Bucket
-    from dedloc_pipeline.worker import Worker
+    from dedloc_pipeline.protocol.run import init_run
+    from dedloc_pipeline.protocol.scheduler import Scheduler
+    from dedloc_pipeline.storage.bucket import Bucket
+    from dedloc_pipeline.protocol.worker import Worker
 
     torch.set_num_threads(1)
     code = _code_version()  # what this process imported, whatever is committed meanwhile

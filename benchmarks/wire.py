@@ -20,10 +20,10 @@ CASES = [("none", None), ("fp16", None), ("int8", "int8"), ("int8", None), ("int
 
 def _lockstep(url: str, name: str, peers: int, rounds: int, warmup: int):
     """Each peer one micro-batch, the scheduler one step every other turn, until ``rounds``."""
-    from dedloc_pipeline.run import Run
-    from dedloc_pipeline.scheduler import Scheduler
-    from dedloc_pipeline.storage import Bucket
-    from dedloc_pipeline.worker import Worker
+    from dedloc_pipeline.protocol.run import Run
+    from dedloc_pipeline.protocol.scheduler import Scheduler
+    from dedloc_pipeline.storage.bucket import Bucket
+    from dedloc_pipeline.protocol.worker import Worker
 
     def opened() -> Run:
         return Run(Bucket(url), name)
@@ -46,9 +46,9 @@ def _lockstep(url: str, name: str, peers: int, rounds: int, warmup: int):
 
 def measure(codec: str, download: str | None, peers: int = 4, micro_batch: int = 8, target: int = 64,
             seq_len: int = 64, rounds: int = 12, warmup: int = 2) -> dict:
-    from dedloc_pipeline.config import recipe_config
-    from dedloc_pipeline.run import init_run
-    from dedloc_pipeline.storage import Bucket
+    from dedloc_pipeline.protocol.config import recipe_config
+    from dedloc_pipeline.protocol.run import init_run
+    from dedloc_pipeline.storage.bucket import Bucket
 
     url = f"file://{tempfile.mkdtemp(prefix='dedloc-wire-')}"
     name = f"wire-{codec}-{download}"

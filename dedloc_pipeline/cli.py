@@ -14,12 +14,12 @@ import typer
 from pydantic import ValidationError
 from typer.core import TyperGroup
 
-from .config import CloseRule, recipe_config
-from . import identity
-from .data import DataError
-from .identity import IdentityError
-from .run import Run, RunError, init_run
-from .storage import Bucket, StorageError
+from .protocol.config import CloseRule, recipe_config
+from .trust import identity
+from .model.data import DataError
+from .trust.identity import IdentityError
+from .protocol.run import Run, RunError, init_run
+from .storage.bucket import Bucket, StorageError
 
 
 # click's exceptions, wherever this typer takes click from (recent typers vendor it)
@@ -186,7 +186,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     Ctrl-C finishes an upload under way, leaves, and prints what you contributed (exit status
     130); a second Ctrl-C quits at once."""
     _setup(verbose)
-    from .progress import make_worker, summary_text, volunteer
+    from .monitoring.progress import make_worker, summary_text, volunteer
     try:
         w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url)
         s = volunteer(w, until_round, plain=plain or None, every=progress_every)
@@ -207,7 +207,7 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
-    from .scheduler import Scheduler
+    from .protocol.scheduler import Scheduler
     try:
         state = Scheduler(_open(bucket, run, endpoint_url), parallel, poll).serve(until_round)
         typer.echo(f"state {state} committed")
@@ -269,7 +269,7 @@ def policy(bucket: str = typer.Option(..., "--bucket", help="s3://bucket/prefix 
            ttl: int = typer.Option(86400, help="r2: seconds the temporary credentials live"),
            parent_access_key_id: Optional[str] = typer.Option(None, help="r2: the organizer's access key id")):
     """Print least-privilege rights for one volunteer: write its own prefixes, read the run (docs/security.md)."""
-    from .policy import policy_for
+    from .trust.policy import policy_for
     options = {"data": data}
     if format == "r2":
         options.update(ttl_seconds=ttl, **({"parent_access_key_id": parent_access_key_id}
@@ -306,7 +306,7 @@ def eval_(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str
           verbose: bool = False):
     """Score a committed state next to random init: held-out MLM loss, NER F1, news accuracy."""
     _setup(verbose)
-    from . import evaluation
+    from .evaluation import heldout as evaluation
     try:
         r = _open(bucket, run, endpoint_url)
         state = r.latest() if state is None else state
@@ -330,7 +330,7 @@ def export(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            state: Optional[int] = typer.Option(None, help="committed state (default: the latest)")):
     """Write a committed state as a Hugging Face directory (AutoModelForMaskedLM.from_pretrained)."""
     _setup(False)
-    from .export import export as export_state
+    from .evaluation.export import export as export_state
     try:
         path = export_state(_open(bucket, run, endpoint_url), state, out)
         typer.echo(f"exported to {path}")
@@ -343,7 +343,7 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            as_json: bool = typer.Option(False, "--json", help="one JSON object")):
     """Where a run stands: the open round and its ETA, the last rounds, the contributors."""
     _setup(False)
-    from .status import show, status as get_status
+    from .monitoring.status import show, status as get_status
     try:
         s = get_status(_open(bucket, run, endpoint_url))
     except _ERRORS as exc:
@@ -360,8 +360,8 @@ def plot(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          out: str = typer.Option(..., help="folder for the PNG figures")):
     """Draw the ledger as PNGs: loss, samples/s and contributors per round."""
     _setup(False)
-    from .plots import write
-    from .status import status as get_status
+    from .monitoring.plots import write
+    from .monitoring.status import status as get_status
     try:
         paths = write(get_status(_open(bucket, run, endpoint_url))["history"], out)
     except _ERRORS as exc:
@@ -375,7 +375,7 @@ def report(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            upload: bool = typer.Option(False, help="also put it in the bucket (runs/RUN/report/index.html)")):
     """Write one self-contained HTML page of the run (figures, leaderboard, rounds, evaluations)."""
     _setup(False)
-    from .report import publish, render
+    from .monitoring.report import publish, render
     try:
         r = _open(bucket, run, endpoint_url)
         page = render(r)

@@ -8,9 +8,9 @@ import re
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from dedloc_pipeline.run import Run
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket
 
 
 @functools.lru_cache(maxsize=8)

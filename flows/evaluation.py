@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
-from dedloc_pipeline import evaluation
-from dedloc_pipeline.data import SYNTHETIC
+from dedloc_pipeline.evaluation import heldout as evaluation
+from dedloc_pipeline.model.data import SYNTHETIC
 
 from flows.common import artifact_key, open_run
 

@@ -8,12 +8,13 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 
-from dedloc_pipeline import aggregator, report
-from dedloc_pipeline.config import recipe_config
-from dedloc_pipeline.run import init_run
-from dedloc_pipeline.scheduler import prune
-from dedloc_pipeline.status import status
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.monitoring import report
+from dedloc_pipeline.protocol.config import recipe_config
+from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.protocol.scheduler import prune
+from dedloc_pipeline.monitoring.status import status
+from dedloc_pipeline.storage.bucket import Bucket
 
 from flows.common import artifact_key, dask_address, open_run, scheduler, task_runner
 

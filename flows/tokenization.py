@@ -9,10 +9,10 @@ from __future__ import annotations
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from dedloc_pipeline import corpus, packing, tokenizer
-from dedloc_pipeline.data import SYNTHETIC, data_card
-from dedloc_pipeline.layout import DataLayout
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.model import corpus, packing, tokenizer
+from dedloc_pipeline.model.data import SYNTHETIC, data_card
+from dedloc_pipeline.storage.layout import DataLayout
+from dedloc_pipeline.storage.bucket import Bucket
 
 
 @task(cache_policy=NO_CACHE)

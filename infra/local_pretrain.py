@@ -34,7 +34,7 @@ def env(name: str, default: str) -> str:
 
 
 def key(path: Path):
-    from dedloc_pipeline import identity
+    from dedloc_pipeline.trust import identity
     return identity.load(path) if path.exists() else identity.generate(path)
 
 
@@ -96,10 +96,10 @@ def main() -> int:
             wait_for(f"deployment {name}", lambda n=name: asyncio.run(_deployment_exists(n)), 120, procs)
 
         from prefect.deployments import run_deployment
-        from dedloc_pipeline import identity
-        from dedloc_pipeline.model import PRESETS
-        from dedloc_pipeline.run import Run
-        from dedloc_pipeline.storage import Bucket
+        from dedloc_pipeline.trust import identity
+        from dedloc_pipeline.model.albert import PRESETS
+        from dedloc_pipeline.protocol.run import Run
+        from dedloc_pipeline.storage.bucket import Bucket
 
         print(f"tokenize: data set {data!r} (tokenizer, sentence-order pairs of {seq_len} tokens)", flush=True)
         fr = run_deployment("tokenize/local", parameters={

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 
-from dedloc_pipeline.config import CloseRule, OptimizerConfig, RunConfig
-from dedloc_pipeline.run import init_run
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol.config import CloseRule, OptimizerConfig, RunConfig
+from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.storage.bucket import Bucket
 
 # Small enough to be quick on 2 cores, big enough to cut the ~1.9M-parameter vector into
 # several chunks and several aggregator parts (one part straddles tensors).
@@ -89,7 +89,7 @@ CORPUS = os.path.join(os.path.dirname(__file__), os.pardir, ".dedloc", "corpus")
 def bengali(tmp_path_factory):
     """A small tokenized data set from the offline Bengali corpus (`make corpus`): 400 documents,
     a 2000-token tokenizer, sequences of 32, shards of 64 pairs. Returns (bucket URL, name)."""
-    from dedloc_pipeline import corpus, packing, tokenizer
+    from dedloc_pipeline.model import corpus, packing, tokenizer
     docs = corpus.offline_documents(CORPUS)[:400]
     tok = tokenizer.train((s for d in docs for s in d), 2000)
     url = f"file://{tmp_path_factory.mktemp('data')}/bucket"

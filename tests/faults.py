@@ -11,7 +11,7 @@ from collections import Counter
 
 import zarr
 
-from dedloc_pipeline.storage import Bucket, RetryPolicy
+from dedloc_pipeline.storage.bucket import Bucket, RetryPolicy
 
 
 class Faults:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.worker import Worker
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.worker import Worker
 
 
 def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | None = None,

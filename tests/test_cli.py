@@ -16,10 +16,10 @@ from typer.testing import CliRunner
 
 from .conftest import small_config
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.run import Run, init_run
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.storage import Bucket
-from dedloc_pipeline.worker import Worker
+from dedloc_pipeline.protocol.run import Run, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.protocol.worker import Worker
 
 ROUNDS = 3
 MICRO = {"p0": 4, "p1": 8}  # different micro-batches, so the peers' sample counts differ

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dedloc_pipeline import codec
-from dedloc_pipeline.codec import CorruptShard, VectorFormat
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage.codec import CorruptShard, VectorFormat
 
 
 def _vec(n, seed=0, scale=1e-2):

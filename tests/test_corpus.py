@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dedloc_pipeline import corpus, tokenizer
+from dedloc_pipeline.model import corpus, tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dedloc_pipeline.data import HELDOUT, DataError, PairSource, read_card
-from dedloc_pipeline.packing import CLS, SEP, pack, sop_pairs
-from dedloc_pipeline.run import init_run
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.model.data import HELDOUT, DataError, PairSource, read_card
+from dedloc_pipeline.model.packing import CLS, SEP, pack, sop_pairs
+from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
 
@@ -110,7 +110,7 @@ def test_bad_data_is_a_clear_error(bengali, tmp_path):
 
 
 def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
-    from dedloc_pipeline.evaluation import heldout_scores
+    from dedloc_pipeline.evaluation.heldout import heldout_scores
 
     from .protocol_driver import collaborate
 
@@ -130,9 +130,9 @@ def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
 
 
 def test_unigram_bias_starts_the_run_at_the_unigram_loss(bengali, tmp_path):
-    from dedloc_pipeline.data import unigram_log_probs
-    from dedloc_pipeline.evaluation import heldout_scores
-    from dedloc_pipeline.export import model_at
+    from dedloc_pipeline.model.data import unigram_log_probs
+    from dedloc_pipeline.evaluation.heldout import heldout_scores
+    from dedloc_pipeline.evaluation.export import model_at
 
     url, name = bengali
     plain = init_run(Bucket(url), small_config("zeros", data=name))

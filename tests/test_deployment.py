@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from dedloc_pipeline.run import Run
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import _free_port
 from .test_flows import CONFIG, Volunteers

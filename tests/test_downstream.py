@@ -14,8 +14,9 @@ import torch
 from seqeval.metrics.sequence_labeling import get_entities
 from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
 
-from dedloc_pipeline import downstream, tokenizer
-from dedloc_pipeline.downstream import IGNORE, TaskData
+from dedloc_pipeline.evaluation import downstream
+from dedloc_pipeline.model import tokenizer
+from dedloc_pipeline.evaluation.downstream import IGNORE, TaskData
 
 CORPUS = Path(__file__).parents[1] / ".dedloc/corpus"
 

@@ -19,8 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.run import Run, RunError
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol.run import Run, RunError
+from dedloc_pipeline.storage.bucket import Bucket
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dedloc_pipeline.data import make_source
-from dedloc_pipeline.model import FlatLayout, pretraining_loss_sum
-from dedloc_pipeline.optim import lr_at
+from dedloc_pipeline.model.data import make_source
+from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
+from dedloc_pipeline.protocol.optim import lr_at
 
 from .protocol_driver import collaborate
 
@@ -113,7 +113,7 @@ def test_n_peers_equal_one_process(make_run, peers, optimizer, delayed):
 
 
 def test_int8_loss_curve_stays_close_to_exact(bucket):
-    from dedloc_pipeline.run import init_run
+    from dedloc_pipeline.protocol.run import init_run
     from .conftest import small_config
 
     curves = {}

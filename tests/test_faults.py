@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dedloc_pipeline import codec, identity, shard
-from dedloc_pipeline.run import init_run
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.storage import Bucket, StorageError
-from dedloc_pipeline.worker import Worker
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.trust import identity
+from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket, StorageError
+from dedloc_pipeline.protocol.worker import Worker
 
 from .conftest import small_config
 from .faults import Faults, inject
@@ -141,7 +143,7 @@ def test_only_enrolled_volunteers_shards_count(signed, caplog, attack, reason):
         sched.roster()
         b.write_bytes(k.roster, before)
         _upload(run, r, "bob", keys["bob"], part="0002")
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = sched.try_close(r)
     assert [s["key"] for s in close["accepted"]] == [k.shard(r, "alice", "good")]
     assert len(close["rejected"]) == 1 and close["rejected"][0]["key"] == bad
@@ -195,7 +197,7 @@ def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, 
         b.write_bytes(k.manifest(bad), b.read_bytes(k.manifest(bad)) + b" " * (1 << 20))
     if fault == "stuffed_shard":
         b.write_bytes(f"{bad}/codes/c/junk", np.random.default_rng(0).bytes(4 * run.flat.n))
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert sorted(s["key"] for s in close["accepted"]) == honest
     assert [s["key"] for s in close["rejected"]] == [bad] and reason in close["rejected"][0]["reason"]
@@ -205,8 +207,8 @@ def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, 
 # case 11: byzantine peers
 
 def _heldout_loss(run, state):
-    from dedloc_pipeline.data import make_source
-    from dedloc_pipeline.model import FlatLayout, pretraining_loss_sum
+    from dedloc_pipeline.model.data import make_source
+    from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
     model = run.build_model()
     FlatLayout(model).set(run.load_params(state))
     batch = make_source(run).batch("heldout", 0, 32)
@@ -237,9 +239,9 @@ def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, fal
 
 KILLED_AT_THE_MANIFEST = """
 import os, signal, sys
-from dedloc_pipeline.run import Run
-from dedloc_pipeline.storage import Bucket
-from dedloc_pipeline.worker import Worker
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.protocol.worker import Worker
 run = Run(Bucket(sys.argv[1]), sys.argv[2])
 write_json = run.bucket.write_json
 def dies_before_manifests(key, obj):

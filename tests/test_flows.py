@@ -12,10 +12,10 @@ import threading
 
 import pytest
 
-from dedloc_pipeline.run import Run
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.storage import Bucket
-from dedloc_pipeline.worker import Worker
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.protocol.worker import Worker
 
 from .conftest import CORPUS, SMALL
 
@@ -92,7 +92,7 @@ def test_pretrain_flow_continues_a_run_stopped_mid_round(harness, tmp_path):
         sched = Scheduler(run, 1, 0.1)
         while sched.try_close(1) is None:  # the old flow closed round 1, reduced one part, died
             threading.Event().wait(0.2)
-        from dedloc_pipeline import aggregator
+        from dedloc_pipeline.protocol import aggregator
         aggregator.prepare(run, 1)
         aggregator.reduce_part(run, 1, 0)
         close = Bucket(url).read_bytes(run.keys.close(1))
@@ -103,8 +103,8 @@ def test_pretrain_flow_continues_a_run_stopped_mid_round(harness, tmp_path):
 
 def test_stop_marker_ends_the_flow(harness, tmp_path):
     from flows.pretraining import pretrain
-    from dedloc_pipeline.config import RunConfig
-    from dedloc_pipeline.run import init_run
+    from dedloc_pipeline.protocol.config import RunConfig
+    from dedloc_pipeline.protocol.run import init_run
     b = Bucket(f"file://{tmp_path}/bucket")
     run = init_run(b, RunConfig(run="stopped", **CONFIG))
     b.write_json(run.keys.stop(), {"by": "organizer"})
@@ -157,8 +157,8 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
 def test_evaluate_synthetic_run_scores_heldout_only(harness, tmp_path):
     from flows.evaluation import evaluate
     from flows.tokenization import tokenize
-    from dedloc_pipeline.config import RunConfig
-    from dedloc_pipeline.run import init_run
+    from dedloc_pipeline.protocol.config import RunConfig
+    from dedloc_pipeline.protocol.run import init_run
     url = f"file://{tmp_path}/bucket"
     card = tokenize(bucket=url, data="synthetic", seq_len=32)
     assert card["name"] == "synthetic" and len(card["preview_input_ids"]) == 3

@@ -4,10 +4,10 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.config import recipe_config
-from dedloc_pipeline.model import FlatLayout, build_model
-from dedloc_pipeline.run import Run
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol.config import recipe_config
+from dedloc_pipeline.model.albert import FlatLayout, build_model
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.storage.bucket import Bucket
 
 
 @pytest.mark.parametrize("preset,low,high", [("tiny", 1.5e6, 2.5e6), ("small", 3e6, 8e6), ("sahajbert", 16e6, 20e6)])

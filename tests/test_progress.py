@@ -13,11 +13,11 @@ import pytest
 from rich.console import Console
 
 import dedloc_pipeline
-from dedloc_pipeline import shard
-from dedloc_pipeline.progress import Display, Ledger, summary, summary_text
-from dedloc_pipeline.run import Run, init_run
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.storage import Bucket
+from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.monitoring.progress import Display, Ledger, summary, summary_text
+from dedloc_pipeline.protocol.run import Run, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
 from .protocol_driver import collaborate
@@ -92,7 +92,7 @@ def test_join_returns_the_summary(make_run, bucket, capsys):
 # terminal does), once or twice a second apart; every chunk write of that shard waits meanwhile.
 INTERRUPTED_WORKER = """
 import asyncio, os, signal, sys, threading
-from dedloc_pipeline import storage
+from dedloc_pipeline.storage import bucket as storage
 from dedloc_pipeline.cli import app
 
 presses, write, pressed = int(os.environ["PRESSES"]), storage._BucketStore.set, []

@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline import aggregator, codec, shard
-from dedloc_pipeline.run import Run, RunError, init_run
-from dedloc_pipeline.scheduler import Scheduler
-from dedloc_pipeline.storage import Bucket
-from dedloc_pipeline.worker import Worker
+from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol.run import Run, RunError, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.protocol.worker import Worker
 
 from .conftest import small_config
 from .protocol_driver import collaborate
@@ -112,7 +114,7 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         run.bucket.write_bytes(f"{key}/values/c/1", np.random.default_rng(0).bytes(5000))
     if fault == "missing_chunk":  # zarr reads a missing chunk as zeros: the checksum catches it
         run.bucket.delete(f"{key}/values/c/1")
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert [s["peer"] for s in close["accepted"]] == ["honest"]
     assert len(close["rejected"]) == 1 and reason in close["rejected"][0]["reason"]
@@ -316,7 +318,7 @@ def test_old_rounds_are_pruned_but_the_ledger_and_checkpoints_stay(make_run):
     assert run.load_params(3).shape == (run.flat.n,)
     assert b.find(k.shards_dir(0)) == [] and b.find(k.shards_dir(6))
     assert not b.find(k.delta(4)) and b.find(k.delta(7))
-    from dedloc_pipeline.status import status
+    from dedloc_pipeline.monitoring.status import status
     assert [h["round"] for h in status(run)["history"]] == list(range(7))
 
 
@@ -361,6 +363,6 @@ def test_stop_marker_sends_workers_and_scheduler_home(make_run):
     (16, 2, 4, False, False),   # still short even with mine: keep computing
 ])
 def test_when_a_worker_uploads(manifests, fresh, mine, first, upload):
-    from dedloc_pipeline.worker import RoundView
+    from dedloc_pipeline.protocol.worker import RoundView
     v = RoundView(manifest_samples=manifests, fresh_samples=fresh)
     assert Worker._should_upload(v, mine, target=24, first=first) is upload

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from dedloc_pipeline.storage import Bucket, StorageError
+from dedloc_pipeline.storage.bucket import Bucket, StorageError
 
 
 @pytest.fixture(params=["file", "memory", "s3"])
@@ -114,7 +114,7 @@ def test_io_stats_count_every_request_and_byte(any_bucket):
     """What benchmarks and heartbeats report as traffic: the Bucket's calls and its zarr stores'."""
     import numpy as np
 
-    from dedloc_pipeline import codec
+    from dedloc_pipeline.storage import codec
 
     b = any_bucket
     b.write_bytes("t/a.bin", b"x" * 1000)

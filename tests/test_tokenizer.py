@@ -2,8 +2,8 @@
 
 import pytest
 
-from dedloc_pipeline import tokenizer
-from dedloc_pipeline.model import SPECIAL_TOKENS
+from dedloc_pipeline.model import tokenizer
+from dedloc_pipeline.model.albert import SPECIAL_TOKENS
 
 
 @pytest.mark.parametrize("raw,normal", [

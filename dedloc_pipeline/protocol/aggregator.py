@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from . import codec, optim, robust
+from ..storage import codec
+from . import optim, robust
 from .run import Run, RunError
 
 log = logging.getLogger(__name__)

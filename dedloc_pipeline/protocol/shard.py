@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from . import codec, identity
-from .layout import LAYOUT_VERSION
+from ..storage import codec
+from ..trust import identity
+from ..storage.layout import LAYOUT_VERSION
 
 if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
     from .run import Run

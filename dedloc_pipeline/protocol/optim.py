@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .config import OptimizerConfig
-from .model import FlatLayout
+from ..model.albert import FlatLayout
 
 STATE = ("exp_avg", "exp_avg_sq")
 

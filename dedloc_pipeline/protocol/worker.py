@@ -19,10 +19,11 @@ from typing import Callable
 
 import torch
 
-from . import identity, shard
-from .codec import CorruptShard, ErrorFeedback
-from .data import make_source
-from .model import FlatLayout, pretraining_loss_sum
+from ..trust import identity
+from . import shard
+from ..storage.codec import CorruptShard, ErrorFeedback
+from ..model.data import make_source
+from ..model.albert import FlatLayout, pretraining_loss_sum
 from .run import Run
 
 log = logging.getLogger(__name__)

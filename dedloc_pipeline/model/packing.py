@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from .layout import DataLayout
-from .model import SPECIAL_TOKENS
-from .storage import Bucket
+from ..storage.layout import DataLayout
+from .albert import SPECIAL_TOKENS
+from ..storage.bucket import Bucket
 
 CLS, SEP = SPECIAL_TOKENS["cls"], SPECIAL_TOKENS["sep"]
 

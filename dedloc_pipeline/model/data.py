@@ -23,9 +23,9 @@ import time
 import numpy as np
 import torch
 
-from .layout import DataLayout, RunLayout
-from .model import PRESETS, SPECIAL_TOKENS
-from .storage import Bucket
+from ..storage.layout import DataLayout, RunLayout
+from .albert import PRESETS, SPECIAL_TOKENS
+from ..storage.bucket import Bucket
 
 SYNTHETIC = "synthetic"
 HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it

@@ -11,7 +11,7 @@ import json
 import math
 import time
 
-from .run import Run
+from ..protocol.run import Run
 
 
 def _commits(run: Run) -> dict[int, dict]:

@@ -13,7 +13,7 @@ import json
 from html import escape
 
 from . import plots
-from .run import Run
+from ..protocol.run import Run
 from .status import duration, status
 
 STYLE = """

@@ -6,9 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .identity import check_public
-from .layout import LAYOUT_VERSION
-from .model import PRESETS
+from ..trust.identity import check_public
+from ..storage.layout import LAYOUT_VERSION
+from ..model.albert import PRESETS
 
 Codec = Literal["none", "fp16", "int8", "int4"]
 

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from . import aggregator, identity
+from . import aggregator
+from ..trust import identity
 from .run import Run
 from .shard import Rejected, manifest_limit, validate
 

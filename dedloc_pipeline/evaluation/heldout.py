@@ -11,9 +11,9 @@ import time
 
 import torch
 
-from .data import HELDOUT, SYNTHETIC, make_source, read_card
-from .model import FlatLayout, pretraining_losses
-from .run import Run
+from ..model.data import HELDOUT, SYNTHETIC, make_source, read_card
+from ..model.albert import FlatLayout, pretraining_losses
+from ..protocol.run import Run
 
 
 def heldout_scores(run: Run, params, samples: int, micro_batch: int = 16) -> tuple[float, float | None]:

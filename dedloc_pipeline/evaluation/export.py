@@ -12,11 +12,11 @@ import os
 import tempfile
 from pathlib import Path
 
-from . import tokenizer
-from .data import SYNTHETIC
-from .layout import DataLayout
-from .model import FlatLayout
-from .run import Run
+from ..model import tokenizer
+from ..model.data import SYNTHETIC
+from ..storage.layout import DataLayout
+from ..model.albert import FlatLayout
+from ..protocol.run import Run
 
 
 def model_at(run: Run, state: int):

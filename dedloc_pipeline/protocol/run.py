@@ -9,13 +9,13 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from . import codec
-from .codec import VectorFormat
+from ..storage import codec
+from ..storage.codec import VectorFormat
 from .config import RunConfig
-from .data import SYNTHETIC, check_data, unigram_log_probs
-from .layout import LAYOUT_VERSION, RunLayout
-from .model import FlatLayout, build_model, seq_len_of
-from .storage import Bucket
+from ..model.data import SYNTHETIC, check_data, unigram_log_probs
+from ..storage.layout import LAYOUT_VERSION, RunLayout
+from ..model.albert import FlatLayout, build_model, seq_len_of
+from ..storage.bucket import Bucket
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .layout import DataLayout, RunLayout
-from .shard import PEER_ID
+from ..storage.layout import DataLayout, RunLayout
+from ..protocol.shard import PEER_ID
 
 FORMATS = ("aws", "minio", "r2")
 

@@ -21,7 +21,7 @@ from zarr.codecs import BloscCodec
 from zarr.errors import ContainsArrayError
 from zarr.storage import StorePath
 
-from .storage import Bucket
+from .bucket import Bucket
 
 FP16_MAX = float(np.finfo(np.float16).max)
 LEVELS = {"int8": 127, "int4": 7}  # blockwise codes: integers in [-L, L]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .storage import Bucket
+from ..storage.bucket import Bucket
 
 # Same ids as model.SPECIAL_TOKENS: pad 0, unk 1, cls 2, sep 3, mask 4.
 SPECIALS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]

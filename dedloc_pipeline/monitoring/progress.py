@@ -29,8 +29,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 if TYPE_CHECKING:  # the display needs no torch of its own
-    from .run import Run
-    from .worker import RoundView, Snapshot, Worker
+    from ..protocol.run import Run
+    from ..protocol.worker import RoundView, Snapshot, Worker
 
 log = logging.getLogger(__name__)
 
@@ -335,10 +335,11 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
                 poll: float = 1.0, endpoint_url: str | None = None) -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
     exists (default: the GPU when there is one), the key it signs with."""
-    from . import identity, shard
-    from .run import Run
-    from .storage import Bucket
-    from .worker import Worker
+    from ..trust import identity
+    from ..protocol import shard
+    from ..protocol.run import Run
+    from ..storage.bucket import Bucket
+    from ..protocol.worker import Worker
 
     if peer_id is not None and not re.match(shard.PEER_ID, peer_id):
         raise ValueError(f"peer id {peer_id!r} must match {shard.PEER_ID}")

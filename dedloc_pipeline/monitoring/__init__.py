@@ -1,0 +1,1 @@
+"""What people see: a run's status, the volunteer's live display, figures and the HTML report."""

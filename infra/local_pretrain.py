@@ -97,7 +97,7 @@ def main() -> int:
 
         from prefect.deployments import run_deployment
         from dedloc_pipeline.trust import identity
-        from dedloc_pipeline.model.albert import PRESETS
+        from dedloc_pipeline.model.presets import PRESETS
         from dedloc_pipeline.protocol.run import Run
         from dedloc_pipeline.storage.bucket import Bucket
 

@@ -3,7 +3,7 @@
 import pytest
 
 from dedloc_pipeline.model import tokenizer
-from dedloc_pipeline.model.albert import SPECIAL_TOKENS
+from dedloc_pipeline.model.presets import SPECIAL_TOKENS
 
 
 @pytest.mark.parametrize("raw,normal", [

@@ -13,18 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AlbertConfig, AlbertForPreTraining
 
-PRESETS: dict[str, dict] = {
-    # ~1.9M parameters: the protocol's workhorse for tests and CPU demos.
-    "tiny": dict(vocab_size=8000, embedding_size=128, hidden_size=256, num_hidden_layers=4,
-                 num_attention_heads=4, intermediate_size=1024, max_position_embeddings=128),
-    # ~5.6M parameters: demos on a CPU that still look like a language model.
-    "small": dict(vocab_size=16000, embedding_size=128, hidden_size=512, num_hidden_layers=6,
-                  num_attention_heads=8, intermediate_size=2048, max_position_embeddings=128),
-    # ALBERT-large as sahajBERT trained it: 24 layers sharing one set of weights, ~18M parameters.
-    "sahajbert": dict(vocab_size=32000, embedding_size=128, hidden_size=1024, num_hidden_layers=24,
-                      num_attention_heads=16, intermediate_size=4096, max_position_embeddings=512),
-}
-SPECIAL_TOKENS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+from .presets import PRESETS, SPECIAL_TOKENS
+
 
 
 def albert_config(preset: str, seq_len: int | None = None) -> AlbertConfig:
@@ -36,10 +26,6 @@ def albert_config(preset: str, seq_len: int | None = None) -> AlbertConfig:
     return AlbertConfig(**kw, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         classifier_dropout_prob=0.0, pad_token_id=SPECIAL_TOKENS["pad"],
                         bos_token_id=SPECIAL_TOKENS["cls"], eos_token_id=SPECIAL_TOKENS["sep"])
-
-
-def seq_len_of(preset: str, seq_len: int | None = None) -> int:
-    return seq_len or PRESETS[preset]["max_position_embeddings"]
 
 
 def build_model(preset: str, seed: int, seq_len: int | None = None) -> AlbertForPreTraining:
@@ -72,6 +58,9 @@ class FlatLayout:
             offset += p.numel()
         self.n = offset
         self._params = dict(model.named_parameters())
+
+    def tensor(self, name: str) -> Tensor:
+        return next(t for t in self.tensors if t.name == name)
 
     def pieces(self, lo: int, hi: int):
         """(tensor, start, stop) for every tensor overlapping [lo, hi), in flat coordinates."""

@@ -21,10 +21,9 @@ import re
 import time
 
 import numpy as np
-import torch
 
 from ..storage.layout import DataLayout, RunLayout
-from .albert import PRESETS, SPECIAL_TOKENS
+from .presets import PRESETS, SPECIAL_TOKENS
 from ..storage.bucket import Bucket
 
 SYNTHETIC = "synthetic"
@@ -66,11 +65,17 @@ class SyntheticSource:
         ids = np.concatenate([[SPECIAL_TOKENS["cls"]], toks + self.n_special, [SPECIAL_TOKENS["sep"]]])
         return _mask(ids, rng, self.vocab_size, self.n_special)
 
-    def batch(self, stream: str, start: int, count: int) -> dict[str, torch.Tensor]:
+    def batch(self, stream: str, start: int, count: int) -> dict:
         ids, labels = zip(*(self.sample(stream, i) for i in range(start, start + count)))
-        ids_t = torch.from_numpy(np.stack(ids))
-        return {"input_ids": ids_t, "attention_mask": torch.ones_like(ids_t),
-                "labels": torch.from_numpy(np.stack(labels))}
+        ids = np.stack(ids)
+        return tensors({"input_ids": ids, "attention_mask": np.ones_like(ids), "labels": np.stack(labels)})
+
+
+def tensors(arrays: dict[str, np.ndarray]) -> dict:
+    """A batch as torch tensors. torch is imported here, with the first batch: checking a data
+    set (``check_data``, run at ``dedloc init``) needs no model."""
+    import torch
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}
 
 
 def _mask(ids: np.ndarray, rng: np.random.Generator, vocab: int, n_special: int):
@@ -179,9 +184,9 @@ class PairSource:
                 "attention_mask": (np.arange(len(ids)) < n).astype(np.int64),
                 "sentence_order_label": np.int64(z["sentence_order_label"][pos])}
 
-    def batch(self, stream: str, start: int, count: int) -> dict[str, torch.Tensor]:
+    def batch(self, stream: str, start: int, count: int) -> dict:
         rows = [self.sample(stream, i) for i in range(start, start + count)]
-        return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+        return tensors({k: np.stack([r[k] for r in rows]) for k in rows[0]})
 
 
 def read_card(bucket: Bucket, name: str) -> dict:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from ..storage.layout import DataLayout
-from .albert import SPECIAL_TOKENS
+from .presets import SPECIAL_TOKENS
 from ..storage.bucket import Bucket
 
 CLS, SEP = SPECIAL_TOKENS["cls"], SPECIAL_TOKENS["sep"]

@@ -335,14 +335,14 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
                 poll: float = 1.0, endpoint_url: str | None = None) -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
     exists (default: the GPU when there is one), the key it signs with."""
-    from ..trust import identity
-    from ..protocol import shard
     from ..protocol.run import Run
-    from ..storage.bucket import Bucket
     from ..protocol.worker import Worker
+    from ..storage.bucket import Bucket
+    from ..storage.layout import PEER_ID
+    from ..trust import identity
 
-    if peer_id is not None and not re.match(shard.PEER_ID, peer_id):
-        raise ValueError(f"peer id {peer_id!r} must match {shard.PEER_ID}")
+    if peer_id is not None and not re.match(PEER_ID, peer_id):
+        raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
     import torch
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():

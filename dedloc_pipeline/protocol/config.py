@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..trust.identity import check_public
 from ..storage.layout import LAYOUT_VERSION
-from ..model.albert import PRESETS
+from ..model.presets import PRESETS
 
 Codec = Literal["none", "fp16", "int8", "int4"]
 

@@ -7,14 +7,13 @@ import time
 from functools import cached_property
 
 import numpy as np
-import torch
 
 from ..storage import codec
 from ..storage.codec import VectorFormat
 from .config import RunConfig
 from ..model.data import SYNTHETIC, check_data, unigram_log_probs
 from ..storage.layout import LAYOUT_VERSION, RunLayout
-from ..model.albert import FlatLayout, build_model, seq_len_of
+from ..model.presets import seq_len_of
 from ..storage.bucket import Bucket
 
 log = logging.getLogger(__name__)
@@ -49,10 +48,13 @@ class Run:
         return seq_len_of(self.config.preset, self.config.seq_len)
 
     def build_model(self):
+        """The model (torch is loaded here: reading a run's state and ledger does not need it)."""
+        from ..model.albert import build_model
         return build_model(self.config.preset, self.config.seed, self.config.seq_len)
 
     @cached_property
-    def flat(self) -> FlatLayout:
+    def flat(self):
+        from ..model.albert import FlatLayout
         return FlatLayout(self.build_model())
 
     def _fmt(self, codec_name: str) -> VectorFormat:
@@ -133,12 +135,10 @@ def init_run(bucket: Bucket, config: RunConfig) -> Run:
     else:
         bucket.create_json(keys.config, config.model_dump(mode="json"))
         run = Run(bucket, config.run)
-    model = run.build_model()
+    p0 = run.flat.get()
     if config.unigram_bias and config.data != SYNTHETIC:
-        bias = unigram_log_probs(bucket, config.data, model.config.vocab_size)
-        with torch.no_grad():
-            model.predictions.bias.copy_(torch.from_numpy(bias))
-    p0 = FlatLayout(model).get()
+        bias = run.flat.tensor("predictions.bias")
+        p0[bias.offset:bias.offset + bias.size] = unigram_log_probs(bucket, config.data, bias.size)
     sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
     for name in ("exp_avg", "exp_avg_sq", "residual"):
         codec.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks

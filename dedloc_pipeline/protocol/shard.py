@@ -20,13 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage import codec
 from ..trust import identity
-from ..storage.layout import LAYOUT_VERSION
+from ..storage.layout import LAYOUT_VERSION, PEER_ID
 
 if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
     from .run import Run
-
-PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
-
 
 class Rejected(ValueError):
     """A shard that does not count, with the reason recorded in CLOSE and the ledger."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 LAYOUT_VERSION = 2  # 2: quantized codes stored zigzag-folded as uint8
+PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # peer ids and shard parts: one key segment each
 
 
 def _r(r: int) -> str:

@@ -22,8 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..storage.layout import DataLayout, RunLayout
-from ..protocol.shard import PEER_ID
+from ..storage.layout import PEER_ID, DataLayout, RunLayout
 
 FORMATS = ("aws", "minio", "r2")
 

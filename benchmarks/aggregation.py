@@ -63,7 +63,7 @@ def vector_run(bucket: Bucket, name: str, n: int, **fields) -> Run:
     bucket.create_json(keys.commit(0), {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": time.time(), "n_params": n})
-    bucket.write_json(keys.latest, {"round": 0})
+    bucket.write_json(keys.latest, {"state": 0})
     return run
 
 
@@ -74,7 +74,7 @@ def reset_round(run: Run, r: int, keep_close: bool = False) -> None:
         bucket.delete(keys.close(r))
     bucket.delete(f"{keys.round(r)}/reduced")
     bucket.delete(keys.state(r + 1))
-    bucket.write_json(keys.latest, {"round": r})
+    bucket.write_json(keys.latest, {"state": r})
 
 
 def io_delta(before: dict, after: dict) -> dict:

@@ -19,9 +19,9 @@ def open_run(bucket: str, run: str) -> Run:
 
 
 @functools.lru_cache(maxsize=8)
-def scheduler(bucket: str, run: str) -> Scheduler:
+def scheduler(bucket: str, run: str, poll_s: float = 1.0) -> Scheduler:
     """One per process, so shard validations are cached across the polls of a round."""
-    return Scheduler(open_run(bucket, run))
+    return Scheduler(open_run(bucket, run), poll_s=poll_s)
 
 
 @contextlib.contextmanager

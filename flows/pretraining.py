@@ -1,4 +1,9 @@
-"""The round loop as Prefect flows: each round is its own subflow of tens of tasks."""
+"""The round loop as Prefect flows: each round is its own subflow of tens of tasks.
+
+The loop and its steps are the library's round engine (``dedloc_pipeline/protocol/scheduler.py``),
+the same that ``dedloc aggregate`` drives; this module only makes the steps tasks (with retries),
+maps the aggregators over the parts, and publishes artifacts.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +13,21 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
                                update_progress_artifact)
 
-from dedloc_pipeline.protocol import aggregator
 from dedloc_pipeline.monitoring import report
+from dedloc_pipeline.monitoring.status import status
+from dedloc_pipeline.protocol import aggregator, scheduler as engine
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
-from dedloc_pipeline.protocol.scheduler import prune
-from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.storage.bucket import Bucket
 
 from flows.common import artifact_key, dask_address, open_run, scheduler, task_runner
 
 
 @task(retries=3, retry_delay_seconds=2)
-def wait_and_close(bucket: str, run: str, r: int, poll_s: float, max_wait_s: float) -> dict | None:
-    """Poll until round r closes (its summary), the run is stopped, or ``max_wait_s`` passes."""
-    sched, rn = scheduler(bucket, run), open_run(bucket, run)
-    deadline = time.monotonic() + max_wait_s
-    while True:
-        close = sched.try_close(r)
-        if close is not None:
-            return {"round": r, "samples": close["samples"], "shards": len(close["accepted"]),
-                    "rejected": len(close["rejected"]), "reason": close["reason"]}
-        if rn.bucket.exists(rn.keys.stop()) or time.monotonic() > deadline:
-            return None
-        time.sleep(poll_s)
+def wait_close(bucket: str, run: str, r: int, poll_s: float, max_wait_s: float) -> dict | None:
+    """Round r's CLOSE in brief, or None if the run was stopped or nothing closed in ``max_wait_s``."""
+    close = scheduler(bucket, run, poll_s).wait_close(r, time.monotonic() + max_wait_s)
+    return None if close is None else engine.close_summary(close)
 
 
 @task(retries=3, retry_delay_seconds=2)
@@ -51,11 +47,8 @@ def apply_part(bucket: str, run: str, r: int, part: int) -> str:
 
 @task(retries=3, retry_delay_seconds=2)
 def commit(bucket: str, run: str, r: int) -> dict:
-    rn = open_run(bucket, run)
-    c = aggregator.commit_state(rn, r)
-    prune(rn, r + 1)
-    return {k: c[k] for k in ("state", "round", "samples", "loss", "contributors", "closed_at",
-                              "committed_at")}
+    c = engine.commit(open_run(bucket, run), r)
+    return {k: c[k] for k in ("state", "round", "samples", "loss", "contributors", "closed_at", "committed_at")}
 
 
 @task(retries=2, retry_delay_seconds=2)
@@ -70,7 +63,7 @@ def publish_report(bucket: str, run: str) -> dict:
 @flow(name="dedloc-round", log_prints=True)
 def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: float = 300.0) -> dict | None:
     """Close round r, reduce and apply every part in parallel, commit state r+1."""
-    close = wait_and_close(bucket, run, r, poll_s, max_wait_s)
+    close = wait_close(bucket, run, r, poll_s, max_wait_s)
     if close is None:
         return None
     parts = list(range(open_run(bucket, run).n_parts))
@@ -82,7 +75,7 @@ def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: f
     create_table_artifact(
         key=artifact_key(run, "round"), description=f"round {r} of run {run}",
         table=[{"round": r, "samples": summary["samples"], "shards": close["shards"],
-                "rejected": close["rejected"], "contributors": ", ".join(sorted(set(summary["contributors"]))),
+                "rejected": close["rejected"], "contributors": ", ".join(summary["contributors"]),
                 "loss": round(summary["loss"], 4), "reduce+commit s": round(summary["duration_s"], 2)}])
     return summary
 
@@ -99,16 +92,16 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
     log = get_run_logger()
     if config is not None:
         init_run(Bucket(bucket), recipe_config(run, **config))
-    rn = open_run(bucket, run)
-    first = rn.latest()
+    sched = scheduler(bucket, run, poll_s)
+    first = sched.run.latest()
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     progress = create_progress_artifact(0.0, key=artifact_key(run, "progress"),
                                         description=f"run {run}: rounds toward state {rounds}")
     summaries: list[dict] = []
     with dask_address(runner, parallel, dask_scheduler) as address:
         one_round = round_flow.with_options(task_runner=task_runner(runner, parallel, address))
-        while (reason := _stop_reason(rn, rounds, deadline)) is None:
-            s = one_round(bucket, run, rn.latest(), poll_s=poll_s)
+        while (reason := engine.stop_reason(snap := sched.poll(), rounds, deadline)) is None:
+            s = one_round(bucket, run, snap.state, poll_s=poll_s)
             if s is None:  # no round closed within the wait: check the stop rules again
                 continue
             summaries.append(s)
@@ -120,15 +113,5 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
                           description=f"contributors of run {run}: samples counted in committed rounds")
     create_markdown_artifact(key=artifact_key(run, "report"), markdown=published["markdown"],
                              description=f"run {run}: loss, last rounds, and where its HTML report is")
-    return {"run": run, "state": rn.latest(), "rounds_done": len(summaries), "stopped_by": reason,
+    return {"run": run, "state": sched.run.latest(), "rounds_done": len(summaries), "stopped_by": reason,
             "losses": [s["loss"] for s in summaries]}
-
-
-def _stop_reason(rn, rounds: int | None, deadline: float | None) -> str | None:
-    if rounds is not None and rn.latest() >= rounds:
-        return "rounds"
-    if deadline is not None and time.monotonic() > deadline:
-        return "wall time"
-    if rn.bucket.exists(rn.keys.stop()):
-        return "STOP marker"
-    return None

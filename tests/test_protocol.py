@@ -217,7 +217,7 @@ def test_two_schedulers_commit_each_state_once(make_run):
         a = s1.finish(0, pool)
         b = s2.finish(0, pool)
         assert a == b and s1.step(pool) is False  # round 1 is open and empty
-    assert run.latest() == 1 and run.bucket.read_json(run.keys.latest) == {"round": 1}
+    assert run.latest() == 1 and run.bucket.read_json(run.keys.latest) == {"state": 1}
     commit = run.bucket.read_bytes(run.keys.commit(1))
     finish(run, 0)  # finishing a committed round again changes nothing
     assert run.bucket.read_bytes(run.keys.commit(1)) == commit
@@ -228,8 +228,13 @@ def test_latest_is_a_hint_and_commits_are_the_truth(make_run):
     _fill_round(run, 0)
     Scheduler(run, 1, 0).try_close(0)
     finish(run, 0)
-    run.bucket.write_json(run.keys.latest, {"round": 0})  # a stale pointer (crash before LATEST)
+    run.bucket.write_json(run.keys.latest, {"state": 0})  # a stale pointer (crash before LATEST)
     assert run.latest() == 1
+    run.bucket.write_json(run.keys.latest, {"round": 0})  # as buckets before the rename wrote it
+    assert run.latest() == 1
+    run.bucket.write_json(run.keys.latest, {"round": "x"})
+    with pytest.raises(RunError, match="no state number"):
+        run.latest()
 
 
 # peers: download, join, restart

@@ -147,7 +147,7 @@ def commit_state(run: Run, r: int) -> dict:
         loss = sum(s["samples"] * s["loss"] for s in shards) / close["samples"]
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],
-            "loss": loss, "contributors": [s["peer"] for s in shards], "shards": shards,
+            "loss": loss, "contributors": sorted({s["peer"] for s in shards}), "shards": shards,
             "rejected": close["rejected"], "lr": optim.lr_at(run.config.optimizer, r + 1),
             "opened_at": close.get("opened_at"), "closed_at": close["closed_at"],
             "committed_at": time.time(),
@@ -157,7 +157,6 @@ def commit_state(run: Run, r: int) -> dict:
         if not bucket.create_json(keys.commit(r + 1), commit):
             log.info("state %d was committed by another scheduler", r + 1)
         existing = bucket.read_json(keys.commit(r + 1))
-    hint = bucket.read_json(keys.latest) or {"round": -1}
-    if hint["round"] < r + 1:
-        bucket.write_json(keys.latest, {"round": r + 1})
+    if run.latest_hint() < r + 1:
+        bucket.write_json(keys.latest, {"state": r + 1})
     return existing

@@ -86,12 +86,22 @@ class Run:
         return self.dense_format.bounds("values", self.part_chunks(part))
 
     # committed states
-    def latest(self) -> int:
-        """Newest committed state. LATEST is a hint; COMMIT markers are the truth."""
+    def latest_hint(self) -> int:
+        """The state LATEST points to (-1 without one). Buckets written before LATEST named its
+        field ``state`` stored it under ``round``: both are read."""
         hint = self.bucket.read_json(self.keys.latest)
         if hint is None:
+            return -1
+        value = hint.get("state", hint.get("round"))
+        if not isinstance(value, int) or value < 0:
+            raise RunError(f"run {self.name!r}: LATEST.json holds no state number ({hint!r})")
+        return value
+
+    def latest(self) -> int:
+        """Newest committed state. LATEST is a hint; COMMIT markers are the truth."""
+        r = self.latest_hint()
+        if r < 0:
             raise RunError(f"run {self.name!r} has no committed state yet")
-        r = int(hint["round"])
         while self.bucket.exists(self.keys.commit(r + 1)):
             r += 1
         return r
@@ -146,6 +156,6 @@ def init_run(bucket: Bucket, config: RunConfig) -> Run:
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": time.time(),
         "n_params": run.flat.n})
-    bucket.write_json(keys.latest, {"round": 0})
+    bucket.write_json(keys.latest, {"state": 0})
     log.info("initialised run %s in %s: %d parameters", config.run, bucket.url, run.flat.n)
     return run

@@ -1,4 +1,12 @@
-"""The round scheduler: close a round when enough samples are in, reduce, apply, commit.
+"""The round engine: close a round when enough samples are in, reduce, apply, commit.
+
+Its steps are plain calls that return data, so ``dedloc aggregate`` (``Scheduler.serve``) and the
+Prefect round flow (``flows/pretraining.py``, which adds tasks, mapping, retries and artifacts)
+drive the same loop::
+
+    while stop_reason(snap := scheduler.poll(), until_state, deadline) is None:
+        close = snap.close or scheduler.wait_close(snap.state, deadline_of_the_wait)
+        if close:  prepare(r); reduce_part(r, k) for every part; apply_part(r, k) ...; commit(r)
 
 Everything it knows comes from the bucket, so it can be killed and started again anywhere: a
 closed round is finished from its CLOSE marker, a half-applied state from its part markers, and
@@ -10,7 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,6 +29,35 @@ from .run import Run
 from .shard import Rejected, manifest_limit, validate
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One poll of a run: all the round loop decides on."""
+
+    state: int  # the newest committed state; round ``state`` is the open one
+    close: dict | None  # that round's CLOSE, once it is closed
+    stopped: bool  # the organizer wrote the run's STOP marker
+
+
+def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float | None = None) -> str | None:
+    """Why the round loop ends now, or None to go on. A round already closed is still committed
+    after STOP or past the deadline (``time.monotonic()``): its volunteers' work is not lost."""
+    if until_state is not None and snap.state >= until_state:
+        return "rounds"
+    if snap.close is not None:
+        return None
+    if deadline is not None and time.monotonic() > deadline:
+        return "wall time"
+    if snap.stopped:
+        return "STOP marker"
+    return None
+
+
+def close_summary(close: dict) -> dict:
+    """What a log line or an artifact says of a CLOSE (which lists every shard's checksums)."""
+    return {"round": close["round"], "samples": close["samples"], "shards": len(close["accepted"]),
+            "rejected": len(close["rejected"]), "reason": close["reason"]}
 
 
 class Scheduler:
@@ -66,9 +104,10 @@ class Scheduler:
                 reason = f"manifest of {listed[k]} bytes, above {limit}"
                 self._seen[k] = (listed[k], self._reject(r, keys.shard_of(k), reason))
         new = [k for k, v in raw.items() if self._seen.get(k, (None,))[0] != v]
-        with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-            for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k], roster), new)):
-                self._seen[mkey] = (raw[mkey], verdict)
+        if new:
+            with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
+                for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k], roster), new)):
+                    self._seen[mkey] = (raw[mkey], verdict)
         accepted, rejected = [], []
         for mkey in sorted(k for k in listed if k in self._seen):
             shard, verdict = keys.shard_of(mkey), self._seen[mkey][1]
@@ -127,6 +166,7 @@ class Scheduler:
         close = bucket.read_json(keys.close(r))
         if close is not None:
             return close
+        self._forget_before(r - 1)
         if self._roster is None and r > 0 and self.run.config.organizer_key is not None:
             self._roster_floor = (bucket.read_json(keys.close(r - 1)) or {}).get("roster") or -1
         accepted, rejected = self._verdicts(r)
@@ -151,48 +191,74 @@ class Scheduler:
                  len(close["accepted"]), len(close["rejected"]))
         return close
 
-    # finishing a closed round
-    def finish(self, r: int, pool: ThreadPoolExecutor) -> dict:
-        """Reduce, apply and commit closed round r; safe to repeat after any crash."""
+    def _forget_before(self, r: int) -> None:
+        """Drop verdicts of rounds before r: never asked again (round r+1 folds round r's late
+        shards, so round r's stay). Bounds the cache of a scheduler served for weeks."""
+        keys = self.run.keys
+        self._seen = {k: v for k, v in self._seen.items() if keys.round_of(k) >= r}
+
+    # the loop's steps
+    def poll(self) -> Snapshot:
+        """The run as the round loop sees it now."""
+        r = self.run.latest()
+        return Snapshot(state=r, close=self.run.bucket.read_json(self.run.keys.close(r)),
+                        stopped=self.run.bucket.exists(self.run.keys.stop()))
+
+    def wait_close(self, r: int, deadline: float | None = None) -> dict | None:
+        """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
+        (``time.monotonic()``) passes, so the loop can check its stop rules again."""
+        while True:
+            close = self.try_close(r)
+            if close is not None:
+                return close
+            if self.run.bucket.exists(self.run.keys.stop()):
+                return None
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            time.sleep(self.poll_s)
+
+    def finish(self, r: int, pool: Executor) -> dict:
+        """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat
+        after any crash. The Prefect round flow runs the same four steps as tasks."""
         run = self.run
         aggregator.prepare(run, r)
         parts = range(run.n_parts)
         list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))
         list(pool.map(lambda k: aggregator.apply_part(run, r, k), parts))
-        commit = aggregator.commit_state(run, r)
-        log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
-                 commit["loss"], commit["samples"], len(commit["contributors"]))
-        return commit
+        return commit(run, r)
 
-    def step(self, pool: ThreadPoolExecutor) -> bool:
+    def step(self, pool: Executor) -> bool:
         """One unit of progress; False when the open round is still filling."""
         r = self.run.latest()
         if self.try_close(r) is None:
             return False
         self.finish(r, pool)
-        prune(self.run, r + 1)
-        current = f"{self.run.keys.round(r)}/"  # verdicts older than the closed round: never asked again
-        self._seen = {k: v for k, v in self._seen.items() if k.startswith(current)}
         return True
 
     def serve(self, until_round: int | None = None, max_wait_s: float | None = None) -> int:
         """Schedule rounds until state ``until_round`` is committed, or the run is stopped (a
-        round already closed is still committed), or forever."""
-        idle_since = time.monotonic()
+        round already closed is still committed), or forever; a round that does not fill
+        within ``max_wait_s`` raises TimeoutError."""
         with ThreadPoolExecutor(self.parallel) as pool:
-            while True:
-                r = self.run.latest()
-                if until_round is not None and r >= until_round:
-                    return r
-                if self.step(pool):
-                    idle_since = time.monotonic()
-                    continue
-                if self.run.bucket.exists(self.run.keys.stop()):
-                    log.info("run %s stopped at state %d", self.run.name, r)
-                    return r
-                if max_wait_s is not None and time.monotonic() - idle_since > max_wait_s:
-                    raise TimeoutError(f"round {r} did not fill within {max_wait_s:.0f}s")
-                time.sleep(self.poll_s)
+            while (reason := stop_reason(snap := self.poll(), until_round)) is None:
+                wait = None if max_wait_s is None else time.monotonic() + max_wait_s
+                close = snap.close or self.wait_close(snap.state, wait)
+                if close is not None:
+                    self.finish(snap.state, pool)
+                elif wait is not None and time.monotonic() > wait:
+                    raise TimeoutError(f"round {snap.state} did not fill within {max_wait_s:.0f}s")
+        if reason == "STOP marker":
+            log.info("run %s stopped at state %d", self.run.name, snap.state)
+        return snap.state
+
+
+def commit(run: Run, r: int) -> dict:
+    """COMMIT state r+1 from its applied parts, then prune what no one reads again."""
+    c = aggregator.commit_state(run, r)
+    log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
+             c["loss"], c["samples"], len(set(c["contributors"])))
+    prune(run, r + 1)
+    return c
 
 
 def prune(run: Run, newest: int, window: int = 3) -> None:

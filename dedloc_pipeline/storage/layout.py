@@ -65,6 +65,14 @@ class RunLayout:
     def round(self, r: int) -> str:
         return f"{self.root}/rounds/{_r(r)}"
 
+    def round_of(self, key: str) -> int:
+        """The round of a key under ``rounds/`` (a manifest, a shard, a heartbeat)."""
+        rest = key.removeprefix(f"{self.root}/rounds/")
+        head = rest.split("/", 1)[0]
+        if rest == key or not head.isdigit():
+            raise ValueError(f"{key!r} is not a key of a round of run {self.run!r}")
+        return int(head)
+
     def progress_dir(self, r: int) -> str:
         return f"{self.round(r)}/progress"
 

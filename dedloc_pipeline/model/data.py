@@ -17,7 +17,6 @@ import functools
 import hashlib
 import io
 import json
-import re
 import time
 
 import numpy as np
@@ -28,7 +27,6 @@ from ..storage.bucket import Bucket
 
 SYNTHETIC = "synthetic"
 HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it
-_CLAIM = re.compile(r"\d{8}\.json")  # anything else under claims/ is not a claim
 
 
 class DataError(RuntimeError):
@@ -115,15 +113,15 @@ class PairSource:
         return epoch, int(np.random.default_rng([self.seed, epoch]).permutation(len(self.train))[k])
 
     def _refresh(self) -> None:
-        names = [n for n in self.bucket.list(self.keys.claims_dir) if _CLAIM.fullmatch(n)]
-        new = [f"{self.keys.claims_dir}/{n}" for n in names if int(n[:-5]) not in self._claims]
-        for key, raw in self.bucket.read_many(new).items():
+        blocks = {self.keys.block_of(n) for n in self.bucket.list(self.keys.claims_dir)} - {None}
+        new = {self.keys.claim(g): g for g in blocks if g not in self._claims}  # anything else is no claim
+        for key, raw in self.bucket.read_many(list(new)).items():
             if raw is not None:
                 try:
                     peer = str(json.loads(raw)["peer"])
                 except (ValueError, KeyError, TypeError):
                     peer = "?"  # a malformed claim still takes its block: nobody streams it
-                self._claims[int(key.rsplit("/", 1)[1][:-5])] = peer
+                self._claims[new[key]] = peer
 
     def blocks(self, stream: str) -> list[int]:
         return sorted(g for g, p in self._claims.items() if p == stream)

@@ -57,8 +57,7 @@ def _table(tid: str, header: list[str], rows: list[list[str]], numeric: set[int]
 
 def evals(run: Run) -> list[dict]:
     """Every evaluation result under ``runs/RUN/evals/``, by state then task; unreadable ones skipped."""
-    evals_dir = run.keys.eval(0, "-").rsplit("/", 2)[0]
-    found = run.bucket.read_many(run.bucket.find(evals_dir))
+    found = run.bucket.read_many(run.bucket.find(run.keys.evals_dir))
     results = []
     for key in sorted(found):
         try:

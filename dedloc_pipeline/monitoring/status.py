@@ -17,7 +17,7 @@ from ..protocol.run import Run
 def _commits(run: Run) -> dict[int, dict]:
     """Every COMMIT, state 0 included, in one batch (concurrent on S3: long runs have thousands)."""
     keys = run.keys
-    states = sorted(int(s) for s in run.bucket.list(keys.states) if s.isdigit())
+    states = sorted(s for s in map(keys.state_number, run.bucket.list(keys.states)) if s is not None)
     raw = run.bucket.read_many([keys.commit(s) for s in states])
     return {s: json.loads(raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))}
 
@@ -35,7 +35,7 @@ def _heartbeats(run: Run, r: int) -> dict[str, dict]:
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
             continue
         if math.isfinite(beat["time"]) and math.isfinite(beat["samples_per_s"]):
-            beats[key.rsplit("/", 1)[-1].removesuffix(".json")] = beat
+            beats[run.keys.peer_of_progress(key)] = beat
     return beats
 
 

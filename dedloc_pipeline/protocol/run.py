@@ -99,35 +99,35 @@ class Run:
 
     def latest(self) -> int:
         """Newest committed state. LATEST is a hint; COMMIT markers are the truth."""
-        r = self.latest_hint()
-        if r < 0:
+        s = self.latest_hint()
+        if s < 0:
             raise RunError(f"run {self.name!r} has no committed state yet")
-        while self.bucket.exists(self.keys.commit(r + 1)):
-            r += 1
-        return r
+        while self.bucket.exists(self.keys.commit(s + 1)):
+            s += 1
+        return s
 
-    def commit_of(self, r: int) -> dict:
-        c = self.bucket.read_json(self.keys.commit(r))
+    def commit_of(self, s: int) -> dict:
+        c = self.bucket.read_json(self.keys.commit(s))
         if c is None:
-            raise RunError(f"state {r} of run {self.name!r} is not committed")
+            raise RunError(f"state {s} of run {self.name!r} is not committed")
         return c
 
-    def load_params(self, r: int, commit: dict | None = None) -> np.ndarray:
-        """The full snapshot of state r, checked against its COMMIT."""
-        commit = commit or self.commit_of(r)
-        return codec.read_vector(self.bucket, self.keys.params(r), self.dense_format,
+    def load_params(self, s: int, commit: dict | None = None) -> np.ndarray:
+        """The full snapshot of state s, checked against its COMMIT."""
+        commit = commit or self.commit_of(s)
+        return codec.read_vector(self.bucket, self.keys.params(s), self.dense_format,
                                  checksums={"values": commit["checksums"]["params"]})
 
-    def apply_delta(self, r: int, params: np.ndarray, commit: dict | None = None) -> np.ndarray:
-        """State r from state r-1 and r's compressed delta; bit-identical to the snapshot."""
-        commit = commit or self.commit_of(r)
+    def apply_delta(self, s: int, params: np.ndarray, commit: dict | None = None) -> np.ndarray:
+        """State s from state s-1 and s's compressed delta; bit-identical to the snapshot."""
+        commit = commit or self.commit_of(s)
         fmt = self.delta_format
-        d = codec.read_vector(self.bucket, self.keys.delta(r), fmt, raw=True,
+        d = codec.read_vector(self.bucket, self.keys.delta(s), fmt, raw=True,
                               checksums=commit["checksums"]["delta"])
         new = codec.delta_apply(params, d, fmt.codec, fmt.block)
         sums = codec.chunk_checksums(self.dense_format, {"values": new}, range(self.dense_format.n_chunks))
         if sums["values"] != commit["checksums"]["params"]:
-            raise codec.CorruptShard(f"state {r}: delta does not reproduce the committed parameters")
+            raise codec.CorruptShard(f"state {s}: delta does not reproduce the committed parameters")
         return new
 
 

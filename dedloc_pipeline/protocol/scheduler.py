@@ -256,7 +256,7 @@ def commit(run: Run, r: int) -> dict:
     """COMMIT state r+1 from its applied parts, then prune what no one reads again."""
     c = aggregator.commit_state(run, r)
     log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
-             c["loss"], c["samples"], len(set(c["contributors"])))
+             c["loss"], c["samples"], len(c["contributors"]))
     prune(run, r + 1)
     return c
 
@@ -271,12 +271,11 @@ def prune(run: Run, newest: int, window: int = 3) -> None:
     keys, bucket, cfg = run.keys, run.bucket, run.config
     last = newest - cfg.keep_states
     for s in range(max(1, last - window), last + 1):
-        bucket.delete(f"{keys.state(s)}/applied")
+        bucket.delete(keys.applied_dir(s))
         bucket.delete(keys.streams(s))
         bucket.delete(keys.delta(s))
         if s % cfg.checkpoint_every:
             bucket.delete(keys.params(s))
-            bucket.delete(f"{keys.state(s)}/optim")
-        r = s - 1
-        for sub in ("shards", "manifests", "reduced", "progress"):
-            bucket.delete(f"{keys.round(r)}/{sub}")
+            bucket.delete(keys.optim_dir(s))
+        for scratch in keys.round_scratch(s - 1):
+            bucket.delete(scratch)

@@ -95,7 +95,7 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     except (ValueError, ValidationError) as exc:
         raise Rejected(f"malformed manifest: {str(exc).splitlines()[0]}") from exc
     fmt = run.grad_format
-    _, _, _, peer, part = key.rsplit("/", 4)
+    _, peer, part = run.keys.shard_parts(key)
     expect = {"layout_version": LAYOUT_VERSION, "run": run.name, "round": r, "peer": peer,
               "part": part, "codec": fmt.codec, "n": fmt.n, "chunk_size": fmt.chunk_size,
               "block": fmt.block}

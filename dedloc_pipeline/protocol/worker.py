@@ -158,7 +158,7 @@ class Worker:
         for rr in (r - 1, r):
             if rr < 0:
                 continue
-            mkeys = self.run.bucket.find(f"{keys.manifests_dir(rr)}/{self.peer}")
+            mkeys = self.run.bucket.find(keys.manifests_dir(rr, self.peer))
             for raw in self.run.bucket.read_many(mkeys).values():
                 try:
                     m = shard.Manifest.model_validate_json(raw)

@@ -1,13 +1,23 @@
-"""Bucket keys of one run. Every path the protocol touches is spelled here, and only here."""
+"""Bucket keys of one run. Every key the project writes is spelled here, and every key it reads
+back from a listing is parsed here, so the layout can change in one place.
+
+Numbering: state ``s`` is what the parameters are after ``s`` optimizer steps; round ``r`` is the
+batch of gradients computed against state ``r``, and committing it makes state ``r + 1``.
+"""
 
 from __future__ import annotations
 
+import re
+
 LAYOUT_VERSION = 2  # 2: quantized codes stored zigzag-folded as uint8
 PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # peer ids and shard parts: one key segment each
+ROUND_FOLDERS = ("shards", "manifests", "progress")  # what volunteers write in a round (policy.py)
+_NUMBER = re.compile(r"\d{8}")
+_CLAIM = re.compile(r"(\d{8})\.json")
 
 
-def _r(r: int) -> str:
-    return f"{r:08d}"
+def _n(i: int) -> str:
+    return f"{i:08d}"
 
 
 class RunLayout:
@@ -29,49 +39,69 @@ class RunLayout:
 
     @property
     def latest(self) -> str:
+        """A hint: ``{"state": s}``, the newest committed state when it was written."""
         return f"{self.root}/state/LATEST.json"
 
     @property
     def states(self) -> str:
         return f"{self.root}/state"
 
-    # state r: what round r's gradients are computed against
-    def state(self, r: int) -> str:
-        return f"{self.root}/state/{_r(r)}"
+    @staticmethod
+    def state_number(name: str) -> int | None:
+        """The state an entry of the ``states`` listing is, or None (LATEST.json, debris)."""
+        return int(name) if _NUMBER.fullmatch(name) else None
 
-    def params(self, r: int) -> str:
-        return f"{self.state(r)}/params"
+    # state s: what round s's gradients are computed against
+    def state(self, s: int) -> str:
+        return f"{self.root}/state/{_n(s)}"
 
-    def delta(self, r: int) -> str:
-        """Compressed difference state r - state (r-1): what a synced peer downloads."""
-        return f"{self.state(r)}/delta"
+    def params(self, s: int) -> str:
+        return f"{self.state(s)}/params"
 
-    def optim(self, r: int, name: str) -> str:
-        return f"{self.state(r)}/optim/{name}"
+    def delta(self, s: int) -> str:
+        """Compressed difference state s - state (s-1): what a synced peer downloads."""
+        return f"{self.state(s)}/delta"
 
-    def applied(self, r: int, part: int) -> str:
-        """Marker: the aggregator of chunk range ``part`` wrote its slice of state r."""
-        return f"{self.state(r)}/applied/{part:05d}.json"
+    def optim_dir(self, s: int) -> str:
+        return f"{self.state(s)}/optim"
 
-    def streams(self, r: int) -> str:
-        """How far each peer's data stream is counted in states up to r: where a returning peer
+    def optim(self, s: int, name: str) -> str:
+        return f"{self.optim_dir(s)}/{name}"
+
+    def applied_dir(self, s: int) -> str:
+        return f"{self.state(s)}/applied"
+
+    def applied(self, s: int, part: int) -> str:
+        """Marker: the aggregator of chunk range ``part`` wrote its slice of state s."""
+        return f"{self.applied_dir(s)}/{part:05d}.json"
+
+    def streams(self, s: int) -> str:
+        """How far each peer's data stream is counted in states up to s: where a returning peer
         continues (manifests are pruned with their rounds; this is written with each commit)."""
-        return f"{self.state(r)}/streams.json"
+        return f"{self.state(s)}/streams.json"
 
-    def commit(self, r: int) -> str:
-        return f"{self.state(r)}/COMMIT.json"
+    def commit(self, s: int) -> str:
+        return f"{self.state(s)}/COMMIT.json"
 
     # round r: gradients computed against state r
+    @property
+    def rounds_dir(self) -> str:
+        return f"{self.root}/rounds"
+
     def round(self, r: int) -> str:
-        return f"{self.root}/rounds/{_r(r)}"
+        return f"{self.rounds_dir}/{_n(r)}"
 
     def round_of(self, key: str) -> int:
         """The round of a key under ``rounds/`` (a manifest, a shard, a heartbeat)."""
-        rest = key.removeprefix(f"{self.root}/rounds/")
+        rest = key.removeprefix(f"{self.rounds_dir}/")
         head = rest.split("/", 1)[0]
-        if rest == key or not head.isdigit():
+        if rest == key or not _NUMBER.fullmatch(head):
             raise ValueError(f"{key!r} is not a key of a round of run {self.run!r}")
         return int(head)
+
+    def round_scratch(self, r: int) -> tuple[str, ...]:
+        """Everything of round r but its CLOSE: pruned once no one reads it again."""
+        return (*(f"{self.round(r)}/{sub}" for sub in ROUND_FOLDERS), f"{self.round(r)}/reduced")
 
     def progress_dir(self, r: int) -> str:
         return f"{self.round(r)}/progress"
@@ -79,15 +109,28 @@ class RunLayout:
     def progress(self, r: int, peer: str) -> str:
         return f"{self.progress_dir(r)}/{peer}.json"
 
+    def peer_of_progress(self, key: str) -> str:
+        """Whose heartbeat a key is: its file name, which a volunteer's bucket policy binds to it."""
+        return key.rsplit("/", 1)[-1].removesuffix(".json")
+
     def shards_dir(self, r: int) -> str:
         return f"{self.round(r)}/shards"
 
     def shard(self, r: int, peer: str, part: str) -> str:
         return f"{self.shards_dir(r)}/{peer}/{part}"
 
-    def manifests_dir(self, r: int) -> str:
-        """Manifests only, apart from the chunks: listing the round's shards lists just these."""
-        return f"{self.round(r)}/manifests"
+    def shard_parts(self, shard: str) -> tuple[int, str, str]:
+        """(round, peer, part) of a shard key ``rounds/R/shards/PEER/PART``."""
+        head, peer, part = shard.rsplit("/", 2)
+        if not head.endswith("/shards"):
+            raise ValueError(f"{shard!r} is not a shard key")
+        return self.round_of(shard), peer, part
+
+    def manifests_dir(self, r: int, peer: str | None = None) -> str:
+        """Manifests only, apart from the chunks: listing the round's shards lists just these
+        (one peer's, given ``peer``)."""
+        top = f"{self.round(r)}/manifests"
+        return top if peer is None else f"{top}/{peer}"
 
     def manifest(self, shard: str) -> str:
         """Marker of a shard, written after its chunks: ``rounds/R/manifests/PEER/PART.json``."""
@@ -116,27 +159,39 @@ class RunLayout:
         """The run's static HTML page (`dedloc report --upload`): one key the organizer can publish."""
         return f"{self.root}/report/index.html"
 
-    def eval(self, r: int, task: str) -> str:
-        return f"{self.root}/evals/{_r(r)}/{task}.json"
+    @property
+    def evals_dir(self) -> str:
+        return f"{self.root}/evals"
 
-    def export(self, r: int) -> str:
-        """State r as a Hugging Face model directory."""
-        return f"{self.root}/export/{_r(r)}"
+    def eval(self, s: int, task: str) -> str:
+        return f"{self.evals_dir}/{_n(s)}/{task}.json"
+
+    def export(self, s: int) -> str:
+        """State s as a Hugging Face model directory."""
+        return f"{self.root}/export/{_n(s)}"
 
     def claim(self, block: int) -> str:
         """Marker: one peer streams this block of the data set (its number counts across epochs)."""
-        return f"{self.root}/claims/{block:08d}.json"
+        return f"{self.claims_dir}/{_n(block)}.json"
 
     @property
     def claims_dir(self) -> str:
         return f"{self.root}/claims"
 
+    @staticmethod
+    def block_of(claim: str) -> int | None:
+        """The block a claim key (or a ``claims_dir`` listing's name) is for; None if not a claim."""
+        m = _CLAIM.fullmatch(claim.rsplit("/", 1)[-1])
+        return int(m.group(1)) if m else None
+
 
 class DataLayout:
     """Keys under ``data/{name}/``: a tokenized data set, shared by every run that names it."""
 
+    ROOT = "data"  # every data set's folder: what a volunteer may read besides its run
+
     def __init__(self, name: str):
-        self.root = f"data/{name}"
+        self.root = f"{self.ROOT}/{name}"
 
     @property
     def card(self) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..storage.layout import PEER_ID, DataLayout, RunLayout
+from ..storage.layout import PEER_ID, ROUND_FOLDERS, DataLayout, RunLayout
 
 FORMATS = ("aws", "minio", "r2")
 
@@ -103,10 +103,9 @@ def volunteer_keys(prefix: str, run: str, peer: str, data: str | None = None) ->
     if data is not None:
         _check_name("data set", data)
     keys = RunLayout(run)
-    r0 = keys.round(0)
-    rounds = r0.rsplit("/", 1)[0]
+    r0, rounds = keys.round(0), keys.rounds_dir
     dirs = (keys.shards_dir(0), keys.manifests_dir(0), keys.progress_dir(0))
-    reserved = {d.rsplit("/", 1)[1] for d in dirs}
+    reserved = set(ROUND_FOLDERS)
     if peer in reserved:  # a peer folder named like a round's folder would fall under deny_writes
         raise ValueError(f"peer id {peer!r} is reserved (a round's folders: {', '.join(sorted(reserved))})")
 
@@ -126,7 +125,7 @@ def volunteer_keys(prefix: str, run: str, peer: str, data: str | None = None) ->
         f"{keys.claims_dir}/*.json",          # claims/BLOCK.json (create-once)
     )
     deny = tuple(nested(d) for d in dirs)
-    data_root = DataLayout(data).root if data else DataLayout("x").root.rsplit("/", 1)[0]
+    data_root = DataLayout(data).root if data else DataLayout.ROOT
     run_root, data_root = _join(prefix, keys.root), _join(prefix, data_root)
     return VolunteerKeys(
         reads=(f"{run_root}/*", f"{data_root}/*"),

@@ -371,3 +371,38 @@ def test_when_a_worker_uploads(manifests, fresh, mine, first, upload):
     from dedloc_pipeline.protocol.worker import RoundView
     v = RoundView(manifest_samples=manifests, fresh_samples=fresh)
     assert Worker._should_upload(v, mine, target=24, first=first) is upload
+
+
+# the round engine: one loop, whichever driver
+
+def test_a_round_closed_before_stop_is_still_committed(make_run):
+    """STOP after a CLOSE: the loop commits the closed round, then ends (both drivers share
+    stop_reason); a wall-time deadline behaves the same."""
+    from dedloc_pipeline.protocol.scheduler import stop_reason
+    run = make_run()
+    _fill_round(run, 0)
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(0) is not None
+    run.bucket.create_json(run.keys.stop(), {"reason": "test"})
+    snap = sched.poll()
+    assert snap.stopped and snap.close is not None and stop_reason(snap, deadline=0.0) is None
+    assert sched.serve(until_round=5) == 1 and run.commit_of(1)["samples"] >= 24
+    assert stop_reason(sched.poll(), deadline=0.0) == "wall time"
+    assert stop_reason(sched.poll()) == "STOP marker" and stop_reason(sched.poll(), until_state=1) == "rounds"
+
+
+def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run):
+    """The Prefect flow runs the steps as separate tasks (never Scheduler.step): its long-lived
+    scheduler still forgets verdicts of rounds that no close will ask about again."""
+    from dedloc_pipeline.protocol import scheduler as engine
+    run = make_run()
+    sched = Scheduler(run, 1, 0)
+    for r in range(4):
+        _fill_round(run, r)
+        assert sched.wait_close(r) is not None
+        aggregator.prepare(run, r)
+        for step in (aggregator.reduce_part, aggregator.apply_part):
+            for k in range(run.n_parts):
+                step(run, r, k)
+        engine.commit(run, r)
+        assert {run.keys.round_of(k) for k in sched._seen} == ({r - 1, r} if r else {0})

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import json
 import logging
 import sys
 import traceback
+import types
 from enum import Enum
-from typing import Optional
+from typing import Literal, Optional, Union, get_args, get_origin
 
 import typer
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 from typer.core import TyperGroup
 
-from .protocol.config import CloseRule, recipe_config
+from .protocol.config import RECIPES, RunConfig, recipe_config
 from .trust import identity
 from .model.data import DataError
+from .model.presets import PRESETS
 from .trust.identity import IdentityError
 from .protocol.run import Run, RunError, init_run
 from .storage.bucket import Bucket, StorageError
@@ -26,14 +31,19 @@ from .storage.bucket import Bucket, StorageError
 _cx = importlib.import_module(typer.BadParameter.__module__)
 _PASS = tuple({typer.Exit, typer.Abort, *(getattr(_cx, n) for n in ("Exit", "Abort", "NoArgsIsHelpError")
                                           if hasattr(_cx, n))})
+# what a user can fix: a bad value, a missing run, file or key, a bucket refusing access
+_ERRORS = (RunError, DataError, StorageError, IdentityError, ValueError, ValidationError, FileNotFoundError,
+           PermissionError)
 
 
 class _Group(TyperGroup):
     """Every failure ends in one line on stderr, ``error: ...``, and a non-zero exit status.
 
-    Usage errors (a bad flag value, a missing option) come from click, which would otherwise draw
-    a multi-line panel; anything the commands did not anticipate (a botocore error, a bug) would
-    otherwise print only a traceback. The traceback is still shown first when logging is verbose.
+    The commands raise; this is the one place that says how. What the user can fix (``_ERRORS``)
+    and usage errors exit 2; usage errors come from click, which would otherwise draw a multi-line
+    panel. Anything the commands did not anticipate (a botocore error, a bug), which would
+    otherwise print only a traceback, exits 1 with its type; the traceback is still shown first
+    when logging is verbose. Ctrl-C exits 130, quietly.
     """
 
     def invoke(self, ctx):
@@ -48,8 +58,11 @@ class _Group(TyperGroup):
                 msg += f" (see '{sub} --help')"
             typer.echo(f"error: {msg}", err=True)
             raise typer.Exit(exc.exit_code or 2)
+        except _ERRORS as exc:
+            typer.echo(f"error: {_describe(exc)}", err=True)
+            raise typer.Exit(2)
         except KeyboardInterrupt:
-            raise
+            raise typer.Exit(130)
         except Exception as exc:
             if logging.getLogger().isEnabledFor(logging.INFO):
                 traceback.print_exc()
@@ -59,25 +72,6 @@ class _Group(TyperGroup):
 
 app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True,
                   help="Volunteer pretraining through an object-storage bucket.")
-
-
-class CodecName(str, Enum):
-    none = "none"
-    fp16 = "fp16"
-    int8 = "int8"
-    int4 = "int4"
-
-
-class Aggregation(str, Enum):
-    mean = "mean"
-    trimmed_mean = "trimmed_mean"
-    centered_clip = "centered_clip"
-
-
-class OptimizerName(str, Enum):
-    adamw = "adamw"
-    lamb = "lamb"
-
 
 BucketOpt = typer.Option(..., "--bucket", help="fsspec URL: a path, file://, s3://bucket/prefix, memory://")
 RunOpt = typer.Option(..., "--run", help="run name inside the bucket")
@@ -94,21 +88,99 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-# config fields as the flags of `dedloc init` spell them
-_FLAGS = {"run": "--run", "preset": "--preset", "seed": "--seed", "seq_len": "--seq-len",
-          "target_batch_size": "--target-batch", "micro_batch": "--micro-batch", "codec": "--codec",
-          "chunk_size": "--chunk-size", "block_size": "--chunk-size", "chunks_per_part": "--chunks-per-part",
-          "peer_timeout_s": "--peer-timeout", "lr": "--lr", "timeout_s": "--close-timeout",
-          "min_fraction": "--min-fraction", "late_shards": "--late-shards", "aggregation": "--aggregation",
-          "organizer_key": "--organizer-key"}
+# The RunConfig fields `dedloc init` sets, as paths into it. Each option's flag, type, choices,
+# default and help come from the field (protocol/config.py), so a setting is spelled only there.
+INIT_SETTINGS = ("preset", "target_batch_size", "data", "micro_batch", "codec", "download_codec",
+                 "optimizer.name", "optimizer.lr", "seed", "seq_len", "chunk_size", "chunks_per_part",
+                 "close.timeout_s", "close.min_fraction", "close.late_shards", "delayed_updates",
+                 "peer_timeout_s", "organizer_key", "aggregation")
+
+# A flag that takes something other than its field's value: its metavar and help, and how the value is made.
+_READS = {"organizer_key": ("FILE", "your private key (`dedloc keygen`): its public key goes in the run, "
+                            "which then admits only shards of volunteers you enroll",
+                            lambda file: identity.public(identity.load(file)))}
+
+
+def _field(path: str) -> FieldInfo:
+    model, *inner, leaf = RunConfig, *path.split(".")
+    for name in inner:
+        model = model.model_fields[name].annotation
+    return model.model_fields[leaf]
+
+
+def _flag(path: str) -> str:
+    """The field's own spelling (``json_schema_extra={"flag": ...}``), else its name with dashes."""
+    extra = _field(path).json_schema_extra or {}
+    return extra.get("flag") or "--" + path.rpartition(".")[2].replace("_", "-")
+
+
+# the flag that set each config field, for validation errors; block_size is derived from chunk_size
+_FLAGS = {path: _flag(path) for path in ("run", *INIT_SETTINGS)} | {"block_size": _flag("chunk_size")}
+
+
+def _by_preset(path: str) -> dict[str, object]:
+    """What each preset makes of a setting that some preset's recipe sets (else nothing)."""
+    head, _, leaf = path.rpartition(".")
+    if not any(leaf in (recipe.get(head, {}) if head else recipe) for recipe in RECIPES.values()):
+        return {}
+    return {p: functools.reduce(getattr, path.split("."), recipe_config("help", p)) for p in PRESETS}
+
+
+def _option(path: str) -> inspect.Parameter:
+    """The field at ``path`` as a typer option (named by the path, ``__`` for its dots); left
+    unset, a setting that a recipe sets is the preset's."""
+    field = _field(path)
+    kind = field.annotation
+    if get_origin(kind) in (Union, types.UnionType):  # X | None
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    default, help, metavar = field.default, field.description or "", None
+    if by_preset := _by_preset(path):
+        default = None
+        help += "; default: the preset's recipe (" + ", ".join(f"{p} {v}" for p, v in by_preset.items()) + ")"
+    if get_origin(kind) is Literal:  # as an Enum: choices on every typer, not only those that read Literal
+        kind = Enum(path, [(v, v) for v in get_args(kind)], type=str)
+        default = None if default is None else kind(default)
+    if path in _READS:
+        metavar, help, _ = _READS[path]
+    flag = _flag(path)
+    return inspect.Parameter(
+        path.replace(".", "__"), inspect.Parameter.KEYWORD_ONLY,
+        annotation=Optional[kind] if default is None else kind,
+        default=typer.Option(default, f"{flag}/--no-{flag[2:]}" if kind is bool else flag, help=help,
+                             metavar=metavar, rich_help_panel="Run settings (kept in run.json)"))
+
+
+def _with_settings(command):
+    """Gives ``command`` an option per INIT_SETTINGS field (typer reads the signature); their
+    values reach it as ``**settings``."""
+    sig = inspect.signature(command, eval_str=True)
+    own = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    command.__signature__ = sig.replace(parameters=own + [_option(path) for path in INIT_SETTINGS])
+    return command
+
+
+def _config_args(settings: dict[str, object]) -> dict:
+    """init's option values as recipe_config's arguments: nested by path, those left unset left to
+    the preset's recipe and the defaults."""
+    args: dict = {}
+    for name, value in settings.items():
+        path = name.replace("__", ".")
+        if value is None:
+            continue
+        value = value.value if isinstance(value, Enum) else value
+        if path in _READS:
+            value = _READS[path][2](value)
+        head, _, leaf = path.rpartition(".")
+        (args.setdefault(head, {}) if head else args)[leaf] = value
+    args["block_size"] = min(4096, args["chunk_size"])  # a chunk smaller than an int8 block is one block
+    return args
 
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, ValidationError):
         parts = []
         for e in exc.errors():
-            loc = [str(x) for x in e.get("loc", ())]
-            where = _FLAGS.get(loc[-1], ".".join(loc)) if loc else ""
+            where = _flag_at(e.get("loc", ()))
             msg = e.get("msg", "invalid").removeprefix("Value error, ")
             parts.append(f"{where}: {msg}" if where else msg)
         return "invalid value: " + "; ".join(parts)
@@ -116,56 +188,25 @@ def _describe(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _fail(exc: BaseException) -> None:
-    typer.echo(f"error: {_describe(exc)}", err=True)
-    raise typer.Exit(2)
+def _flag_at(loc: tuple) -> str:
+    """The flag that set the value at a pydantic error's location (in RunConfig or a nested
+    model: ``("lr",)`` is ``optimizer.lr``), else the location."""
+    path = ".".join(str(x) for x in loc)
+    return next((flag for p, flag in _FLAGS.items() if p == path or p.endswith("." + path)), path)
 
 
 def _open(bucket: str, run: str, endpoint: str | None) -> Run:
     return Run(Bucket(bucket, endpoint_url=endpoint), run)
 
 
-_ERRORS = (RunError, DataError, StorageError, IdentityError, ValueError, ValidationError, FileNotFoundError, PermissionError)
-
-
 @app.command()
+@_with_settings
 def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
-         preset: str = typer.Option("tiny", help="tiny | small | sahajbert (sets its recipe's defaults)"),
-         target_batch: Optional[int] = typer.Option(None, "--target-batch", help="default: the preset's (tiny 256)"),
-         data: str = typer.Option("synthetic", help="a data set in the bucket (the tokenize flow writes one)"),
-         micro_batch: int = 8, codec: CodecName = CodecName.int8,
-         download_codec: Optional[CodecName] = typer.Option(
-             None, help="parameter deltas peers download (default: int4 for int8 shards, else the codec)"),
-         optimizer: Optional[OptimizerName] = typer.Option(None, help="default: the preset's (tiny adamw)"),
-         lr: Optional[float] = typer.Option(None, help="default: the preset's (tiny 2e-3)"), seed: int = 0,
-         seq_len: Optional[int] = None, chunk_size: int = 1 << 20, chunks_per_part: int = 1,
-         close_timeout: Optional[float] = typer.Option(None, help="close a short round after SECONDS"),
-         min_fraction: float = typer.Option(0.5, help="... if this share of the target is in"),
-         late_shards: str = typer.Option("reject", help="reject | fold (count in the next round)"),
-         delayed_updates: bool = typer.Option(True, help="keep computing while a round is reduced"),
-         peer_timeout: float = typer.Option(20.0, help="seconds before a silent peer counts as gone"),
-         organizer_key: Optional[str] = typer.Option(
-             None, help="your private key (`dedloc keygen`): admit only shards of volunteers you enrol"),
-         aggregation: Aggregation = typer.Option(
-             Aggregation.mean, help="mean (exact) | trimmed_mean | centered_clip (robust to byzantine peers)"),
-         verbose: bool = False):
+         verbose: bool = False, **settings):
     """Create a run in the bucket and commit state 0."""
     _setup(verbose)
-    try:
-        org = identity.public(identity.load(organizer_key)) if organizer_key else None
-        cfg = recipe_config(run, preset, data=data, seed=seed, seq_len=seq_len, target_batch_size=target_batch,
-                            micro_batch=micro_batch, codec=codec.value, chunk_size=chunk_size,
-                            download_codec=download_codec.value if download_codec else None,
-                            block_size=min(4096, chunk_size), chunks_per_part=chunks_per_part,
-                            delayed_updates=delayed_updates, peer_timeout_s=peer_timeout, organizer_key=org,
-                            aggregation=aggregation.value,
-                            optimizer={"name": optimizer.value if optimizer else None, "lr": lr},
-                            close=CloseRule(timeout_s=close_timeout, min_fraction=min_fraction,
-                                            late_shards=late_shards))
-        r = init_run(Bucket(bucket, endpoint_url=endpoint_url), cfg)
-        typer.echo(f"run {run} ready in {bucket}: {r.flat.n:,} parameters, state 0 committed")
-    except _ERRORS as exc:
-        _fail(exc)
+    r = init_run(Bucket(bucket, endpoint_url=endpoint_url), recipe_config(run, **_config_args(settings)))
+    typer.echo(f"run {run} ready in {bucket}: {r.flat.n:,} parameters, state 0 committed")
 
 
 @app.command()
@@ -187,13 +228,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     130); a second Ctrl-C quits at once."""
     _setup(verbose)
     from .monitoring.progress import make_worker, summary_text, volunteer
-    try:
-        w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url)
-        s = volunteer(w, until_round, plain=plain or None, every=progress_every)
-    except _ERRORS as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        raise typer.Exit(130)
+    w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url)
+    s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))
     if s["ended"] in ("ctrl_c", "interrupted"):
         raise typer.Exit(130)
@@ -208,13 +244,8 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
     from .protocol.scheduler import Scheduler
-    try:
-        state = Scheduler(_open(bucket, run, endpoint_url), parallel, poll).serve(until_round)
-        typer.echo(f"state {state} committed")
-    except _ERRORS as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        raise typer.Exit(130)
+    state = Scheduler(_open(bucket, run, endpoint_url), parallel, poll).serve(until_round)
+    typer.echo(f"state {state} committed")
 
 
 @app.command()
@@ -223,21 +254,15 @@ def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
     """End a run: schedulers and the pretrain flow stop after the open round."""
     _setup(False)
     import time
-    try:
-        r = _open(bucket, run, endpoint_url)
-        r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": time.time(), "state": r.latest()})
-        typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
-    except _ERRORS as exc:
-        _fail(exc)
+    r = _open(bucket, run, endpoint_url)
+    r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": time.time(), "state": r.latest()})
+    typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
 
 
 @app.command()
 def keygen(out: str = typer.Option(..., help="file for the new private key (kept secret, never overwritten)")):
     """Make a volunteer's or organizer's Ed25519 key pair; prints the public key to share."""
-    try:
-        pub = identity.public(identity.generate(out))
-    except _ERRORS as exc:
-        _fail(exc)
+    pub = identity.public(identity.generate(out))
     typer.echo(f"private key: {out} (keep it secret)\npublic key: {pub}")
 
 
@@ -274,25 +299,19 @@ def policy(bucket: str = typer.Option(..., "--bucket", help="s3://bucket/prefix 
     if format == "r2":
         options.update(ttl_seconds=ttl, **({"parent_access_key_id": parent_access_key_id}
                                            if parent_access_key_id else {}))
-    try:
-        typer.echo(json.dumps(policy_for(bucket, run, peer, format, **options), indent=2))
-    except _ERRORS as exc:
-        _fail(exc)
+    typer.echo(json.dumps(policy_for(bucket, run, peer, format, **options), indent=2))
 
 
 def _change_roster(bucket: str, run: str, endpoint: str | None, organizer_key: str, **change):
     """Enrol or revoke in a signed run's roster, with the key the run was created with."""
     _setup(False)
-    try:
-        r = _open(bucket, run, endpoint)
-        org = identity.load(organizer_key)
-        if r.config.organizer_key is None:
-            raise RunError(f"run {run!r} was created without --organizer-key: it accepts unsigned shards")
-        if identity.public(org) != r.config.organizer_key:
-            raise IdentityError(f"{organizer_key} is not the key run {run!r} was created with")
-        return identity.update_roster(r.bucket, run, org, **change)
-    except _ERRORS as exc:
-        _fail(exc)
+    r = _open(bucket, run, endpoint)
+    org = identity.load(organizer_key)
+    if r.config.organizer_key is None:
+        raise RunError(f"run {run!r} was created without --organizer-key: it accepts unsigned shards")
+    if identity.public(org) != r.config.organizer_key:
+        raise IdentityError(f"{organizer_key} is not the key run {run!r} was created with")
+    return identity.update_roster(r.bucket, run, org, **change)
 
 
 @app.command("eval")
@@ -307,21 +326,18 @@ def eval_(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str
     """Score a committed state next to random init: held-out MLM loss, NER F1, news accuracy."""
     _setup(verbose)
     from .evaluation import heldout as evaluation
-    try:
-        r = _open(bucket, run, endpoint_url)
-        state = r.latest() if state is None else state
-        for name in task:
-            if name == "mlm-heldout":
-                res = evaluation.evaluate(r, state)
-                typer.echo(f"mlm-heldout ({res['dataset']}): loss {res['loss']:.4f} "
-                           f"(random init {res['random_init_loss']:.4f})")
-            else:
-                res = evaluation.finetune_eval(r, state, name, source, corpus_dir, epochs=epochs,
-                                               max_train=max_train)
-                typer.echo(f"{name} ({res['source']}): test {res['metric']} {res['pretrained']['test']:.4f} "
-                           f"(random init {res['random_init']['test']:.4f})")
-    except _ERRORS as exc:
-        _fail(exc)
+    r = _open(bucket, run, endpoint_url)
+    state = r.latest() if state is None else state
+    for name in task:
+        if name == "mlm-heldout":
+            res = evaluation.evaluate(r, state)
+            typer.echo(f"mlm-heldout ({res['dataset']}): loss {res['loss']:.4f} "
+                       f"(random init {res['random_init_loss']:.4f})")
+        else:
+            res = evaluation.finetune_eval(r, state, name, source, corpus_dir, epochs=epochs,
+                                           max_train=max_train)
+            typer.echo(f"{name} ({res['source']}): test {res['metric']} {res['pretrained']['test']:.4f} "
+                       f"(random init {res['random_init']['test']:.4f})")
 
 
 @app.command()
@@ -331,11 +347,8 @@ def export(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Write a committed state as a Hugging Face directory (AutoModelForMaskedLM.from_pretrained)."""
     _setup(False)
     from .evaluation.export import export as export_state
-    try:
-        path = export_state(_open(bucket, run, endpoint_url), state, out)
-        typer.echo(f"exported to {path}")
-    except _ERRORS as exc:
-        _fail(exc)
+    path = export_state(_open(bucket, run, endpoint_url), state, out)
+    typer.echo(f"exported to {path}")
 
 
 @app.command()
@@ -344,10 +357,7 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Where a run stands: the open round and its ETA, the last rounds, the contributors."""
     _setup(False)
     from .monitoring.status import show, status as get_status
-    try:
-        s = get_status(_open(bucket, run, endpoint_url))
-    except _ERRORS as exc:
-        _fail(exc)
+    s = get_status(_open(bucket, run, endpoint_url))
     if as_json:
         typer.echo(json.dumps(s))
         return
@@ -362,10 +372,7 @@ def plot(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
     _setup(False)
     from .monitoring.plots import write
     from .monitoring.status import status as get_status
-    try:
-        paths = write(get_status(_open(bucket, run, endpoint_url))["history"], out)
-    except _ERRORS as exc:
-        _fail(exc)
+    paths = write(get_status(_open(bucket, run, endpoint_url))["history"], out)
     typer.echo("\n".join(paths))
 
 
@@ -376,13 +383,10 @@ def report(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Write one self-contained HTML page of the run (figures, leaderboard, rounds, evaluations)."""
     _setup(False)
     from .monitoring.report import publish, render
-    try:
-        r = _open(bucket, run, endpoint_url)
-        page = render(r)
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(page)
-        typer.echo(f"report written to {out}")
-        if upload:
-            typer.echo(f"uploaded to {publish(r, page)}")
-    except _ERRORS as exc:
-        _fail(exc)
+    r = _open(bucket, run, endpoint_url)
+    page = render(r)
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(page)
+    typer.echo(f"report written to {out}")
+    if upload:
+        typer.echo(f"uploaded to {publish(r, page)}")

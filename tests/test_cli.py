@@ -1,4 +1,5 @@
-"""The command line: `dedloc status` against the COMMIT markers, and how every failure is reported."""
+"""The command line: `dedloc status` against the COMMIT markers, `init`'s options as RunConfig's fields, and how
+every failure is reported."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import reduce
+from types import SimpleNamespace
+from typing import Literal, get_args, get_origin
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from .conftest import small_config
+import dedloc_pipeline.cli as dedloc_cli
 from dedloc_pipeline.cli import app
+from dedloc_pipeline.model.presets import PRESETS
+from dedloc_pipeline.protocol.config import RECIPES, RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
@@ -164,6 +171,13 @@ def test_worker_on_a_missing_gpu(trained):
     (["--chunk-size", "5000"], "chunk_size"),
     (["--run", "bad name!"], "--run"),
     (["--run", "-leading-dash"], "--run"),
+    (["--min-fraction", "2"], "--min-fraction"),
+    (["--close-timeout", "0"], "--close-timeout"),
+    (["--seq-len", "4"], "--seq-len"),
+    (["--chunks-per-part", "0"], "--chunks-per-part"),
+    (["--aggregation", "median"], "--aggregation"),
+    (["--optimizer", "sgd"], "--optimizer"),
+    (["--download-codec", "zip"], "--download-codec"),
 ])
 def test_bad_init_values(tmp_path, args, flag):
     url = f"file://{tmp_path}/bucket"
@@ -177,6 +191,12 @@ def test_bad_init_values(tmp_path, args, flag):
     line = error_line(cli(*argv))
     assert flag in line
     assert Bucket(url).find("runs") == []  # nothing was written
+
+
+def test_a_derived_field_is_named_by_the_flag_it_comes_from(tmp_path):
+    """block_size is min(4096, chunk_size): its error names --chunk-size, as chunk_size's does."""
+    line = error_line(cli("init", "--bucket", f"file://{tmp_path}/b", "--run", "r", "--chunk-size", "0"))
+    assert line.count("--chunk-size: ") == 2 and "block_size" not in line
 
 
 def test_missing_option():
@@ -295,3 +315,135 @@ def test_policy_prints_a_volunteers_rights():
     puts = [s for s in doc["Statement"] if s["Effect"] == "Allow" and "s3:PutObject" in str(s["Action"])]
     assert puts and all("alice" in r or "claims" in r for s in puts for r in s["Resource"])
     assert "peer id" in error_line(cli("policy", "--bucket", "s3://collab/x", "--run", "demo", "--peer", "a*"))
+
+
+# init's options are RunConfig's fields
+
+# every spelling the README, the tests and the flows use
+HISTORICAL = ["--preset", "--target-batch", "--data", "--micro-batch", "--codec", "--download-codec", "--optimizer",
+              "--lr", "--seed", "--seq-len", "--chunk-size", "--chunks-per-part", "--close-timeout",
+              "--min-fraction", "--late-shards", "--delayed-updates", "--peer-timeout", "--organizer-key",
+              "--aggregation"]
+RECIPE_FIELDS = {k for r in RECIPES.values() for k in r if k != "optimizer"} | {
+    f"optimizer.{k}" for r in RECIPES.values() for k in r.get("optimizer", {})}
+
+
+def _field(path):
+    model, *inner, leaf = RunConfig, *path.split(".")
+    for name in inner:
+        model = model.model_fields[name].annotation
+    return model.model_fields[leaf]
+
+
+def _value(cfg, path):
+    return reduce(getattr, path.split("."), cfg)
+
+
+def test_init_help_shows_each_fields_flag_choices_default_and_description():
+    res = CliRunner().invoke(app, ["init", "--help"], env={"COLUMNS": "400"})  # one line per option
+    assert res.exit_code == 0, res.output
+    lines = {ln.split()[1]: ln for ln in res.stdout.splitlines() if ln.startswith("│ --")}
+    flags = []
+    for path in dedloc_cli.INIT_SETTINGS:
+        field, leaf = _field(path), path.rpartition(".")[2]
+        flag = (field.json_schema_extra or {}).get("flag") or "--" + leaf.replace("_", "-")
+        flags.append(flag)
+        line = lines[flag]
+        annotation = field.annotation
+        choices = next((a for a in (annotation, *get_args(annotation)) if get_origin(a) is Literal), None)
+        if choices is not None:
+            assert f"<{'|'.join(get_args(choices))}>" in line
+        if path in RECIPE_FIELDS:
+            by_preset = ", ".join(f"{p} {_value(recipe_config('x', p), path)}" for p in PRESETS)
+            assert f"default: the preset's recipe ({by_preset})" in line and "[default:" not in line
+        elif field.annotation is bool:
+            assert f"[default: {flag[2:] if field.default else 'no-' + flag[2:]}]" in line
+        elif field.default is not None:
+            assert f"[default: {field.default}]" in line
+        if path != "organizer_key":  # takes a key file, not the public key it stores
+            assert field.description in line
+    assert set(HISTORICAL) <= set(flags) and len(flags) == len(set(flags))
+    assert "--no-delayed-updates" in lines["--delayed-updates"]
+
+
+@pytest.fixture
+def made(monkeypatch):
+    """Runs `dedloc init ARGS` up to the config it would write; returns that config."""
+    configs = []
+
+    def init_run(bucket, cfg):
+        configs.append(cfg)
+        return SimpleNamespace(flat=SimpleNamespace(n=0))
+
+    monkeypatch.setattr(dedloc_cli, "init_run", init_run)
+
+    def make(*args):
+        res = cli("init", "--bucket", "memory://unused", "--run", "r", *args)
+        assert res.exit_code == 0, res.output
+        return configs.pop()
+    return make
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_an_unset_option_is_the_presets_recipe(made, preset):
+    assert made("--preset", preset) == recipe_config("r", preset)
+    mine = made("--preset", preset, "--lr", "1e-3")  # the rest of the recipe stays
+    assert mine.optimizer.lr == 1e-3
+    assert mine.model_dump(exclude={"optimizer": {"lr"}}) == recipe_config("r", preset).model_dump(
+        exclude={"optimizer": {"lr"}})
+
+
+@pytest.mark.parametrize("args, fields", [
+    (["--target-batch", "48"], {"target_batch_size": 48}),
+    (["--data", "bn"], {"data": "bn"}),
+    (["--micro-batch", "4"], {"micro_batch": 4}),
+    (["--codec", "fp16"], {"codec": "fp16"}),
+    (["--download-codec", "none"], {"download_codec": "none"}),
+    (["--optimizer", "lamb"], {"optimizer.name": "lamb"}),
+    (["--lr", "0.002"], {"optimizer.lr": 0.002}),
+    (["--seed", "3"], {"seed": 3}),
+    (["--seq-len", "64"], {"seq_len": 64}),
+    (["--chunk-size", "262144"], {"chunk_size": 262144, "block_size": 4096}),
+    (["--chunk-size", "2048"], {"chunk_size": 2048, "block_size": 2048}),  # one int8 block per chunk
+    (["--chunks-per-part", "2"], {"chunks_per_part": 2}),
+    (["--close-timeout", "30"], {"close.timeout_s": 30.0}),
+    (["--min-fraction", "0.25"], {"close.min_fraction": 0.25}),
+    (["--late-shards", "fold"], {"close.late_shards": "fold"}),
+    (["--no-delayed-updates"], {"delayed_updates": False}),
+    (["--peer-timeout", "4"], {"peer_timeout_s": 4.0}),
+    (["--aggregation", "trimmed_mean"], {"aggregation": "trimmed_mean"}),
+])
+def test_each_option_sets_its_field(made, args, fields):
+    """Each flag sets its field and nothing else (as recipe_config with that field given)."""
+    given: dict = {}
+    for path, value in fields.items():
+        head, _, leaf = path.rpartition(".")
+        (given.setdefault(head, {}) if head else given)[leaf] = value
+    assert made(*args) == recipe_config("r", **given)
+
+
+# one place reports every failure
+
+@pytest.mark.parametrize("exc, code, line", [
+    (dedloc_cli.RunError("no run 'r' in the bucket"), 2, "error: no run 'r' in the bucket"),
+    (dedloc_cli.StorageError("the bucket said no"), 2, "error: the bucket said no"),
+    (ValueError("a bad value"), 2, "error: a bad value"),
+    (PermissionError("access denied"), 2, "error: access denied"),
+    (FileNotFoundError("nothing at k"), 2, "error: nothing at k"),
+    (RuntimeError("a bug\nover two lines"), 1, "error: RuntimeError: a bug over two lines"),
+])
+def test_every_command_reports_errors_in_one_line(monkeypatch, exc, code, line):
+    def fail(*_):
+        raise exc
+    monkeypatch.setattr(dedloc_cli, "_open", fail)
+    for command in (["status"], ["stop"], ["export", "--out", "x"], ["report", "--out", "x"]):
+        res = cli(*command, "--bucket", "memory://b", "--run", "r")
+        assert res.exit_code == code and error_line(res) == line, (command, res.output)
+
+
+def test_ctrl_c_exits_130_quietly(monkeypatch):
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(dedloc_cli, "_open", interrupted)
+    res = cli("aggregate", "--bucket", "memory://b", "--run", "r")
+    assert res.exit_code == 130 and not res.stderr.strip()

@@ -1,4 +1,8 @@
-"""Run configuration: written once to ``run.json`` by ``dedloc init``; every process reads it."""
+"""Run configuration: written once to ``run.json`` by ``dedloc init``; every process reads it.
+
+The fields' descriptions are also the help of ``dedloc init``'s options; ``json_schema_extra={"flag": ...}``
+names an option spelled otherwise than its field.
+"""
 
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ Codec = Literal["none", "fp16", "int8", "int4"]
 class OptimizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["adamw", "lamb"] = "adamw"
-    lr: float = Field(2e-3, gt=0)
+    name: Literal["adamw", "lamb"] = Field(
+        "adamw", description="lamb: a trust ratio per tensor, for large batches (the sahajBERT recipe)",
+        json_schema_extra={"flag": "--optimizer"})
+    lr: float = Field(2e-3, gt=0, description="peak learning rate")
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.01, ge=0)
@@ -31,7 +37,8 @@ class CloseRule(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    timeout_s: float | None = Field(None, gt=0, description="close anyway after this long ...")
+    timeout_s: float | None = Field(None, gt=0, description="close anyway after this many seconds ...",
+                                    json_schema_extra={"flag": "--close-timeout"})
     min_fraction: float = Field(0.5, gt=0, le=1, description="... if this share of the target is in")
     late_shards: Literal["reject", "fold"] = Field(
         "reject", description="a shard that misses its round: dropped, or counted in the next one"
@@ -43,13 +50,15 @@ class RunConfig(BaseModel):
 
     layout_version: int = LAYOUT_VERSION
     run: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-    preset: str = "tiny"
-    seq_len: int | None = Field(None, gt=8, description="default: the preset's")
-    data: str = "synthetic"
-    seed: int = 0
-    target_batch_size: int = Field(256, gt=0)
-    micro_batch: int = Field(8, gt=0)
-    codec: Codec = "int8"
+    preset: str = Field("tiny", description=f"{' | '.join(PRESETS)}: the model, and the recipe that fills "
+                        "the settings not given")
+    seq_len: int | None = Field(None, gt=8, description="tokens per sequence; default: the preset's")
+    data: str = Field("synthetic", description="a data set in the bucket (the tokenize flow writes one)")
+    seed: int = Field(0, description="model init, data order and masking")
+    target_batch_size: int = Field(256, gt=0, description="samples per optimizer step, summed over all peers",
+                                   json_schema_extra={"flag": "--target-batch"})
+    micro_batch: int = Field(8, gt=0, description="a worker's micro-batch (volunteers may choose theirs)")
+    codec: Codec = Field("int8", description="gradient shards peers upload (none: fp32, exact)")
     download_codec: Codec | None = Field(
         None, description="parameter deltas peers download; default: int4 for int8 shards, else codec")
     block_size: int = Field(4096, gt=0, description="int8: elements per absmax scale")
@@ -67,12 +76,13 @@ class RunConfig(BaseModel):
     organizer_key: str | None = Field(
         None, description="Ed25519 public key (base64): when set, only shards signed by volunteers "
         "in the roster this key signed are admitted")
-    delayed_updates: bool = True
+    delayed_updates: bool = Field(True, description="keep computing while a round is reduced (one step stale)")
     unigram_bias: bool = Field(False, description="start the masked-LM output bias at the data's log "
                                "unigram frequencies, so training need not pass through the unigram phase")
     keep_states: int = Field(3, ge=2, description="recent states kept whole; older ones are pruned")
     checkpoint_every: int = Field(100, gt=0, description="states whose params and optimizer stay")
-    peer_timeout_s: float = Field(20.0, gt=0, description="progress older than this is a gone peer")
+    peer_timeout_s: float = Field(20.0, gt=0, description="seconds before a silent peer counts as gone",
+                                  json_schema_extra={"flag": "--peer-timeout"})
     optimizer: OptimizerConfig = OptimizerConfig()
     close: CloseRule = CloseRule()
 

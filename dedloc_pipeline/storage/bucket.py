@@ -53,25 +53,45 @@ class StorageError(RuntimeError):
 
 
 class IOStats:
-    """Requests and bytes this process exchanged with one bucket, counted where the calls are
-    made (the Bucket and its zarr stores): the traffic benchmarks and heartbeats report."""
+    """Requests and bytes this process exchanged with one bucket: the traffic benchmarks,
+    heartbeats and the cost estimate report.
 
-    def __init__(self):
+    On S3 every request is counted where botocore sends it (each retry too), so the counts equal
+    what the server bills; elsewhere, where the Bucket and its zarr stores make their calls.
+    Bytes are the payloads those calls moved.
+    """
+
+    def __init__(self, sent_by_client: bool = False):
         self._lock = threading.Lock()
+        self.sent_by_client = sent_by_client
         self.requests: Counter[str] = Counter()  # get, put, head, list, delete
         self.bytes_read = 0
         self.bytes_written = 0
 
     def add(self, kind: str, read: int = 0, written: int = 0, n: int = 1) -> None:
         with self._lock:
-            self.requests[kind] += n
+            if not self.sent_by_client:
+                self.requests[kind] += n
             self.bytes_read += read
             self.bytes_written += written
+
+    def sent(self, request=None, event_name: str = "", **_) -> None:
+        """botocore's ``before-send`` hook: one request on the wire."""
+        kind = _REQUEST_KINDS.get(event_name.rsplit(".", 1)[-1], (request.method if request else "other").lower())
+        with self._lock:
+            self.requests[kind] += 1
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"requests": dict(self.requests), "bytes_read": self.bytes_read,
                     "bytes_written": self.bytes_written}
+
+
+# S3 operations by the price class they are billed in ("list" and "put" cost ~12x "get")
+_REQUEST_KINDS = {"GetObject": "get", "GetBucketLocation": "get", "HeadObject": "head", "HeadBucket": "head",
+                  "ListObjectsV2": "list", "ListObjects": "list", "PutObject": "put", "CreateBucket": "put",
+                  "CopyObject": "put", "CreateMultipartUpload": "put", "UploadPart": "put",
+                  "CompleteMultipartUpload": "put", "DeleteObject": "delete", "DeleteObjects": "delete"}
 
 
 class _BucketStore(zarr.storage.WrapperStore):
@@ -167,6 +187,7 @@ class Bucket:
         self.protocol = protocol
         self.local = protocol == "file"
         self.options = dict(storage_options or {})
+        self.stats = IOStats(sent_by_client=protocol == "s3")
         if protocol == "s3":
             endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
                 "AWS_ENDPOINT_URL")
@@ -176,9 +197,10 @@ class Bucket:
                 "connect_timeout": timeout, "read_timeout": timeout,
                 "retries": {"max_attempts": 2, "mode": "standard"}})
             self.options.setdefault("use_listings_cache", False)
+            self.options.setdefault("max_concurrency", 1)  # else every whole-object GET is a HEAD first
+            self.options.setdefault("session", _counted_session(self.stats))
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=protocol != "memory", **self.options)
         self.root = rest if self.local else self.fs._strip_protocol(self.url)
-        self.stats = IOStats()
         if self.local:
             self.fs.makedirs(self.root, exist_ok=True)
 
@@ -224,8 +246,17 @@ class Bucket:
 
     @_retried
     def exists(self, key: str) -> bool:
+        """Whether the object ``key`` exists: one HEAD on S3 (s3fs's ``exists`` would add a LIST
+        for a missing key, probing for a directory)."""
         self.stats.add("head")
-        return self.fs.exists(self.path(key))
+        if self.protocol != "s3":
+            return self.fs.exists(self.path(key))
+        bucket, name, _ = self.fs.split_path(self.path(key))
+        try:
+            self.fs.call_s3("head_object", Bucket=bucket, Key=name)
+        except FileNotFoundError:
+            return False
+        return True
 
     @_retried
     def list(self, prefix: str) -> list[str]:
@@ -334,6 +365,16 @@ class Bucket:
             return zarr.storage.LocalStore(self.path(key))
         return zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
                                                  storage_options=self.options or None)
+
+
+def _counted_session(stats: IOStats):
+    """An aiobotocore session whose clients report every request they send to ``stats``: the
+    Bucket's own filesystem and its zarr stores' (built from the same options) share it."""
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("before-send.s3", stats.sent)
+    return session
 
 
 def _dumps(obj: Any) -> bytes:

@@ -27,14 +27,24 @@ def scheduler(bucket: str, run: str, poll_s: float = 1.0) -> Scheduler:
 @contextlib.contextmanager
 def dask_address(kind: str, parallel: int, address: str | None):
     """The Dask scheduler to aggregate on: the given one, or a local cluster for the whole flow
-    run (a fresh cluster per round would spend seconds starting worker processes each time)."""
+    run (a fresh cluster per round would spend seconds starting worker processes each time), its
+    workers without Dask's profiler, which can freeze the whole process on CPython 3.11."""
     if kind != "dask" or address:
         yield address
         return
+    import dask
     from distributed import LocalCluster
-    # In-process workers: no process start-up per worker; numpy and zarr release the GIL.
-    with LocalCluster(n_workers=parallel, threads_per_worker=1, processes=False,
-                      dashboard_address=None) as cluster:
+    # The profiler calls sys._current_frames() every 10 ms. On CPython 3.11 that holds the
+    # interpreter's thread-list lock while it allocates frame objects; an allocation can run the
+    # garbage collector, and a collected threading.local takes the same lock in its dealloc: the
+    # thread deadlocks on itself holding the GIL, every thread stops (cpython#106883,
+    # dask/distributed#8616; the Dask case's hangs in issue 13). A cluster of your own on 3.11
+    # wants DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED=False on its workers for the same reason.
+    # In-process workers: no process start-up per worker; numpy and zarr release the GIL. The
+    # setting holds while the cluster lives, so any worker it (re)starts is built without it.
+    with dask.config.set({"distributed.worker.profile.enabled": False}), \
+            LocalCluster(n_workers=parallel, threads_per_worker=1, processes=False,
+                         dashboard_address=None) as cluster:
         yield cluster.scheduler_address
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +11,22 @@ import time
 import uuid
 
 import pytest
+
+# No telemetry from the tests: set before anything imports Prefect, and inherited by every process
+# they start (servers, workers, CLIs, the Dask case's own interpreter).
+os.environ.update({
+    "DO_NOT_TRACK": "1",                                       # Prefect's SDK analytics; the convention
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",               # the Prefect server's telemetry service
+    "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",   # Prefect's run telemetry (Cloud only)
+    "HF_HUB_DISABLE_TELEMETRY": "1",                           # huggingface_hub (transformers, datasets)
+})
+
+# Every process the tests start carries this session's id in its environment, so the check at
+# the end of the run finds it even after its parent died and it was reparented (a killed
+# subprocess's Prefect test server). A nested pytest (the Dask case) appends its own id.
+_SESSIONS_VAR = "DEDLOC_TEST_SESSIONS"
+_SESSION_ID = uuid.uuid4().hex[:12]
+os.environ[_SESSIONS_VAR] = ":".join(filter(None, [os.environ.get(_SESSIONS_VAR), _SESSION_ID]))
 
 from dedloc_pipeline.protocol.config import CloseRule, OptimizerConfig, RunConfig
 from dedloc_pipeline.protocol.run import init_run
@@ -96,3 +113,107 @@ def bengali(tmp_path_factory):
     tokenizer.save(tok, Bucket(url), "data/bn-test/tokenizer")
     packing.write_dataset(Bucket(url), "bn-test", tok, docs, seq_len=SMALL["seq_len"], seed=0, shard_pairs=64)
     return url, "bn-test"
+
+
+def _processes() -> dict[int, tuple[int, str, list[str], list[str]]]:
+    """pid -> (ppid, state, argv, test sessions) from /proc, for every process still there
+    (none where there is no /proc: the check is Linux's)."""
+    procs = {}
+    for name in (os.listdir("/proc") if os.path.isdir("/proc") else []):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except PermissionError:
+                env = []
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue  # gone meanwhile
+        prefix = f"{_SESSIONS_VAR}=".encode()
+        sessions = next((e[len(prefix):].decode().split(":") for e in env if e.startswith(prefix)), [])
+        procs[int(name)] = (int(ppid), state, argv, sessions)
+    return procs
+
+
+def _server_kind(argv: list[str]) -> str | None:
+    """What kind of server a command line starts, or None for anything else."""
+    words = {os.path.basename(a) for a in argv}
+    if "uvicorn" in words:
+        return "Prefect server (uvicorn)"
+    if "prefect" in words and "server" in words:
+        return "Prefect server"
+    if "prefect" in words and "worker" in words:
+        return "Prefect worker"
+    if "flows.serve" in words:
+        return "served deployments (flows.serve)"
+    if words & {"moto.server", "moto_server"}:
+        return "moto server"
+    if words & {"dask-scheduler", "distributed.cli.dask_scheduler"} or {"dask", "scheduler"} <= words:
+        return "Dask scheduler"
+    if words & {"dask-worker", "distributed.cli.dask_worker"} or {"dask", "worker"} <= words:
+        return "Dask worker"
+    return None
+
+
+def _survivors() -> tuple[list[tuple[int, str, list[str]]], list[tuple[int, list[str]]]]:
+    """This session's live processes besides pytest itself: (servers, others). A process is this
+    session's if it descends from pytest or carries the session's id."""
+    procs = _processes()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    ours, todo = set(), [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in ours:
+                ours.add(child)
+                todo.append(child)
+    ours |= {pid for pid, (*_, sessions) in procs.items() if _SESSION_ID in sessions}
+    ours.discard(os.getpid())
+    servers, others = [], []
+    for pid in sorted(ours):
+        _, state, argv, _ = procs[pid]
+        if state in ("Z", "X"):  # dead, only not yet reaped
+            continue
+        kind = _server_kind(argv)
+        (servers.append((pid, kind, argv)) if kind else others.append((pid, argv)))
+    return servers, others
+
+
+def _kill(pids: list[int], grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL whatever is still there after ``grace_s``."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while sig == signal.SIGTERM and time.monotonic() < deadline:
+            alive = [p for p in pids if _processes().get(p, (0, "Z"))[1] not in ("Z", "X")]
+            if not alive:
+                return
+            time.sleep(0.2)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """No server a test started may outlive the run: kill any that did and fail the run.
+    trylast: after pytest's own hook has torn down the session's fixtures."""
+    servers, others = _survivors()
+    tr = session.config.pluginmanager.get_plugin("terminalreporter")
+    if tr is not None:
+        tr.ensure_newline()
+    say = tr.write_line if tr is not None else (lambda line, **kw: print(line, file=sys.stderr))
+    for pid, argv in others:
+        say(f"note: process {pid} started by the tests is still running: {' '.join(argv)[:200]}")
+    if servers:
+        for pid, kind, argv in servers:
+            say(f"LEAK: {kind} (pid {pid}) outlived the tests, killed: {' '.join(argv)[:200]}", red=True)
+        _kill([pid for pid, _, _ in servers])
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

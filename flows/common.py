@@ -49,8 +49,12 @@ def dask_address(kind: str, parallel: int, address: str | None):
 
 
 def task_runner(kind: str, parallel: int, address: str | None = None):
-    """``threads`` (default), ``processes``, or ``dask`` (the ``scale`` extra) at ``address``."""
+    """``threads`` (default), ``processes``, ``dask`` (the ``scale`` extra) at ``address``, or
+    ``task-workers``: the round flow's own steps on threads, its reduce and apply tasks on Prefect
+    task workers anywhere (flows/aggregators.py)."""
     if kind == "threads":
+        return ThreadPoolTaskRunner(max_workers=parallel)
+    if kind == "task-workers":
         return ThreadPoolTaskRunner(max_workers=parallel)
     if kind == "processes":
         from prefect.task_runners import ProcessPoolTaskRunner
@@ -58,7 +62,7 @@ def task_runner(kind: str, parallel: int, address: str | None = None):
     if kind == "dask":
         from prefect_dask import DaskTaskRunner
         return DaskTaskRunner(address=address)
-    raise ValueError(f"unknown task runner {kind!r}: threads, processes or dask")
+    raise ValueError(f"unknown task runner {kind!r}: threads, processes, dask or task-workers")
 
 
 def artifact_key(run: str, what: str) -> str:

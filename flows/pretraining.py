@@ -61,15 +61,22 @@ def publish_report(bucket: str, run: str) -> dict:
 
 
 @flow(name="dedloc-round", log_prints=True)
-def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: float = 300.0) -> dict | None:
+def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: float = 300.0,
+               runner: str = "threads") -> dict | None:
     """Close round r, reduce and apply every part in parallel, commit state r+1."""
     close = wait_close(bucket, run, r, poll_s, max_wait_s)
     if close is None:
         return None
     parts = list(range(open_run(bucket, run).n_parts))
     ready = prepare.submit(bucket, run, r)
-    reduced = reduce_part.map(bucket, run, r, parts, wait_for=[ready])
-    applied = apply_part.map(bucket, run, r, parts, wait_for=reduced)
+    if runner == "task-workers":  # background task runs that task workers take (flows/aggregators.py)
+        from flows.aggregators import run_parts
+        ready.result()
+        run_parts(reduce_part, bucket, run, r, parts)
+        applied = run_parts(apply_part, bucket, run, r, parts)
+    else:
+        reduced = reduce_part.map(bucket, run, r, parts, wait_for=[ready])
+        applied = apply_part.map(bucket, run, r, parts, wait_for=reduced)
     summary = commit.submit(bucket, run, r, wait_for=applied).result()
     summary["duration_s"] = summary["committed_at"] - summary["closed_at"]
     create_table_artifact(
@@ -101,7 +108,7 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
     with dask_address(runner, parallel, dask_scheduler) as address:
         one_round = round_flow.with_options(task_runner=task_runner(runner, parallel, address))
         while (reason := engine.stop_reason(snap := sched.poll(), rounds, deadline)) is None:
-            s = one_round(bucket, run, snap.state, poll_s=poll_s)
+            s = one_round(bucket, run, snap.state, poll_s=poll_s, runner=runner)
             if s is None:  # no round closed within the wait: check the stop rules again
                 continue
             summaries.append(s)

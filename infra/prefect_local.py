@@ -62,6 +62,15 @@ def start(home: str = ".dedloc/prefect", port: int = 4200, ui: bool = True, time
     return True
 
 
+def _reap(pid: int) -> None:
+    """Collect the server's exit status if this process started it (start() in-process): an
+    unreaped zombie still counts as a member of its process group."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
 def stop(home: str = ".dedloc/prefect") -> None:
     pidfile = Path(home) / "server.pid"
     if not pidfile.exists():
@@ -70,6 +79,7 @@ def stop(home: str = ".dedloc/prefect") -> None:
     try:
         os.killpg(pid, signal.SIGTERM)
         for _ in range(100):
+            _reap(pid)
             os.killpg(pid, 0)
             time.sleep(0.1)
         os.killpg(pid, signal.SIGKILL)

@@ -249,6 +249,18 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
 
 
 @app.command()
+def aggregator(limit: int = typer.Option(2, help="task runs at once (0: no limit); each reads one part of every shard"),
+               timeout: Optional[float] = typer.Option(None, help="stop after SECONDS"),
+               verbose: bool = True):
+    """Aggregate for an organizer's Prefect rounds from this machine: a task worker serving the
+    reduce and apply tasks of `pretrain` runs with runner=task-workers (infra/README.md). Needs
+    PREFECT_API_URL, the shared task storage, and the bucket's credentials."""
+    _setup(verbose)
+    from flows.aggregators import serve
+    serve(limit=limit or None, timeout_s=timeout)
+
+
+@app.command()
 def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
          reason: str = typer.Option("stopped by the organizer", help="recorded in the marker")):
     """End a run: schedulers and the pretrain flow stop after the open round."""

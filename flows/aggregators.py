@@ -1,8 +1,7 @@
 """Aggregators on any machine: a Prefect task worker serving the round flow's ``reduce_part`` and
 ``apply_part`` tasks, for ``pretrain(runner="task-workers")``.
 
-What a volunteer with good bandwidth runs (``dedloc aggregator``; until then
-``python -m flows.aggregators``). It needs:
+What a volunteer with good bandwidth runs (``dedloc aggregator``). It needs:
 
 * ``PREFECT_API_URL`` of the organizer's Prefect server (task workers cannot use the temporary
   per-process API), and the organizer's version of the project on the same Python minor version:
@@ -24,7 +23,6 @@ what they wrote), so only the parameters travel through that storage.
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -130,16 +128,3 @@ def save_task_storage(url: str, name: str = "dedloc-tasks", **storage_options) -
         return f"local-file-system/{name}"
     RemoteFileSystem(basepath=url, settings=storage_options).save(name, overwrite=True)
     return f"remote-file-system/{name}"
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Serve the pretrain flow's reduce and apply tasks (a Prefect "
-                                             "task worker); needs PREFECT_API_URL and the bucket's credentials.")
-    ap.add_argument("--limit", type=int, default=2, help="task runs at once (0: no limit)")
-    ap.add_argument("--timeout", type=float, default=None, help="stop after this many seconds")
-    a = ap.parse_args(argv)
-    serve(limit=a.limit or None, timeout_s=a.timeout)
-
-
-if __name__ == "__main__":
-    main()

@@ -218,7 +218,7 @@ def test_aggregation_on_two_task_workers(production):
     try:
         for i, log in enumerate(logs, 1):  # its own PREFECT_HOME: no local storage shared with the flow
             aggregators.append(subprocess.Popen(
-                [sys.executable, "-m", "flows.aggregators", "--limit", "1"], cwd=tmp,
+                [str(BIN / "dedloc"), "aggregator", "--limit", "1"], cwd=tmp,
                 env=dict(env, PREFECT_HOME=str(tmp / f"aggregator-{i}")), stdout=open(log, "wb"),
                 stderr=subprocess.STDOUT, start_new_session=True))
         _wait("both aggregators", lambda: all("serving" in _tail(log) for log in logs), 60, aggregators)

@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from benchmarks.scale import peer_samples, synthetic_gradient
-from dedloc_pipeline.protocol import aggregator
-from dedloc_pipeline.storage import codec
-from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.model.albert import FlatLayout
+from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import DataRef, upload
+from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 
 ROUND = 0

@@ -127,8 +127,8 @@ def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float)
     """One process, one thread, no collaboration: samples/s over ``seconds`` after a warm-up."""
     import torch
 
-    from dedloc_pipeline.model.data import SyntheticSource
     from dedloc_pipeline.model.albert import build_model, pretraining_loss_sum
+    from dedloc_pipeline.model.data import SyntheticSource
 
     torch.set_num_threads(1)
     model = build_model("tiny", 0)

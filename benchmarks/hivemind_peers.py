@@ -234,8 +234,8 @@ def _peer(a: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     import hivemind
 
-    from dedloc_pipeline.model.data import SyntheticSource
     from dedloc_pipeline.model.albert import build_model, pretraining_loss_sum
+    from dedloc_pipeline.model.data import SyntheticSource
 
     work = Path(a.work)
     model = build_model("tiny", seed=0)

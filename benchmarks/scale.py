@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.codec import VectorFormat, encode
 from dedloc_pipeline.storage.layout import RunLayout
-from dedloc_pipeline.storage.bucket import Bucket
 
 ROUND = 0
 # build_model("sahajbert", 0): sum of parameter sizes (measured once; building it takes ~30 s here).

@@ -22,8 +22,8 @@ def _lockstep(url: str, name: str, peers: int, rounds: int, warmup: int):
     """Each peer one micro-batch, the scheduler one step every other turn, until ``rounds``."""
     from dedloc_pipeline.protocol.run import Run
     from dedloc_pipeline.protocol.scheduler import Scheduler
-    from dedloc_pipeline.storage.bucket import Bucket
     from dedloc_pipeline.protocol.worker import Worker
+    from dedloc_pipeline.storage.bucket import Bucket
 
     def opened() -> Run:
         return Run(Bucket(url), name)

@@ -18,13 +18,13 @@ from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 from typer.core import TyperGroup
 
-from .protocol.config import RECIPES, RunConfig, recipe_config
-from .trust import identity
 from .model.data import DataError
 from .model.presets import PRESETS
-from .trust.identity import IdentityError
+from .protocol.config import RECIPES, RunConfig, recipe_config
 from .protocol.run import Run, RunError, init_run
 from .storage.bucket import Bucket, StorageError
+from .trust import identity
+from .trust.identity import IdentityError
 
 
 # click's exceptions, wherever this typer takes click from (recent typers vendor it)

@@ -11,8 +11,8 @@ from prefect.cache_policies import NO_CACHE
 
 from dedloc_pipeline.model import corpus, packing, tokenizer
 from dedloc_pipeline.model.data import SYNTHETIC, data_card
-from dedloc_pipeline.storage.layout import DataLayout
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.storage.layout import DataLayout
 
 
 @task(cache_policy=NO_CACHE)

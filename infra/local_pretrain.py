@@ -96,10 +96,10 @@ def main() -> int:
             wait_for(f"deployment {name}", lambda n=name: asyncio.run(_deployment_exists(n)), 120, procs)
 
         from prefect.deployments import run_deployment
-        from dedloc_pipeline.trust import identity
         from dedloc_pipeline.model.presets import PRESETS
         from dedloc_pipeline.protocol.run import Run
         from dedloc_pipeline.storage.bucket import Bucket
+        from dedloc_pipeline.trust import identity
 
         print(f"tokenize: data set {data!r} (tokenizer, sentence-order pairs of {seq_len} tokens)", flush=True)
         fr = run_deployment("tokenize/local", parameters={

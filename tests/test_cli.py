@@ -25,8 +25,8 @@ from dedloc_pipeline.model.presets import PRESETS
 from dedloc_pipeline.protocol.config import RECIPES, RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage.bucket import Bucket
 
 ROUNDS = 3
 MICRO = {"p0": 4, "p1": 8}  # different micro-batches, so the peers' sample counts differ

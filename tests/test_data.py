@@ -130,9 +130,9 @@ def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
 
 
 def test_unigram_bias_starts_the_run_at_the_unigram_loss(bengali, tmp_path):
-    from dedloc_pipeline.model.data import unigram_log_probs
-    from dedloc_pipeline.evaluation.heldout import heldout_scores
     from dedloc_pipeline.evaluation.export import model_at
+    from dedloc_pipeline.evaluation.heldout import heldout_scores
+    from dedloc_pipeline.model.data import unigram_log_probs
 
     url, name = bengali
     plain = init_run(Bucket(url), small_config("zeros", data=name))

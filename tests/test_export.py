@@ -7,8 +7,8 @@ import json
 import torch
 from transformers import AlbertForMaskedLM, AutoModelForMaskedLM, AutoTokenizer
 
-from dedloc_pipeline.model.data import PairSource
 from dedloc_pipeline.evaluation.export import export, export_to_bucket, model_at
+from dedloc_pipeline.model.data import PairSource
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 

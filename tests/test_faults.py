@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from dedloc_pipeline.storage import codec
-from dedloc_pipeline.trust import identity
 from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.storage.bucket import Bucket, StorageError
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage.bucket import Bucket, StorageError
+from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
 from .faults import Faults, inject
@@ -207,8 +207,8 @@ def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, 
 # case 11: byzantine peers
 
 def _heldout_loss(run, state):
-    from dedloc_pipeline.model.data import make_source
     from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
+    from dedloc_pipeline.model.data import make_source
     model = run.build_model()
     FlatLayout(model).set(run.load_params(state))
     batch = make_source(run).batch("heldout", 0, 32)
@@ -240,8 +240,8 @@ def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, fal
 KILLED_AT_THE_MANIFEST = """
 import os, signal, sys
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage.bucket import Bucket
 run = Run(Bucket(sys.argv[1]), sys.argv[2])
 write_json = run.bucket.write_json
 def dies_before_manifests(key, obj):

@@ -14,8 +14,8 @@ import pytest
 
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import CORPUS, SMALL
 

@@ -12,13 +12,13 @@ from html.parser import HTMLParser
 import pytest
 from typer.testing import CliRunner
 
+from dedloc_pipeline.cli import app
+from dedloc_pipeline.monitoring import report
+from dedloc_pipeline.monitoring.status import status
+from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.storage.bucket import Bucket
 from .conftest import small_config
 from .protocol_driver import collaborate
-from dedloc_pipeline.monitoring import report
-from dedloc_pipeline.cli import app
-from dedloc_pipeline.protocol.run import init_run
-from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.storage.bucket import Bucket
 
 ROUNDS = 3
 PEERS = [("ann", 4), ("bob", 8), ("cy", 4)]

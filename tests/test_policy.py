@@ -41,11 +41,11 @@ import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from dedloc_pipeline.trust import policy
-from dedloc_pipeline.storage.layout import DataLayout, RunLayout
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.storage.layout import DataLayout, RunLayout
+from dedloc_pipeline.trust import policy
 from .conftest import _free_port, small_config
 
 PREFIX = "collab"

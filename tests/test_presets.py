@@ -4,8 +4,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.model.albert import FlatLayout, build_model
+from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 

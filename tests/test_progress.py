@@ -13,8 +13,8 @@ import pytest
 from rich.console import Console
 
 import dedloc_pipeline
-from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.monitoring.progress import Display, Ledger, summary, summary_text
+from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
@@ -33,6 +33,7 @@ def test_display_shows_the_worker_and_the_ledger(make_run):
     assert mine and sum(s["samples"] for s in mine) == alice.uploaded_samples
     run.bucket.write_json(run.keys.progress(1, "bob"), {"peer": "bob", "round": 1, "samples": 8,
                                                          "samples_per_s": 2.0, "time": time.time()})
+    Scheduler(run, 1, 0).try_close(1)  # the scheduler's round view: what alice reads of bob
     alice.step()
     display = Display(alice, plain=True, console=Console(file=io.StringIO()))
     f = display.facts()
@@ -92,8 +93,8 @@ def test_join_returns_the_summary(make_run, bucket, capsys):
 # terminal does), once or twice a second apart; every chunk write of that shard waits meanwhile.
 INTERRUPTED_WORKER = """
 import asyncio, os, signal, sys, threading
-from dedloc_pipeline.storage import bucket as storage
 from dedloc_pipeline.cli import app
+from dedloc_pipeline.storage import bucket as storage
 
 presses, write, pressed = int(os.environ["PRESSES"]), storage._BucketStore.set, []
 

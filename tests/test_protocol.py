@@ -11,13 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.protocol import aggregator
-from dedloc_pipeline.storage import codec
-from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol import aggregator, shard
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
 from .protocol_driver import collaborate
@@ -332,7 +331,8 @@ def test_delayed_updates_keep_computing_while_a_round_is_reduced(make_run, delay
     """Invariant 5: a full, uncommitted round does not stall a delayed-update worker."""
     run = make_run(delayed_updates=delayed)
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
-    put_shard(run, 0, "other", samples=24)  # the round is full; no scheduler is running
+    put_shard(run, 0, "other", samples=24)  # the round is full ...
+    Scheduler(run, 1, 0).try_close(0)  # ... closed, its round view published; nobody reduces it
     worked = [w.step() for _ in range(3)]
     assert worked == [delayed] * 3
     if delayed:

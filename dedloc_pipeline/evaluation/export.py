@@ -13,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 from ..model import tokenizer
-from ..model.data import SYNTHETIC
-from ..storage.layout import DataLayout
 from ..model.albert import FlatLayout
+from ..model.data import SYNTHETIC
 from ..protocol.run import Run
+from ..storage.layout import DataLayout
 
 
 def model_at(run: Run, state: int):

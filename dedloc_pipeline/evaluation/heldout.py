@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from ..model.data import HELDOUT, SYNTHETIC, make_source, read_card
 from ..model.albert import FlatLayout, pretraining_losses
+from ..model.data import HELDOUT, SYNTHETIC, make_source, read_card
 from ..protocol.run import Run
 
 

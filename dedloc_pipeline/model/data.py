@@ -21,9 +21,9 @@ import time
 
 import numpy as np
 
+from ..storage.bucket import Bucket
 from ..storage.layout import DataLayout, RunLayout
 from .presets import PRESETS, SPECIAL_TOKENS
-from ..storage.bucket import Bucket
 
 SYNTHETIC = "synthetic"
 HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it

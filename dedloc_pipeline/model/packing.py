@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from ..storage.bucket import Bucket
 from ..storage.layout import DataLayout
 from .presets import SPECIAL_TOKENS
-from ..storage.bucket import Bucket
 
 CLS, SEP = SPECIAL_TOKENS["cls"], SPECIAL_TOKENS["sep"]
 

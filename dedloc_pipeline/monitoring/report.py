@@ -12,8 +12,8 @@ import datetime
 import json
 from html import escape
 
-from . import plots
 from ..protocol.run import Run
+from . import plots
 from .status import duration, status
 
 STYLE = """

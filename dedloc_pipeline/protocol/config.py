@@ -10,9 +10,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..trust.identity import check_public
-from ..storage.layout import LAYOUT_VERSION
 from ..model.presets import PRESETS
+from ..storage.layout import LAYOUT_VERSION
+from ..trust.identity import check_public
 
 Codec = Literal["none", "fp16", "int8", "int4"]
 

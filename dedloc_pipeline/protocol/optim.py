@@ -13,8 +13,8 @@ import math
 import numpy as np
 import torch
 
-from .config import OptimizerConfig
 from ..model.albert import FlatLayout
+from .config import OptimizerConfig
 
 STATE = ("exp_avg", "exp_avg_sq")
 

@@ -8,13 +8,13 @@ from functools import cached_property
 
 import numpy as np
 
-from ..storage import codec
-from ..storage.codec import VectorFormat
-from .config import RunConfig
 from ..model.data import SYNTHETIC, check_data, unigram_log_probs
-from ..storage.layout import LAYOUT_VERSION, RunLayout
 from ..model.presets import seq_len_of
+from ..storage import codec
 from ..storage.bucket import Bucket
+from ..storage.codec import VectorFormat
+from ..storage.layout import LAYOUT_VERSION, RunLayout
+from .config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage import codec
-from ..trust import identity
 from ..storage.layout import LAYOUT_VERSION, PEER_ID
+from ..trust import identity
 
 if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
     from .run import Run

@@ -22,8 +22,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..storage.layout import RunLayout
 from ..storage.bucket import Bucket
+from ..storage.layout import RunLayout
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # a volunteer; its peers are NAME or NAME.anything
 

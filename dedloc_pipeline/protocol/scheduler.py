@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import aggregator
+from . import aggregator, view
 from ..trust import identity
 from .run import Run
 from .shard import Rejected, manifest_limit, validate
@@ -161,14 +161,19 @@ class Scheduler:
         return [dict(s, late=True) for s in late]
 
     def try_close(self, r: int, now: float | None = None) -> dict | None:
-        """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one."""
+        """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one. Either
+        way, publish the round view (one PUT): what volunteers read instead of the bucket."""
         bucket, keys, rule = self.run.bucket, self.run.keys, self.run.config.close
+        at = time.time() if now is None else now
         close = bucket.read_json(keys.close(r))
         if close is not None:
+            self._publish(r, at, close=close)
             return close
         self._forget_before(r - 1)
         if self._roster is None and r > 0 and self.run.config.organizer_key is not None:
             self._roster_floor = (bucket.read_json(keys.close(r - 1)) or {}).get("roster") or -1
+        cfg = self.run.config  # heartbeats first: with the manifests listed next, both as of `at`
+        pending = view.live_pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size)
         accepted, rejected = self._verdicts(r)
         accepted, screened = self._screen(r, accepted + self._late(r))
         rejected += screened
@@ -178,6 +183,7 @@ class Scheduler:
         now = time.time() if now is None else now
         timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
         if samples < target and not (timed_out and samples >= rule.min_fraction * target):
+            self._publish(r, at, samples=samples, shards=len(accepted), rejected=len(rejected), pending=pending)
             return None
         accepted.sort(key=lambda s: s["key"])
         roster = self._roster.version if self._roster is not None else None
@@ -189,7 +195,26 @@ class Scheduler:
         close = bucket.read_json(keys.close(r))
         log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close["samples"],
                  len(close["accepted"]), len(close["rejected"]))
+        self._publish(r, at, close=close)
         return close
+
+    def _publish(self, r: int, at: float, samples: int = 0, shards: int = 0, rejected: int = 0,
+                 pending: view.Pending = view.Pending(), close: dict | None = None) -> None:
+        """Write the round view of open round r (closed: from its CLOSE, no heartbeats). A failed
+        write is logged, never raised: volunteers treat a view gone stale as no view."""
+        bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
+        if close is not None:
+            samples, shards, rejected = close["samples"], len(close["accepted"]), len(close["rejected"])
+        try:
+            v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
+                          rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
+                          samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
+                          closed=close is not None, stopped=bucket.exists(keys.stop()),
+                          eta_s=view.eta(target, samples, pending.samples, pending.samples_per_s,
+                                         close is not None), at=at, written_at=max(at, time.time()))
+            view.write(bucket, keys, v)
+        except Exception as exc:
+            log.warning("round %d: the round view was not published (%s)", r, exc)
 
     def _forget_before(self, r: int) -> None:
         """Drop verdicts of rounds before r: never asked again (round r+1 folds round r's late

@@ -1,30 +1,44 @@
 """A volunteer: pull the latest state, accumulate gradients, upload a shard when the round fills.
 
-The only coordination is through the bucket. A worker counts the samples already in manifests
-plus the fresh progress of the other peers; once that reaches the target it uploads what it has.
-If a peer vanishes, the others keep computing and upload a second part as soon as their pending
-samples are needed: they make up the missing samples. With delayed updates on,
-a worker that is waiting for the next state keeps computing on the one it has and counts those
+The only coordination is through the bucket, and a volunteer reads one object of it per poll:
+the round view the scheduler publishes (``protocol/view.py``: the newest state, the samples of
+the shards it validated, the live peers' pending samples, closed, stopped). A worker uploads
+what it has once the validated samples plus the other peers' pending samples plus its own reach
+the target; it writes only its own heartbeat (every ``heartbeat_s``, less often than it polls)
+and its shards. It moves to a new state when the view names one (reading that COMMIT and its
+delta), and leaves when the view says the run is stopped. If a peer vanishes, its heartbeat
+goes stale, the scheduler stops counting it, and the others upload a second part as soon as
+their pending samples are needed: they make up the missing samples. With delayed updates on, a
+worker that is waiting for the next state keeps computing on the one it has and counts those
 samples (one step stale) toward the next round.
+
+Without a fresh view (none yet, or older than the run's ``peer_timeout_s``: no scheduler, or it
+died or is busy reducing), a worker keeps computing and heartbeating but uploads only what its
+own samples decide: nothing until its own pending samples alone fill the round (a round it could
+fill alone needs nobody's count); it holds them. It still notices new states and the STOP marker
+by reading LATEST and STOP itself every ``fallback_s`` (5 polls), and once a scheduler publishes
+again it uploads as the fresh view says. What a stale view still proves is used: a state newer
+than the worker's, a closed round, STOP.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from ..trust import identity
-from . import shard
+from . import shard, view as published
 from ..storage.codec import CorruptShard, ErrorFeedback
 from ..model.data import make_source
 from ..model.albert import FlatLayout, pretraining_loss_sum
-from .run import Run
+from .run import Run, RunError
+from .view import RoundView
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +54,6 @@ class Accumulator:
     ranges: list[list[int]] = field(default_factory=list)
 
 
-@dataclass
-class RoundView:
-    manifest_samples: int = 0
-    fresh_samples: int = 0  # other peers' un-uploaded samples, from live heartbeats
-    peers: int = 0  # other live peers
-    samples_per_s: float = 0.0  # their speed together
-    closed: bool = False
-    at: float = 0.0
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """A volunteer's progress at one moment, for a display (taken without a bucket call)."""
@@ -63,15 +67,32 @@ class Snapshot:
     uploaded: int
     uploads: tuple[tuple[int, str, int], ...]
     target: int
-    view: RoundView | None  # round ``state`` as last seen; None just after a sync or an upload
+    view: RoundView | None  # round ``state`` as the round view last showed it; None without a fresh one
     bytes_up: int
     bytes_down: int
 
 
+HEARTBEAT_POLLS = 3  # a heartbeat every 3 polls (at most a third of peer_timeout_s)
+FALLBACK_POLLS = 5  # without a fresh round view: LATEST and STOP read every 5 polls
+
+
 class Worker:
+    """One volunteer's loop (see the module's docstring): per poll it reads the round view (one
+    GET), computes a micro-batch, heartbeats every ``heartbeat_s`` (default 3 polls, at most a
+    third of the run's ``peer_timeout_s``) and uploads when the view's validated and pending
+    samples and its own fill the round. A view that is missing or older than ``peer_timeout_s``
+    is no view: it computes, heartbeats and holds its samples (uploading only a round its own
+    samples fill), and reads LATEST and STOP itself every ``fallback_s`` (5 polls)."""
+
     def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
                  threads: int | None = None, delayed: bool | None = None, poll_s: float = 1.0,
-                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None):
+                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None,
+                 heartbeat_s: float | None = None):
+        timeout = run.config.peer_timeout_s
+        heartbeat_s = min(HEARTBEAT_POLLS * poll_s, timeout / 3) if heartbeat_s is None else heartbeat_s
+        if heartbeat_s >= timeout:
+            raise ValueError(f"heartbeat_s {heartbeat_s:g} must be below the run's peer_timeout_s {timeout:g}: "
+                             "the scheduler would count this peer as gone between its heartbeats")
         self.run = run
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.signer = signer
@@ -79,6 +100,8 @@ class Worker:
         self.micro_batch = micro_batch or run.config.micro_batch
         self.delayed = run.config.delayed_updates if delayed is None else delayed
         self.poll_s = poll_s
+        self.heartbeat_s = heartbeat_s
+        self.fallback_s = FALLBACK_POLLS * poll_s
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -92,8 +115,10 @@ class Worker:
         self.params = None
         self.acc: Accumulator | None = None
         self.cursor = 0
-        self._view: RoundView | None = None
-        self._manifests: dict[str, int] = {}
+        self._view: RoundView | None = None  # round ``state`` as the last fresh round view showed it
+        self._looked = float("-inf")  # when the round view was last read
+        self._beats: deque[tuple[float, int, int, float]] = deque(maxlen=64)  # (time, round, samples, rate)
+        self._sent: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, round, samples) of uploads
         self._uploaded: set[int] = set()  # rounds this worker sent a part to
         self._last_progress = 0.0
         self._last_sync = 0.0
@@ -106,14 +131,22 @@ class Worker:
         self.started = time.monotonic()
 
     # state
-    def sync(self) -> bool:
-        """Move to the newest committed state; True if it changed."""
-        self._last_sync = time.time()
-        self.stopped = self.run.bucket.exists(self.run.keys.stop())
-        latest = self.run.latest()
+    def sync(self, latest: int | None = None) -> bool:
+        """Move to the newest committed state (LATEST and the COMMITs say which; STOP is read
+        too), or to state ``latest`` when the round view names it; True if it changed."""
+        if latest is None:
+            self._last_sync = time.time()
+            self.stopped = self.run.bucket.exists(self.run.keys.stop())
+            latest = self.run.latest()
+        elif self.state is not None and latest <= self.state:
+            return False
         if latest == self.state:
             return False
-        commit = self.run.commit_of(latest)
+        try:
+            commit = self.run.commit_of(latest)
+        except RunError:  # the view named a state whose COMMIT is not there: only COMMITs count
+            log.warning("%s: the round view names state %d, which is not committed", self.peer, latest)
+            return False
         params = None
         if self.state is not None and latest == self.state + 1:
             try:
@@ -134,7 +167,7 @@ class Worker:
         self.params, self.state = params, latest
         self.flat.set(params)
         self._view = None
-        self._manifests.clear()
+        self._looked = float("-inf")  # the view read before this sync was of the old state
         self._uploaded = {x for x in self._uploaded if x >= latest}
         self._retarget()
         log.info("%s: at state %d", self.peer, latest)
@@ -167,42 +200,63 @@ class Worker:
                     continue
         return end
 
-    # what the others are doing
-    def view(self, r: int) -> RoundView:
+    # what the others are doing: the round view, one GET per poll
+    def view(self) -> RoundView | None:
+        """Round ``state`` as the scheduler's round view shows it to this peer, read at most once
+        per ``poll_s``; None without a fresh view of this state (then only this peer's own
+        samples decide). Reading it moves this peer to a newer state the view names, marks it
+        stopped when the view says so, and, with no fresh view, reads LATEST and STOP itself
+        every ``fallback_s``."""
+        if self.state is None:
+            self.sync()
         now = time.time()
-        if self._view is not None and now - self._view.at < self.poll_s:
+        if now - self._looked < self.poll_s:
             return self._view
+        self._looked = now
         bucket, keys = self.run.bucket, self.run.keys
-        v = RoundView(at=now, closed=bucket.exists(keys.close(r)))
-        mkeys = bucket.find(keys.manifests_dir(r))
-        new = [k for k in mkeys if k not in self._manifests]
-        for k, raw in bucket.read_many(new).items():
-            try:
-                self._manifests[k] = shard.Manifest.model_validate_json(raw).samples
-            except ValueError:
-                self._manifests[k] = 0
-        v.manifest_samples = sum(self._manifests.get(k, 0) for k in mkeys)
-        pkeys = [k for k in bucket.find(keys.progress_dir(r)) if not k.endswith(f"/{self.peer}.json")]
-        timeout = self.run.config.peer_timeout_s
-        for raw in bucket.read_many(pkeys).values():
-            try:
-                p = json.loads(raw)
-                if p.get("round") == r and now - float(p["time"]) < timeout:
-                    v.fresh_samples += int(p["samples"])
-                    v.peers += 1
-                    v.samples_per_s += float(p.get("samples_per_s", 0.0))
-            except (ValueError, KeyError, TypeError):
-                continue
-        self._view = v
-        return v
+        v = published.read(bucket, keys)
+        fresh = v is not None and abs(now - v.at) < self.run.config.peer_timeout_s
+        if v is not None:
+            self.stopped = self.stopped or v.stopped  # facts even in a stale view: STOP stays,
+            if v.state > self.state:  # a state once committed stays committed
+                self.sync(v.state)
+            elif v.state == self.state and v.closed and bucket.exists(keys.commit(self.state + 1)):
+                self.sync(self.state + 1)  # committed since the view was written
+        if not (fresh and v.state == self.state) and now - self._last_sync >= self.fallback_s:
+            self.sync()
+        usable = v is not None and v.state == self.state and (fresh or v.closed)
+        self._view = self._mine(v) if usable else None
+        return self._view
+
+    def _mine(self, v: published.View) -> RoundView:
+        """The published view less this peer's own heartbeat in it, plus this peer's shards it
+        cannot show yet. Which heartbeat the scheduler read (between ``v.at`` and
+        ``v.written_at``) is not known exactly: the newest one written before ``v.at`` or any
+        written while it read, so the largest pending count among those is taken out. The
+        others' pending samples are never overestimated: this peer never uploads early on its
+        own samples. Its shards finished after ``v.at`` are added (the view listed before them)."""
+        r, cfg = self.state, self.run.config
+        pending, speed, counted = 0, 0.0, False
+        live = [b for b in self._beats if b[1] == r and abs(v.at - b[0]) < cfg.peer_timeout_s]
+        maybe = [b for b in live if b[0] <= v.at][-1:] + [b for b in live if v.at < b[0] <= v.written_at]
+        if maybe and not v.closed:
+            pending, counted = min(max(b[2] for b in maybe), cfg.target_batch_size), True
+            speed = min(max(maybe[-1][3], 0.0), published.MAX_PEER_SPEED)
+        unseen = sum(n for t, rr, n in self._sent if rr == r and t > v.at)
+        return published.for_worker(v, pending, speed, counted, unseen)
+
+    def _alone(self, r: int) -> RoundView:
+        """Round r without a fresh view: nobody's counts but this peer's own shards."""
+        return RoundView(manifest_samples=sum(n for _, rr, n in self._sent if rr == r), at=time.time())
 
     # work
     def step(self) -> bool:
         """One decision, and one micro-batch if there is work. False while only waiting."""
-        if time.time() - self._last_sync >= self.poll_s:
+        if self.state is None:
             self.sync()
+        seen = self.view()
         r, target = self.state, self.run.config.target_batch_size
-        v = self.view(r)
+        v = seen if seen is not None else self._alone(r)
         full = v.closed or v.manifest_samples >= target
         acc = self.acc
         if full and acc is not None and acc.round == r:
@@ -261,11 +315,12 @@ class Worker:
                            shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
                            stale_samples=acc.stale_samples, signer=self.signer)
         self._uploaded.add(acc.round)
+        self._sent.append((time.time(), acc.round, acc.samples))
         self.uploads.append((acc.round, key, acc.samples))
         self.uploaded_samples += acc.samples
         log.info("%s: uploaded %d samples to round %d (%s)", self.peer, acc.samples, acc.round, key)
         self._drop()
-        self._view = None
+        self._looked = float("-inf")  # the next step reads the view again, this shard counted in
         self._report(force=True, round_=acc.round)
 
     def _drop(self) -> None:
@@ -275,7 +330,7 @@ class Worker:
     def _report(self, force: bool, round_: int | None = None) -> None:
         """Heartbeat for the round being accumulated: pending samples and speed."""
         now = time.time()
-        if not force and now - self._last_progress < self.poll_s:
+        if not force and now - self._last_progress < self.heartbeat_s:
             return
         acc = self.acc
         r = acc.round if acc is not None else (round_ if round_ is not None else self.state)
@@ -283,8 +338,10 @@ class Worker:
         rate = (self.computed_samples - c0) / max(1e-9, time.monotonic() - t0)
         self._rate = (time.monotonic(), self.computed_samples)
         io = self.run.bucket.stats
+        samples = acc.samples if acc and acc.round == r else 0
+        self._beats.append((now, r, samples, rate))
         self.run.bucket.write_json(self.run.keys.progress(r, self.peer), {
-            "peer": self.peer, "round": r, "samples": acc.samples if acc and acc.round == r else 0,
+            "peer": self.peer, "round": r, "samples": samples,
             "samples_per_s": rate, "time": now, "uploaded_samples": self.uploaded_samples,
             "compute_s": self.compute_s, "wall_s": time.monotonic() - self.started,
             "bytes_up": io.bytes_written, "bytes_down": io.bytes_read})

@@ -43,6 +43,12 @@ class RunLayout:
         return f"{self.root}/state/LATEST.json"
 
     @property
+    def view(self) -> str:
+        """The round view the scheduler publishes each poll (protocol/view.py): state, validated
+        and pending samples, closed, stopped. All a volunteer reads per poll; only the organizer writes it."""
+        return f"{self.root}/VIEW.json"
+
+    @property
     def states(self) -> str:
         return f"{self.root}/state"
 

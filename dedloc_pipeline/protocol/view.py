@@ -1,0 +1,170 @@
+"""The round view: one small object the scheduler publishes each poll, all a volunteer reads.
+
+A volunteer used to list the round's manifests and read every other peer's heartbeat each poll:
+O(peers) requests per volunteer, O(peers²) for the collaboration, and it trusted sample counts
+nobody had validated. Now the scheduler, which validates every manifest anyway, reads the
+round's heartbeats once per poll (O(peers)), bounds them, and writes ``runs/RUN/VIEW.json``
+(``RunLayout.view``; only the organizer's credentials may write it): the newest state, the
+samples of the shards it accepted (after the norm screen), the live peers' pending samples and
+speed, closed and stopped, an ETA. A volunteer reads that one object per poll (one GET).
+
+Every value a volunteer writes is a claim, so a heartbeat is bounded before it counts: one above
+``MAX_HEARTBEAT_BYTES`` is not read, a malformed one is skipped, pending samples are clamped to
+``[0, target]`` and speed to ``[0, MAX_PEER_SPEED]``, and one older than the run's
+``peer_timeout_s`` (or as far in the future) is a peer gone. The view itself is bounded too
+(``MAX_VIEW_BYTES``, its schema) and read defensively: a missing or unreadable view is no view.
+
+Torch-free: the scheduler, ``dedloc status`` and the volunteer's display import it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..storage.bucket import Bucket
+from ..storage.layout import RunLayout
+
+log = logging.getLogger(__name__)
+
+VIEW_VERSION = 1
+MAX_VIEW_BYTES = 4096  # an honest view is ~400 bytes; anything larger is not parsed
+MAX_HEARTBEAT_BYTES = 4096  # an honest heartbeat is ~300 bytes (peer ids are at most 64 characters)
+MAX_PEER_SPEED = 1e5  # samples/s one peer may claim (display and ETA only; never an upload decision)
+
+
+class View(BaseModel):
+    """The round view as published (``VIEW.json``)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    version: int = VIEW_VERSION
+    state: int = Field(ge=0, description="the newest committed state when it was written")
+    round: int = Field(ge=0, description="the open round (computed against state ``round``)")
+    target: int = Field(gt=0)
+    validated_samples: int = Field(0, ge=0, description="samples of the shards the scheduler accepted so far")
+    shards: int = Field(0, ge=0, description="accepted shards")
+    rejected: int = Field(0, ge=0, description="rejected shards (the CLOSE, once written, says why)")
+    pending_samples: int = Field(0, ge=0, description="the live peers' un-uploaded samples, each clamped")
+    peers: int = Field(0, ge=0, description="live peers: a heartbeat for this round within peer_timeout_s")
+    samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
+    ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
+    closed: bool = False
+    stopped: bool = False
+    eta_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    at: float = Field(allow_inf_nan=False, description="when the scheduler started this poll (its clock): "
+                      "heartbeats and manifests were listed after it")
+    written_at: float = Field(allow_inf_nan=False, description="when it was written: no heartbeat written "
+                              "later is counted")
+
+
+def read(bucket: Bucket, keys: RunLayout) -> View | None:
+    """The published view (one GET), or None when there is none or it is unusable."""
+    try:
+        raw = bucket.read_bytes(keys.view)
+    except Exception as exc:  # a bucket hiccup: no view this poll, the caller carries on
+        log.warning("round view unreadable: %s", exc)
+        return None
+    return parse(raw)
+
+
+def parse(raw: bytes | None) -> View | None:
+    if raw is None:
+        return None
+    if len(raw) > MAX_VIEW_BYTES:
+        log.warning("round view of %d bytes, above %d: ignored", len(raw), MAX_VIEW_BYTES)
+        return None
+    try:
+        return View.model_validate_json(raw)
+    except ValidationError as exc:
+        log.warning("round view malformed: %s", exc.errors()[0].get("msg") if exc.errors() else exc)
+        return None
+
+
+def write(bucket: Bucket, keys: RunLayout, view: View) -> None:
+    bucket.write_bytes(keys.view, view.model_dump_json().encode())
+
+
+# heartbeats, as the scheduler counts them
+
+def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int) -> tuple[int, float] | None:
+    """One heartbeat's (pending samples, samples/s) for round r, bounded; None if it does not
+    count: unreadable, another round, or older (or further ahead) than ``timeout``."""
+    if raw is None or len(raw) > MAX_HEARTBEAT_BYTES:
+        return None
+    try:
+        p = json.loads(raw)
+        if not isinstance(p, dict) or p.get("round") != r:
+            return None
+        t = float(p["time"])
+        if not math.isfinite(t) or abs(now - t) >= timeout:
+            return None
+        samples = p.get("samples", 0)
+        if isinstance(samples, bool) or not isinstance(samples, (int, float)) or not math.isfinite(samples):
+            return None
+        samples = int(samples)
+        speed = float(p.get("samples_per_s", 0.0))
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
+        return None
+    speed = min(max(speed, 0.0), MAX_PEER_SPEED) if math.isfinite(speed) else 0.0
+    return min(max(samples, 0), target), speed
+
+
+@dataclass(frozen=True)
+class Pending:
+    samples: int = 0
+    samples_per_s: float = 0.0
+    peers: int = 0
+    ignored: int = 0
+
+
+def live_pending(bucket: Bucket, keys: RunLayout, r: int, now: float, timeout: float, target: int) -> Pending:
+    """The round's heartbeats summed: one LIST (with sizes) and one GET per heartbeat not above
+    ``MAX_HEARTBEAT_BYTES``; any other key under the folder is ignored."""
+    listed = bucket.sizes(keys.progress_dir(r))
+    beats = {k: n for k, n in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
+    small = [k for k, n in beats.items() if n <= MAX_HEARTBEAT_BYTES]
+    samples, speed, peers, ignored = 0, 0.0, 0, len(beats) - len(small)
+    for raw in bucket.read_many(small).values():
+        got = heartbeat(raw, r, now, timeout, target)
+        if got is None:
+            continue
+        samples, speed, peers = samples + got[0], speed + got[1], peers + 1
+    return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=ignored)
+
+
+def eta(target: int, validated: int, pending: int, samples_per_s: float, closed: bool) -> float | None:
+    """Seconds until the round can fill at the live peers' speed; 0 once closed or full."""
+    remaining = max(0, target - validated - pending)
+    if closed or remaining == 0:
+        return 0.0
+    return remaining / samples_per_s if samples_per_s > 0 else None
+
+
+# what a worker makes of it
+
+@dataclass
+class RoundView:
+    """Round ``state`` as one worker sees it: the validated samples (plus its own shards the view
+    does not show yet), and the other live peers' pending samples and speed."""
+
+    manifest_samples: int = 0
+    fresh_samples: int = 0  # other peers' un-uploaded samples, from live heartbeats
+    peers: int = 0  # other live peers
+    samples_per_s: float = 0.0  # their speed together
+    closed: bool = False
+    at: float = 0.0
+
+
+def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int) -> RoundView:
+    """A worker's RoundView from the published one: its own heartbeat that the view counted
+    (``own_pending``, ``own_speed``, ``own_counted``) taken out, its own shards the view could not
+    have seen yet (``own_unseen`` samples) added; never below zero."""
+    return RoundView(manifest_samples=v.validated_samples + own_unseen,
+                     fresh_samples=max(0, v.pending_samples - own_pending),
+                     peers=max(0, v.peers - int(own_counted)),
+                     samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, at=v.at)

@@ -1,0 +1,256 @@
+"""The round view (protocol/view.py): what the scheduler publishes each poll is what it validated;
+claims nobody validated cannot stall a round; without a fresh view workers compute and hold; a
+volunteer's poll costs the same whatever the number of peers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from dedloc_pipeline.protocol import view
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage.bucket import Bucket
+
+from .test_protocol import put_shard
+
+TARGET = 24  # conftest's small_config
+
+
+def _beat(run, r, peer, samples, speed=1.0, at=None):
+    run.bucket.write_json(run.keys.progress(r, peer), {"peer": peer, "round": r, "samples": samples,
+                                                        "samples_per_s": speed, "time": at or time.time()})
+
+
+def _published(run) -> view.View:
+    v = view.read(run.bucket, run.keys)
+    assert v is not None
+    return v
+
+
+def _noise(run, seed, scale=1e-3):
+    return np.random.default_rng(seed).standard_normal(run.flat.n).astype(np.float32) * scale
+
+
+# what is published
+
+def test_the_view_is_what_the_scheduler_validated(make_run):
+    """Accepted shards count, after the norm screen; a manifest claiming 10^9 samples whose ranges
+    do not add up, one whose chunks are missing, and a scaled-up gradient do not. Live heartbeats
+    count, each clamped; stale, other-round, oversized and malformed ones do not."""
+    run = make_run(codec="int8")
+    b, k = run.bucket, run.keys
+    for i, (peer, n) in enumerate([("a", 4), ("b", 4), ("c", 2)]):
+        put_shard(run, 0, peer, grad=_noise(run, i), samples=n)
+    put_shard(run, 0, "big", grad=_noise(run, 7) * 1000, samples=4)  # the norm screen's
+    put_shard(run, 0, "liar", grad=_noise(run, 8), samples=4, manifest={"samples": 10 ** 9})
+    torn = put_shard(run, 0, "torn", grad=_noise(run, 9), samples=4,
+                     manifest={"samples": 10 ** 9, "data": {"stream": "torn", "ranges": [[0, 10 ** 9]]}})
+    b.delete(f"{torn}/codes/c/1")
+    now = time.time()
+    _beat(run, 0, "p1", 5, speed=2.0)
+    _beat(run, 0, "p2", 10 ** 9, speed=1e12)  # clamped: target, MAX_PEER_SPEED
+    _beat(run, 0, "p3", -10 ** 9)  # clamped: 0 (still a live peer)
+    _beat(run, 0, "gone", 7, at=now - 2 * run.config.peer_timeout_s)
+    _beat(run, 0, "ahead", 7, at=now + 2 * run.config.peer_timeout_s)
+    _beat(run, 1, "next", 7)  # a heartbeat of round 1 in round 1's folder: not this round's
+    b.write_json(k.progress(0, "wrong-round"), {"round": 1, "samples": 7, "time": now})
+    b.write_bytes(k.progress(0, "junk"), b"{not json")
+    b.write_bytes(k.progress(0, "fat"), b'{"round": 0, "samples": 7, "time": %f}' % now + b" " * 5000)
+    b.write_json(k.progress(0, "odd"), {"round": 0, "samples": "many", "time": now, "samples_per_s": "fast"})
+
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(0) is None
+    v = _published(run)
+    assert (v.state, v.round, v.target, v.closed, v.stopped) == (0, 0, TARGET, False, False)
+    assert (v.validated_samples, v.shards, v.rejected) == (10, 3, 3)
+    assert (v.pending_samples, v.peers, v.ignored_heartbeats) == (5 + TARGET, 3, 1)
+    assert v.samples_per_s == pytest.approx(2.0 + view.MAX_PEER_SPEED + 1.0 + 0.0)
+    assert v.eta_s == 0.0 and v.at <= v.written_at and abs(v.at - time.time()) < 30
+
+    for p in ("p2", "p3"):
+        b.delete(k.progress(0, p))
+    sched.try_close(0)
+    v = _published(run)
+    assert (v.pending_samples, v.peers, v.samples_per_s) == (5, 1, pytest.approx(2.0))
+    assert v.eta_s == pytest.approx((TARGET - 10 - 5) / 2.0)
+
+    put_shard(run, 0, "d", grad=_noise(run, 3), samples=14)
+    close = sched.try_close(0)
+    assert close is not None
+    v = _published(run)
+    assert v.closed and (v.validated_samples, v.shards, v.rejected) == \
+        (close["samples"], len(close["accepted"]), len(close["rejected"])) == (24, 4, 3)
+    assert (v.pending_samples, v.peers, v.eta_s) == (0, 0, 0.0)
+    run.bucket.create_json(k.stop(), {"reason": "test"})
+    assert Scheduler(run, 1, 0).try_close(0) == close  # an existing CLOSE: published as it is
+    v = _published(run)
+    assert v.closed and v.stopped and v.validated_samples == 24
+
+
+def test_a_view_out_of_bounds_is_no_view(make_run):
+    run = make_run()
+    Scheduler(run, 1, 0).try_close(0)
+    good = run.bucket.read_bytes(run.keys.view)
+    assert view.parse(good) is not None and len(good) < view.MAX_VIEW_BYTES
+    assert view.parse(good[:-1] + b" " * view.MAX_VIEW_BYTES + b"}") is None
+    assert view.parse(b"{not json") is None
+    assert view.parse(good.replace(b'"pending_samples":0', b'"pending_samples":-5')) is None
+    assert view.heartbeat(b'{"round": 0, "samples": 1e400, "time": 1.0}', 0, 1.0, 10, 24) is None
+    assert view.heartbeat(b'{"round": 0, "samples": 30, "time": 1.0, "samples_per_s": NaN}', 0, 1.0, 10, 24) \
+        == (24, 0.0)
+    assert view.heartbeat(b"[1, 2]", 0, 1.0, 10, 24) is None
+    assert view.heartbeat(b"[" * 100000, 0, 1.0, 10, 24) is None
+
+
+def test_the_view_module_needs_no_torch():
+    code = "import sys, dedloc_pipeline.protocol.view; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# claims nobody validated
+
+def _drive(run, peers, rounds, attack, max_steps=400):
+    """protocol_driver.collaborate's lock-step, with ``attack(i, r)`` run before every iteration."""
+    workers = [Worker(run, name, micro_batch=mb, threads=1, poll_s=0) for name, mb in peers]
+    sched = Scheduler(run, parallel=2, poll_s=0)
+    with ThreadPoolExecutor(2) as pool:
+        for i in range(max_steps):
+            r = run.latest()
+            if r >= rounds:
+                return i
+            attack(i, r)
+            for w in workers:
+                w.step()
+            if i % 2 == 0:
+                sched.step(pool)
+    raise AssertionError(f"state {rounds} not reached in {max_steps} steps")
+
+
+HONEST = [("a", 4), ("b", 3), ("c", 5)]
+
+
+@pytest.mark.parametrize("attack", ["manifest_ranges", "manifest_chunks", "pending_huge", "pending_negative",
+                                    "everything"])
+def test_unvalidated_claims_cannot_stall_a_round(make_run, attack):
+    """One volunteer claims 10^9 samples in a manifest (its ranges do not add up, or its chunks
+    are missing), or 10^9 or -10^9 pending samples in a heartbeat refreshed every step: every
+    round still fills from honest shards and closes on its target, within a bound of the honest
+    collaboration's steps."""
+    rounds = 2
+    honest = _drive(make_run(codec="int8"), HONEST, rounds, lambda i, r: None)
+    run = make_run(codec="int8", run="attacked")
+    written = set()
+
+    def inject(i, r):
+        if attack.startswith("manifest") or attack == "everything":
+            if r not in written:
+                written.add(r)
+                if attack in ("manifest_ranges", "everything"):
+                    put_shard(run, r, "mallory", grad=_noise(run, r), samples=4, part="0001",
+                              manifest={"samples": 10 ** 9})
+                if attack in ("manifest_chunks", "everything"):
+                    key = put_shard(run, r, "mallory", grad=_noise(run, r), samples=4, part="0002",
+                                    manifest={"samples": 10 ** 9,
+                                              "data": {"stream": "mallory", "ranges": [[0, 10 ** 9]]}})
+                    run.bucket.delete(f"{key}/codes/c/0")
+        if attack in ("pending_huge", "everything"):
+            _beat(run, r, "mallory", 10 ** 9, speed=1e12)
+        if attack == "pending_negative":
+            _beat(run, r, "mallory", -10 ** 9)
+
+    steps = _drive(run, HONEST, rounds, inject)
+    assert steps <= 3 * honest + 10, (steps, honest)
+    for r in range(rounds):
+        close = run.bucket.read_json(run.keys.close(r))
+        assert close["reason"] == "target" and close["samples"] >= TARGET
+        assert {s["peer"] for s in close["accepted"]} <= {p for p, _ in HONEST}
+        assert sum(s["samples"] for s in close["accepted"]) == close["samples"]
+
+
+# without a fresh view
+
+def test_without_a_fresh_view_workers_compute_and_hold_until_a_scheduler_publishes(make_run):
+    run = make_run()
+    workers = [Worker(run, p, micro_batch=4, threads=1, poll_s=0) for p in "abc"]
+
+    def step_all(n=1):
+        for _ in range(n):
+            for w in workers:
+                w.step()
+
+    # no view at all: no scheduler yet. 12 samples each (36 together) stay pending
+    step_all(3)
+    assert run.bucket.find(run.keys.manifests_dir(0)) == []
+    assert all(w.acc.samples == 12 and w.activity == "computing" for w in workers)
+    assert [run.bucket.read_json(run.keys.progress(0, p))["samples"] for p in "abc"] == [12] * 3
+    # a stale view (its scheduler died long ago): the same
+    sched = Scheduler(run, 1, 0)
+    sched.try_close(0, now=time.time() - 2 * run.config.peer_timeout_s)
+    step_all()
+    assert run.bucket.find(run.keys.manifests_dir(0)) == []
+    assert all(w.acc.samples == 16 and w.snapshot().view is None for w in workers)
+    # a scheduler publishes again: 48 pending, the round can fill, everyone uploads
+    assert sched.try_close(0) is None and _published(run).pending_samples == 48
+    step_all()
+    assert len(run.bucket.find(run.keys.manifests_dir(0))) == 3 and all(w.acc is None for w in workers)
+    with ThreadPoolExecutor(2) as pool:
+        assert sched.step(pool) and run.latest() == 1
+    # the view gone again: a new state and STOP are still noticed (LATEST, STOP read directly)
+    run.bucket.delete(run.keys.view)
+    step_all()
+    assert all(w.state == 1 for w in workers)
+    run.bucket.create_json(run.keys.stop(), {"reason": "test"})
+    step_all()
+    assert all(w.stopped for w in workers)
+
+
+def test_a_lone_worker_without_a_view_uploads_only_a_round_it_fills_itself(make_run):
+    """Nobody's count is needed for a round its own samples fill: a worker alone, with no
+    scheduler, uploads the whole target once, then waits."""
+    run = make_run()
+    w = Worker(run, "a", micro_batch=8, threads=1, poll_s=0)
+    worked = [w.step() for _ in range(5)]
+    assert worked == [True, True, True, False, False]
+    assert w.uploads and [n for _, _, n in w.uploads] == [TARGET]
+
+
+# cost
+
+def _worker_requests(tmp_path, others: int) -> tuple[Counter, Counter]:
+    url = f"file://{tmp_path}/b{others}"
+    from .conftest import small_config
+    from dedloc_pipeline.protocol.run import init_run
+    run = init_run(Bucket(url), small_config("cost", target_batch_size=1000))
+    for i in range(others):
+        _beat(run, 0, f"p{i}", 4)
+        put_shard(run, 0, f"p{i}", samples=4)
+    w = Worker(Run(Bucket(url), "cost"), "me", micro_batch=4, threads=1, poll_s=0)
+    sched = Scheduler(Run(Bucket(url), "cost"), 1, 0)
+    sched.try_close(0)
+    w.step()
+    before, s0 = Counter(w.run.bucket.stats.requests), Counter(sched.run.bucket.stats.requests)
+    for _ in range(3):
+        w.step()
+    sched.try_close(0)
+    assert w.uploads == []
+    return Counter(w.run.bucket.stats.requests) - before, Counter(sched.run.bucket.stats.requests) - s0
+
+
+def test_a_workers_poll_costs_the_same_whatever_the_number_of_peers(tmp_path):
+    """With 2 or 6 other peers: each step one GET (the view) and one PUT (its heartbeat; with
+    poll_s=0 every step). The scheduler reads each heartbeat once a poll: O(peers), no more."""
+    few, sched_few = _worker_requests(tmp_path, 2)
+    many, sched_many = _worker_requests(tmp_path, 6)
+    assert few == many == Counter(get=3, put=3)
+    # 4 more heartbeats read once each, and 4 more manifests (_verdicts re-reads each one a poll)
+    assert sched_many - sched_few == Counter(get=8) and sched_few - sched_many == Counter()

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from .conftest import small_config
 import dedloc_pipeline.cli as dedloc_cli
+from dedloc_pipeline import init_options
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.model.presets import PRESETS
 from dedloc_pipeline.protocol.config import RECIPES, RunConfig, recipe_config
@@ -344,7 +345,7 @@ def test_init_help_shows_each_fields_flag_choices_default_and_description():
     assert res.exit_code == 0, res.output
     lines = {ln.split()[1]: ln for ln in res.stdout.splitlines() if ln.startswith("│ --")}
     flags = []
-    for path in dedloc_cli.INIT_SETTINGS:
+    for path in init_options.INIT_SETTINGS:
         field, leaf = _field(path), path.rpartition(".")[2]
         flag = (field.json_schema_extra or {}).get("flag") or "--" + leaf.replace("_", "-")
         flags.append(flag)

@@ -228,8 +228,8 @@ def test_a_lone_worker_without_a_view_uploads_only_a_round_it_fills_itself(make_
 
 def _worker_requests(tmp_path, others: int) -> tuple[Counter, Counter]:
     url = f"file://{tmp_path}/b{others}"
-    from .conftest import small_config
     from dedloc_pipeline.protocol.run import init_run
+    from .conftest import small_config
     run = init_run(Bucket(url), small_config("cost", target_batch_size=1000))
     for i in range(others):
         _beat(run, 0, f"p{i}", 4)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import aggregator, view
 from ..trust import identity
+from . import aggregator, view
 from .run import Run
 from .shard import Rejected, manifest_limit, validate
 

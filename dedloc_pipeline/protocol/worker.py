@@ -32,11 +32,11 @@ from typing import Callable
 
 import torch
 
+from ..model.albert import FlatLayout, pretraining_loss_sum
+from ..model.data import make_source
+from ..storage.codec import CorruptShard, ErrorFeedback
 from ..trust import identity
 from . import shard, view as published
-from ..storage.codec import CorruptShard, ErrorFeedback
-from ..model.data import make_source
-from ..model.albert import FlatLayout, pretraining_loss_sum
 from .run import Run, RunError
 from .view import RoundView
 

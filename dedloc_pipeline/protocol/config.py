@@ -45,6 +45,47 @@ class CloseRule(BaseModel):
     )
 
 
+class Cadence(BaseModel):
+    """How often volunteers read the round view and heartbeat: fast near the target, slow far from
+    it. Each interval is a share of the view's ETA (seconds until the round can fill), bounded:
+    requests per volunteer stay flat in the round's length and the number of peers, and the last
+    seconds of a round are watched closely enough to close it promptly."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    poll_min_s: float = Field(0.5, gt=0, description="fastest round-view read (near the target)",
+                              json_schema_extra={"flag": "--poll-min"})
+    poll_max_s: float = Field(5.0, gt=0, description="slowest round-view read (far from it, or no view)",
+                              json_schema_extra={"flag": "--poll-max"})
+    heartbeat_min_s: float = Field(1.0, gt=0, description="most frequent heartbeat")
+    heartbeat_max_s: float = Field(6.0, gt=0, description="least frequent heartbeat (never above a third "
+                                   "of peer_timeout_s)", json_schema_extra={"flag": "--heartbeat-max"})
+    poll_share: float = Field(0.125, gt=0, le=1, description="a poll every this share of the ETA")
+    heartbeat_share: float = Field(0.25, gt=0, le=1, description="a heartbeat every this share of the ETA")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Cadence":
+        if self.poll_min_s > self.poll_max_s or self.heartbeat_min_s > self.heartbeat_max_s:
+            raise ValueError("cadence: a minimum above its maximum")
+        return self
+
+    def poll_s(self, eta_s: float | None, fastest: float | None = None) -> float:
+        """Seconds to the next round-view read; ``fastest`` overrides the lower bound."""
+        return _bounded(eta_s, self.poll_share, self.poll_min_s if fastest is None else fastest,
+                        max(self.poll_max_s, fastest or 0))
+
+    def heartbeat_s(self, eta_s: float | None, peer_timeout_s: float) -> float:
+        """Seconds to the next heartbeat: at most a third of ``peer_timeout_s``, so that a live
+        peer never counts as gone between its heartbeats."""
+        hi = min(self.heartbeat_max_s, peer_timeout_s / 3)
+        return _bounded(eta_s, self.heartbeat_share, min(self.heartbeat_min_s, hi), hi)
+
+
+def _bounded(eta_s: float | None, share: float, lo: float, hi: float) -> float:
+    """``share`` of the ETA within [lo, hi]; unknown ETA (nobody computing, no view): hi."""
+    return hi if eta_s is None else min(hi, max(lo, share * eta_s))
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -83,6 +124,7 @@ class RunConfig(BaseModel):
     checkpoint_every: int = Field(100, gt=0, description="states whose params and optimizer stay")
     peer_timeout_s: float = Field(20.0, gt=0, description="seconds before a silent peer counts as gone",
                                   json_schema_extra={"flag": "--peer-timeout"})
+    cadence: Cadence = Cadence()
     optimizer: OptimizerConfig = OptimizerConfig()
     close: CloseRule = CloseRule()
 

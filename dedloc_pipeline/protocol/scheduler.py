@@ -61,9 +61,14 @@ def close_summary(close: dict) -> dict:
 
 
 class Scheduler:
-    def __init__(self, run: Run, parallel: int = 2, poll_s: float = 1.0):
+    def __init__(self, run: Run, parallel: int = 2, poll_s: float | None = None):
+        """``poll_s`` fixes the seconds between polls; None follows the run's ``cadence``."""
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
-        self._seen: dict[str, tuple[str, dict | str]] = {}  # manifest key -> (raw, verdict)
+        self._seen: dict[str, tuple[object, dict | str]] = {}  # manifest key -> (version, verdict)
+        self._beats = view.Heartbeats()
+        self._opened: tuple[int, float] = (-1, 0.0)  # (round, when its state was committed)
+        self._stopped = False  # STOP, as the last published view saw it
+        self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._roster: identity.Roster | None = None
         self._roster_floor = -1  # the version the last CLOSE used: a restart accepts no older one
 
@@ -95,19 +100,23 @@ class Scheduler:
         """Validate every manifest of round r (each new one once); (accepted, rejected)."""
         bucket, keys = self.run.bucket, self.run.keys
         roster = self.roster()
-        listed = {k: n for k, n in bucket.sizes(keys.manifests_dir(r)).items() if keys.shard_of(k) not in skip}
+        listed = {k: e for k, e in bucket.listing(keys.manifests_dir(r)).items() if keys.shard_of(k) not in skip}
         limit = manifest_limit(self.run.grad_format)
-        raw = {k: v for k, v in bucket.read_many([k for k, n in listed.items() if n <= limit]).items()
-               if v is not None}
-        for k in listed.keys() - raw.keys():  # never read: it could be any size
-            if listed[k] > limit and self._seen.get(k, (None,))[0] != listed[k]:
-                reason = f"manifest of {listed[k]} bytes, above {limit}"
-                self._seen[k] = (listed[k], self._reject(r, keys.shard_of(k), reason))
-        new = [k for k, v in raw.items() if self._seen.get(k, (None,))[0] != v]
+
+        def known(k: str, version: object) -> bool:
+            return version is not None and self._seen.get(k, (None,))[0] == version
+
+        # a manifest is read once per version (its ETag; where the store has none, its bytes)
+        raw = {k: v for k, v in bucket.read_many([k for k, (n, tag) in listed.items()
+                                                  if n <= limit and not known(k, tag)]).items() if v is not None}
+        for k, (n, tag) in listed.items():
+            if n > limit and not known(k, tag or ("size", n)):  # never read: it could be any size
+                self._seen[k] = (tag or ("size", n), self._reject(r, keys.shard_of(k), f"manifest of {n} bytes, above {limit}"))
+        new = [k for k, v in raw.items() if not known(k, listed[k][1] or v)]
         if new:
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
                 for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k], roster), new)):
-                    self._seen[mkey] = (raw[mkey], verdict)
+                    self._seen[mkey] = (listed[mkey][1] or raw[mkey], verdict)
         accepted, rejected = [], []
         for mkey in sorted(k for k in listed if k in self._seen):
             shard, verdict = keys.shard_of(mkey), self._seen[mkey][1]
@@ -173,13 +182,15 @@ class Scheduler:
         if self._roster is None and r > 0 and self.run.config.organizer_key is not None:
             self._roster_floor = (bucket.read_json(keys.close(r - 1)) or {}).get("roster") or -1
         cfg = self.run.config  # heartbeats first: with the manifests listed next, both as of `at`
-        pending = view.live_pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size)
+        pending = self._beats.pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size)
         accepted, rejected = self._verdicts(r)
         accepted, screened = self._screen(r, accepted + self._late(r))
         rejected += screened
         samples = sum(s["samples"] for s in accepted)
         target = self.run.config.target_batch_size
-        opened = self.run.commit_of(r)["committed_at"]
+        if self._opened[0] != r:
+            self._opened = (r, self.run.commit_of(r)["committed_at"])
+        opened = self._opened[1]
         now = time.time() if now is None else now
         timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
         if samples < target and not (timed_out and samples >= rule.min_fraction * target):
@@ -205,13 +216,14 @@ class Scheduler:
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
         if close is not None:
             samples, shards, rejected = close["samples"], len(close["accepted"]), len(close["rejected"])
+        self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s, close is not None)
         try:
+            self._stopped = bucket.exists(keys.stop())
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
-                          closed=close is not None, stopped=bucket.exists(keys.stop()),
-                          eta_s=view.eta(target, samples, pending.samples, pending.samples_per_s,
-                                         close is not None), at=at, written_at=max(at, time.time()))
+                          closed=close is not None, stopped=self._stopped, eta_s=self._eta, at=at,
+                          written_at=max(at, time.time()))
             view.write(bucket, keys, v)
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
@@ -231,16 +243,19 @@ class Scheduler:
 
     def wait_close(self, r: int, deadline: float | None = None) -> dict | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
-        (``time.monotonic()``) passes, so the loop can check its stop rules again."""
+        (``time.monotonic()``) passes, so the loop can check its stop rules again. Each poll
+        costs O(peers) requests, so by default they follow the run's cadence: often near the
+        target, up to ``cadence.poll_max_s`` apart far from it."""
         while True:
             close = self.try_close(r)
             if close is not None:
                 return close
-            if self.run.bucket.exists(self.run.keys.stop()):
+            if self._stopped:
                 return None
             if deadline is not None and time.monotonic() > deadline:
                 return None
-            time.sleep(self.poll_s)
+            wait = self.run.config.cadence.poll_s(self._eta) if self.poll_s is None else self.poll_s
+            time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
 
     def finish(self, r: int, pool: Executor) -> dict:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat

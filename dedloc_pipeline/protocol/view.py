@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -70,6 +71,39 @@ def read(bucket: Bucket, keys: RunLayout) -> View | None:
         log.warning("round view unreadable: %s", exc)
         return None
     return parse(raw)
+
+
+class Reader:
+    """A volunteer's copy of the view, refreshed by a conditional GET (``If-None-Match`` its
+    ETag): an unchanged view costs no body. The scheduler rewrites the view every poll, so a
+    view that has not changed for ``timeout`` seconds of this machine's clock is stale, which
+    needs no agreement between the two machines' clocks. The first view read is judged by its
+    own ``at`` (no change seen yet)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.view: View | None = None
+        self._tag: str | None = None
+        self._changed = float("-inf")  # time.monotonic() of the last change seen
+
+    def read(self, bucket: Bucket, keys: RunLayout) -> View | None:
+        """The newest view (None if there is none or it is unusable); ``fresh`` says whether it
+        still counts."""
+        try:
+            got = bucket.read_if_changed(keys.view, self._tag)
+        except Exception as exc:  # a bucket hiccup: no new view this poll; freshness decides
+            log.warning("round view unreadable: %s", exc)
+            return self.view
+        if got.changed:
+            first = self._tag is None
+            self._tag, self.view = got.tag, parse(got.data)
+            if self.view is not None and not (first and abs(time.time() - self.view.at) >= self.timeout):
+                self._changed = time.monotonic()
+        return self.view
+
+    @property
+    def fresh(self) -> bool:
+        return self.view is not None and time.monotonic() - self._changed < self.timeout
 
 
 def parse(raw: bytes | None) -> View | None:
@@ -122,19 +156,31 @@ class Pending:
     ignored: int = 0
 
 
-def live_pending(bucket: Bucket, keys: RunLayout, r: int, now: float, timeout: float, target: int) -> Pending:
-    """The round's heartbeats summed: one LIST (with sizes) and one GET per heartbeat not above
-    ``MAX_HEARTBEAT_BYTES``; any other key under the folder is ignored."""
-    listed = bucket.sizes(keys.progress_dir(r))
-    beats = {k: n for k, n in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
-    small = [k for k, n in beats.items() if n <= MAX_HEARTBEAT_BYTES]
-    samples, speed, peers, ignored = 0, 0.0, 0, len(beats) - len(small)
-    for raw in bucket.read_many(small).values():
-        got = heartbeat(raw, r, now, timeout, target)
-        if got is None:
-            continue
-        samples, speed, peers = samples + got[0], speed + got[1], peers + 1
-    return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=ignored)
+class Heartbeats:
+    """A round's heartbeats as the scheduler last read them. Each poll lists the folder (one
+    LIST, with sizes and version tags) and GETs only the heartbeats written since: a peer's
+    heartbeat is read about once per write, not once per poll. Any other key under the folder,
+    and one above ``MAX_HEARTBEAT_BYTES``, is not read."""
+
+    def __init__(self) -> None:
+        self._raw: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (tag, bytes)
+
+    def pending(self, bucket: Bucket, keys: RunLayout, r: int, now: float, timeout: float,
+                target: int) -> Pending:
+        listed = bucket.listing(keys.progress_dir(r))
+        beats = {k: e for k, e in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
+        small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
+        known = {k: v for k, v in self._raw.items() if k in small}  # other rounds', and deleted ones, go
+        changed = [k for k, tag in small.items() if tag is None or known.get(k, (None,))[0] != tag]
+        for k, raw in bucket.read_many(changed).items():
+            known[k] = (small[k], raw)
+        self._raw = known
+        samples, speed, peers = 0, 0.0, 0
+        for _, raw in known.values():
+            got = heartbeat(raw, r, now, timeout, target)
+            if got is not None:
+                samples, speed, peers = samples + got[0], speed + got[1], peers + 1
+        return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small))
 
 
 def eta(target: int, validated: int, pending: int, samples_per_s: float, closed: bool) -> float | None:

@@ -4,19 +4,20 @@ The only coordination is through the bucket, and a volunteer reads one object of
 the round view the scheduler publishes (``protocol/view.py``: the newest state, the samples of
 the shards it validated, the live peers' pending samples, closed, stopped). A worker uploads
 what it has once the validated samples plus the other peers' pending samples plus its own reach
-the target; it writes only its own heartbeat (every ``heartbeat_s``, less often than it polls)
-and its shards. It moves to a new state when the view names one (reading that COMMIT and its
+the target; it writes only its own heartbeat and its shards. How often it reads and heartbeats
+follows the round (the run's ``cadence``): a share of the time until the round can fill, so
+often near the target and seldom far from it. It moves to a new state when the view names one (reading that COMMIT and its
 delta), and leaves when the view says the run is stopped. If a peer vanishes, its heartbeat
 goes stale, the scheduler stops counting it, and the others upload a second part as soon as
 their pending samples are needed: they make up the missing samples. With delayed updates on, a
 worker that is waiting for the next state keeps computing on the one it has and counts those
 samples (one step stale) toward the next round.
 
-Without a fresh view (none yet, or older than the run's ``peer_timeout_s``: no scheduler, or it
-died or is busy reducing), a worker keeps computing and heartbeating but uploads only what its
+Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
+clock: no scheduler, or it died or is busy reducing), a worker keeps computing and heartbeating but uploads only what its
 own samples decide: nothing until its own pending samples alone fill the round (a round it could
 fill alone needs nobody's count); it holds them. It still notices new states and the STOP marker
-by reading LATEST and STOP itself every ``fallback_s`` (5 polls), and once a scheduler publishes
+by reading LATEST and STOP itself every ``fallback_s`` (``cadence.poll_max_s``), and once a scheduler publishes
 again it uploads as the fresh view says. What a stale view still proves is used: a state newer
 than the worker's, a closed round, STOP.
 """
@@ -72,36 +73,33 @@ class Snapshot:
     bytes_down: int
 
 
-HEARTBEAT_POLLS = 3  # a heartbeat every 3 polls (at most a third of peer_timeout_s)
-FALLBACK_POLLS = 5  # without a fresh round view: LATEST and STOP read every 5 polls
-
-
 class Worker:
-    """One volunteer's loop (see the module's docstring): per poll it reads the round view (one
-    GET), computes a micro-batch, heartbeats every ``heartbeat_s`` (default 3 polls, at most a
-    third of the run's ``peer_timeout_s``) and uploads when the view's validated and pending
-    samples and its own fill the round. A view that is missing or older than ``peer_timeout_s``
-    is no view: it computes, heartbeats and holds its samples (uploading only a round its own
-    samples fill), and reads LATEST and STOP itself every ``fallback_s`` (5 polls)."""
+    """One volunteer's loop (see the module's docstring): it reads the round view (one
+    conditional GET) every ``cadence.poll_s(eta)``, computes micro-batches, heartbeats every
+    ``cadence.heartbeat_s(eta)`` and uploads when the view's validated and pending samples and
+    its own fill the round; the ETA is its own estimate of when the round fills, so it polls
+    often only near the target. A view unchanged for ``peer_timeout_s`` is no view: it computes,
+    heartbeats and holds its samples (uploading only a round its own samples fill), and reads
+    LATEST and STOP itself every ``cadence.poll_max_s``."""
 
     def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
-                 threads: int | None = None, delayed: bool | None = None, poll_s: float = 1.0,
-                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None,
-                 heartbeat_s: float | None = None):
-        timeout = run.config.peer_timeout_s
-        heartbeat_s = min(HEARTBEAT_POLLS * poll_s, timeout / 3) if heartbeat_s is None else heartbeat_s
-        if heartbeat_s >= timeout:
-            raise ValueError(f"heartbeat_s {heartbeat_s:g} must be below the run's peer_timeout_s {timeout:g}: "
-                             "the scheduler would count this peer as gone between its heartbeats")
+                 threads: int | None = None, delayed: bool | None = None, poll_s: float | None = None,
+                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None):
+        """``poll_s`` fixes the cadence: a round-view read every ``poll_s`` and a heartbeat every
+        three (at most a third of ``peer_timeout_s``; 0: both every step, as lock-step tests
+        drive it); None follows the run's ``cadence``."""
         self.run = run
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.signer = signer
         _check_enrolled(run, self.peer, signer)
         self.micro_batch = micro_batch or run.config.micro_batch
         self.delayed = run.config.delayed_updates if delayed is None else delayed
-        self.poll_s = poll_s
-        self.heartbeat_s = heartbeat_s
-        self.fallback_s = FALLBACK_POLLS * poll_s
+        self.cadence = run.config.cadence
+        self.poll_s = poll_s  # None: adaptive
+        self.fallback_s = self.cadence.poll_max_s if poll_s is None else 5 * poll_s
+        self._reader = published.Reader(run.config.peer_timeout_s)
+        self._speed = 0.0  # this peer's samples per second of wall time (moving average)
+        self._computed_at: float | None = None
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
@@ -116,7 +114,7 @@ class Worker:
         self.acc: Accumulator | None = None
         self.cursor = 0
         self._view: RoundView | None = None  # round ``state`` as the last fresh round view showed it
-        self._looked = float("-inf")  # when the round view was last read
+        self._looked = float("-inf")  # time.monotonic() of the last round-view read
         self._beats: deque[tuple[float, int, int, float]] = deque(maxlen=64)  # (time, round, samples, rate)
         self._sent: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, round, samples) of uploads
         self._uploaded: set[int] = set()  # rounds this worker sent a part to
@@ -202,31 +200,51 @@ class Worker:
 
     # what the others are doing: the round view, one GET per poll
     def view(self) -> RoundView | None:
-        """Round ``state`` as the scheduler's round view shows it to this peer, read at most once
-        per ``poll_s``; None without a fresh view of this state (then only this peer's own
-        samples decide). Reading it moves this peer to a newer state the view names, marks it
-        stopped when the view says so, and, with no fresh view, reads LATEST and STOP itself
-        every ``fallback_s``."""
+        """Round ``state`` as the scheduler's round view shows it to this peer, read again once
+        ``poll_every()`` has passed; None without a fresh view of this state (then only this
+        peer's own samples decide). Reading it moves this peer to a newer state the view names,
+        marks it stopped when the view says so, and, with no fresh view, reads LATEST and STOP
+        itself every ``fallback_s``."""
         if self.state is None:
             self.sync()
-        now = time.time()
-        if now - self._looked < self.poll_s:
+        if time.monotonic() - self._looked < self.poll_every():
             return self._view
-        self._looked = now
+        self._looked = time.monotonic()
         bucket, keys = self.run.bucket, self.run.keys
-        v = published.read(bucket, keys)
-        fresh = v is not None and abs(now - v.at) < self.run.config.peer_timeout_s
+        v = self._reader.read(bucket, keys)
+        fresh = self._reader.fresh
         if v is not None:
             self.stopped = self.stopped or v.stopped  # facts even in a stale view: STOP stays,
             if v.state > self.state:  # a state once committed stays committed
                 self.sync(v.state)
             elif v.state == self.state and v.closed and bucket.exists(keys.commit(self.state + 1)):
                 self.sync(self.state + 1)  # committed since the view was written
-        if not (fresh and v.state == self.state) and now - self._last_sync >= self.fallback_s:
+        if not (fresh and v.state == self.state) and time.time() - self._last_sync >= self.fallback_s:
             self.sync()
         usable = v is not None and v.state == self.state and (fresh or v.closed)
         self._view = self._mine(v) if usable else None
         return self._view
+
+    def eta(self) -> float | None:
+        """Seconds until round ``state`` can fill, as this peer sees it: what the validated
+        samples and everyone's pending ones lack, at everyone's speed; None if nobody computes."""
+        v = self._view if self._view is not None else self._alone(self.state)
+        if v.closed:
+            return 0.0
+        acc = self.acc
+        mine = acc.samples if acc is not None and acc.round == self.state else 0
+        lacking = self.run.config.target_batch_size - v.manifest_samples - v.fresh_samples - mine
+        speed = v.samples_per_s + self._speed
+        return 0.0 if lacking <= 0 else (lacking / speed if speed > 0 else None)
+
+    def poll_every(self) -> float:
+        return self.cadence.poll_s(self.eta()) if self.poll_s is None else self.poll_s
+
+    def heartbeat_every(self) -> float:
+        timeout = self.run.config.peer_timeout_s
+        if self.poll_s is not None:
+            return min(3 * self.poll_s, timeout / 3)
+        return self.cadence.heartbeat_s(self.eta(), timeout)
 
     def _mine(self, v: published.View) -> RoundView:
         """The published view less this peer's own heartbeat in it, plus this peer's shards it
@@ -248,6 +266,15 @@ class Worker:
     def _alone(self, r: int) -> RoundView:
         """Round r without a fresh view: nobody's counts but this peer's own shards."""
         return RoundView(manifest_samples=sum(n for _, rr, n in self._sent if rr == r), at=time.time())
+
+    def _note_speed(self, n: int) -> None:
+        """This peer's speed for the ETA: samples per second of wall time, uploads and waits
+        included, smoothed over about ten micro-batches."""
+        now = time.monotonic()
+        if self._computed_at is not None:
+            rate = n / max(1e-6, now - self._computed_at)
+            self._speed = rate if self._speed == 0 else 0.9 * self._speed + 0.1 * rate
+        self._computed_at = now
 
     # work
     def step(self) -> bool:
@@ -305,6 +332,7 @@ class Worker:
         acc.stale_samples += n if round_ > self.state else 0
         self.cursor += n
         self.computed_samples += n
+        self._note_speed(n)
 
     def _upload(self, acc: Accumulator) -> None:
         arrays = self.feedback.encode(self.flat.grad() / acc.samples)
@@ -330,7 +358,7 @@ class Worker:
     def _report(self, force: bool, round_: int | None = None) -> None:
         """Heartbeat for the round being accumulated: pending samples and speed."""
         now = time.time()
-        if not force and now - self._last_progress < self.heartbeat_s:
+        if not force and now - self._last_progress < self.heartbeat_every():
             return
         acc = self.acc
         r = acc.round if acc is not None else (round_ if round_ is not None else self.state)
@@ -372,7 +400,8 @@ class Worker:
             while not (self.stopped or (until_round is not None and self.state >= until_round)
                        or (stop is not None and stop())):
                 if not self.step():
-                    time.sleep(self.poll_s / 4)
+                    self._computed_at = None  # waiting is not computing: the speed counts work only
+                    time.sleep(self.poll_every() / 4)
         finally:
             self.leave()
         return self.state

@@ -25,6 +25,7 @@ from typing import Any
 
 import fsspec
 import zarr
+from fsspec.asyn import sync
 from tenacity import (
     AsyncRetrying,
     Retrying,
@@ -92,6 +93,27 @@ _REQUEST_KINDS = {"GetObject": "get", "GetBucketLocation": "get", "HeadObject": 
                   "ListObjectsV2": "list", "ListObjects": "list", "PutObject": "put", "CreateBucket": "put",
                   "CopyObject": "put", "CreateMultipartUpload": "put", "UploadPart": "put",
                   "CompleteMultipartUpload": "put", "DeleteObject": "delete", "DeleteObjects": "delete"}
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A conditional read: the object's bytes and version tag, or ``changed=False`` (bytes None)
+    when it still has the tag the reader gave."""
+
+    data: bytes | None
+    tag: str | None
+    changed: bool = True
+
+
+def _tag(info: dict) -> str | None:
+    """An object's version tag from its listing or stat: the ETag on S3; on a local disk the
+    inode, mtime and size (every write is a rename into place, so a new inode); None where
+    the store has nothing that changes with every write (memory://: always read again)."""
+    if "ETag" in info:
+        return str(info["ETag"])
+    if "ino" in info and "mtime" in info:
+        return f"{info['ino']:x}-{info['mtime']!r}-{info.get('size', 0):x}"
+    return None
 
 
 class _BucketStore(zarr.storage.WrapperStore):
@@ -222,6 +244,43 @@ class Bucket:
         self.stats.add("get", read=len(data))
         return data
 
+    @_retried
+    def read_if_changed(self, key: str, tag: str | None) -> Fetched:
+        """The object unless it still has version ``tag``: one conditional GET on S3
+        (``If-None-Match``: a 304 carries no body), a stat on a local disk. A missing object
+        reads as ``Fetched(None, None)``."""
+        self.stats.add("get")
+        if self.protocol == "s3":
+            return sync(self.fs.loop, self._s3_get_if_changed, key, tag)
+        try:
+            now = _tag(self.fs.info(self.path(key)))
+            if tag is not None and now == tag:
+                return Fetched(None, tag, changed=False)
+            data = self.fs.cat_file(self.path(key))
+        except FileNotFoundError:
+            return Fetched(None, None)
+        self.stats.add("get", read=len(data), n=0)
+        return Fetched(data, now)
+
+    async def _s3_get_if_changed(self, key: str, tag: str | None) -> Fetched:
+        bucket, name, _ = self.fs.split_path(self.path(key))
+        try:
+            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=name,
+                                          **({"IfNoneMatch": tag} if tag else {}))
+        except FileNotFoundError:
+            return Fetched(None, None)
+        except OSError as exc:  # s3fs makes botocore's 304 an OSError
+            code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+            if code == "304":
+                return Fetched(None, tag, changed=False)
+            raise
+        try:
+            data = await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+        self.stats.add("get", read=len(data), n=0)
+        return Fetched(data, resp.get("ETag"))
+
     def read_json(self, key: str) -> Any:
         """Parsed JSON or None if missing; malformed JSON raises ValueError."""
         data = self.read_bytes(key)
@@ -272,12 +331,17 @@ class Bucket:
         """Every key below ``prefix``, relative to the bucket root."""
         return sorted(self.sizes(prefix))
 
-    @_retried
     def sizes(self, prefix: str) -> dict[str, int]:
         """Every key below ``prefix`` and its size in bytes (S3 lists them together)."""
+        return {k: size for k, (size, _) in self.listing(prefix).items()}
+
+    @_retried
+    def listing(self, prefix: str) -> dict[str, tuple[int, str | None]]:
+        """Every key below ``prefix`` with its size and version tag (``Fetched.tag``): S3 lists
+        the ETag with each key, so a reader can skip the objects it has read already."""
         n = len(self.root) + 1
         try:
-            found = {p[n:]: int(info.get("size") or 0)
+            found = {p[n:]: (int(info.get("size") or 0), _tag(info))
                      for p, info in self.fs.find(self.path(prefix), detail=True).items()}
         except FileNotFoundError:
             found = {}

@@ -69,10 +69,9 @@ class Cadence(BaseModel):
             raise ValueError("cadence: a minimum above its maximum")
         return self
 
-    def poll_s(self, eta_s: float | None, fastest: float | None = None) -> float:
-        """Seconds to the next round-view read; ``fastest`` overrides the lower bound."""
-        return _bounded(eta_s, self.poll_share, self.poll_min_s if fastest is None else fastest,
-                        max(self.poll_max_s, fastest or 0))
+    def poll_s(self, eta_s: float | None) -> float:
+        """Seconds to the next round-view read (or, for the scheduler, the next poll)."""
+        return _bounded(eta_s, self.poll_share, self.poll_min_s, self.poll_max_s)
 
     def heartbeat_s(self, eta_s: float | None, peer_timeout_s: float) -> float:
         """Seconds to the next heartbeat: at most a third of ``peer_timeout_s``, so that a live

@@ -261,6 +261,48 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     show(s, Console())
 
 
+@app.command("cost")
+def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
+          days: float = typer.Option(..., help="length of the run"),
+          preset: Optional[str] = typer.Option(None, help="tiny | small | sahajbert (default tiny; not with --bucket)"),
+          samples_per_s: Optional[float] = typer.Option(
+              None, "--samples-per-s", help="one volunteer's samples/s (default: the preset's measured speed)"),
+          target_batch: Optional[int] = typer.Option(None, help="samples per round (default: the preset's recipe)"),
+          prices: Optional[str] = typer.Option(None, help="a JSON price table replacing the built-in one (docs/cost.md)"),
+          bucket: Optional[str] = typer.Option(None, help="read the config of --run in this bucket instead"),
+          run: Optional[str] = typer.Option(None, help="with --bucket: the run whose config is priced"),
+          endpoint_url: Optional[str] = EndpointOpt,
+          reduce_s: Optional[float] = typer.Option(None, help="seconds from CLOSE to COMMIT (default: benchmark 5's fit)"),
+          micro_batch: Optional[int] = typer.Option(None, help="the volunteers' micro-batch (default: the run's): "
+                                                    "a worker polls and heartbeats between micro-batches"),
+          uplink_mbit: float = typer.Option(20.0, help="a volunteer's upload speed, Mbit/s"),
+          scheduler_poll: Optional[float] = typer.Option(None, help="the scheduler's fixed poll interval "
+                                                         "(default: the run's cadence)"),
+          scheduler_in_region: bool = typer.Option(False, help="the scheduler runs in the provider's region: "
+                                                   "its reads are no egress"),
+          as_json: bool = typer.Option(False, "--json", help="one JSON object")):
+    """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""
+    _setup(False)
+    from .monitoring import cost as pricing
+    if bucket is not None or run is not None:
+        if bucket is None or run is None:
+            raise ValueError("--bucket and --run go together: the run whose config is priced")
+        if preset is not None or target_batch is not None:
+            raise ValueError("--bucket reads the run's own config: drop --preset and --target-batch")
+        config = _open(bucket, run, endpoint_url).config
+    else:
+        config = recipe_config("plan", preset or "tiny", target_batch_size=target_batch)
+    table = pricing.load_prices(prices) if prices else pricing.PRICES
+    e = pricing.estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s,
+                         uplink_mbit_s=uplink_mbit, scheduler_poll_s=scheduler_poll, micro_batch=micro_batch,
+                         scheduler_egress=not scheduler_in_region)
+    if as_json:
+        typer.echo(e.model_dump_json())
+        return
+    from rich.console import Console
+    pricing.show(e, table, Console())
+
+
 @app.command()
 def plot(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
          out: str = typer.Option(..., help="folder for the PNG figures")):

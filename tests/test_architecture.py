@@ -21,7 +21,8 @@ ALLOWED = {
     "evaluation": {"storage", "model", "protocol"},
 }
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.codec", "protocol.config", "protocol.shard",
-              "protocol.run", "monitoring.status", "trust.identity", "trust.policy", "model.presets", "cli"]
+              "protocol.run", "monitoring.status", "monitoring.cost", "trust.identity", "trust.policy",
+              "model.presets", "cli"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

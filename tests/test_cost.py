@@ -1,0 +1,290 @@
+"""The dollar cost of a collaboration: the price table, the arithmetic of a bill, and the planned
+run's request counts against one real round on moto's S3 server, counted as botocore sends them."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dedloc_pipeline.cli import app
+from dedloc_pipeline.monitoring import cost
+from dedloc_pipeline.protocol import optim, scheduler, shard, view
+from dedloc_pipeline.protocol.config import RunConfig, recipe_config
+from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.storage import codec
+
+
+def _priced(s3=(5.0, 0.4), egress=0.09) -> dict:
+    put, get = s3
+    return {"date": "2027-01-01", "source": "test", "gigabyte": 10**9, "providers": {"cheap": {
+        "name": "Cheap", "per_million": {"put": put, "list": put, "get": get, "head": get, "delete": 0},
+        "egress_per_gb": egress, "storage_per_gb_month": 0.02}}}
+
+
+# prices
+
+def test_the_price_table_is_dated_and_names_its_sources():
+    p = cost.PRICES
+    assert str(p.date) == "2026-12-01" and "aws.amazon.com" in p.source and "cloudflare" in p.source
+    s3, r2 = p.providers["s3"], p.providers["r2"]
+    assert s3.request_price("put") == s3.request_price("list") == 5.0  # $0.005 per 1,000
+    assert s3.request_price("get") == s3.request_price("head") == 0.4 and s3.request_price("delete") == 0
+    assert (s3.egress_per_gb, s3.ingress_per_gb, s3.storage_per_gb_month) == (0.09, 0, 0.023)
+    assert (r2.request_price("put"), r2.request_price("get"), r2.egress_per_gb, r2.storage_per_gb_month) == (
+        4.5, 0.36, 0, 0.015)
+
+
+def test_an_override_file_replaces_the_table(tmp_path):
+    f = tmp_path / "prices.json"
+    f.write_text(json.dumps(_priced()))
+    table = cost.load_prices(f)
+    assert list(table.providers) == ["cheap"] and table.gigabyte == 10**9
+    assert cost.load_prices(_dump(tmp_path, cost.PRICES.model_dump(mode="json"))) == cost.PRICES  # round trip
+
+
+def _dump(tmp_path, obj) -> str:
+    f = tmp_path / "table.json"
+    f.write_text(json.dumps(obj))
+    return str(f)
+
+
+@pytest.mark.parametrize("content,says", [
+    ("{not json", "not a JSON file"),
+    (json.dumps({"date": "2027-01-01", "source": "x", "providers": {}}), "providers"),
+    (json.dumps(_priced(egress=-1)), "egress_per_gb"),
+    (json.dumps({**_priced(), "vat": 0.2}), "vat"),
+])
+def test_a_bad_price_file_says_what_is_wrong(tmp_path, content, says):
+    f = tmp_path / "bad.json"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=says) as exc:
+        cost.load_prices(f)
+    assert str(f) in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="no such file"):
+        cost.load_prices(tmp_path / "missing.json")
+
+
+# bills
+
+def test_a_bill_prices_each_class_and_the_egress():
+    b = cost.bill({"put": 1000, "list": 2000, "get": 1_000_000, "head": 500_000, "delete": 7},
+                  bytes_out=5 * 2**30, bytes_in=10 * 2**30, provider="s3", gb_months=100)
+    assert b.requests == pytest.approx({"put": 0.005, "list": 0.01, "get": 0.4, "head": 0.2, "delete": 0})
+    assert (b.egress, b.ingress, b.storage) == pytest.approx((0.45, 0, 2.3))
+    assert b.total == pytest.approx(0.005 + 0.01 + 0.4 + 0.2 + 0.45 + 2.3)
+    r2 = cost.bill({"put": 2_000_000, "get": 10_000_000}, bytes_out=10**12, bytes_in=0, provider="r2")
+    assert r2.total == pytest.approx(9.0 + 3.6)  # egress free
+
+
+def test_a_bill_prices_unnamed_kinds_as_other_and_refuses_unknown_providers():
+    assert cost.bill({"post": 1e6, "weird": 1e6}, 0, 0, "s3").requests == {"post": 5.0, "weird": 0.4}
+    table = cost.PriceTable.model_validate(_priced())
+    with pytest.raises(ValueError, match="no price for 'post'"):
+        cost.bill({"post": 1}, 0, 0, "cheap", table)
+    with pytest.raises(ValueError, match="no provider 'gcs'"):
+        cost.bill({}, 0, 0, "gcs")
+
+
+def test_a_measured_snapshot_per_volunteer_hour_and_day():
+    snap = {"requests": {"get": 7200, "put": 3600}, "bytes_read": 2 * 2**30, "bytes_written": 2**30}
+    m = cost.measured(snap, seconds=1800, volunteers=2)  # two volunteers for half an hour: one volunteer-hour
+    assert m.volunteer_hour.requests == {"get": 7200, "put": 3600}
+    assert (m.volunteer_hour.bytes_down, m.volunteer_hour.bytes_up) == (2 * 2**30, 2**30)
+    s3 = m.cost["s3"]
+    assert s3.volunteer_hour.total == pytest.approx(7200 * 0.4e-6 + 3600 * 5e-6 + 2 * 0.09)
+    assert s3.volunteer_day.total == pytest.approx(24 * s3.volunteer_hour.total)
+    assert m.cost["r2"].volunteer_hour.egress == 0
+
+
+# the model against the protocol
+
+# FlatLayout(build_model(preset)).n, measured once (tests/test_presets.py builds them)
+MEASURED_PARAMS = {("tiny", None): 1_971_138, ("tiny", 256): 1_987_522, ("small", None): 5_628_930,
+                   ("sahajbert", None): 18_105_474}
+
+
+@pytest.mark.parametrize("preset,seq_len", sorted(MEASURED_PARAMS, key=str))
+def test_parameter_counts_from_the_preset_alone(preset, seq_len):
+    assert cost.n_params(preset, seq_len) == MEASURED_PARAMS[preset, seq_len]
+
+
+def test_the_constants_the_model_copies_from_torch_modules():
+    assert cost.OPTIM_STATE == optim.STATE
+    assert inspect.signature(scheduler.prune).parameters["window"].default == cost.PRUNE_WINDOW
+
+
+def _requests(bucket) -> Counter:
+    return Counter(bucket.stats.snapshot()["requests"])
+
+
+def _close(got: Counter, want: cost.Requests) -> None:
+    assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}
+
+
+@pytest.fixture(scope="module", params=[("adamw", 3), ("lamb", 4)], ids=["adamw-3-parts", "lamb-1-part"])
+def round_on_s3(request, s3_endpoint, tmp_path_factory):
+    """One real round on moto, each step's requests counted by the bucket (the counters equal the
+    server's own log: tests/test_requests.py): a poll, an upload, the closing poll, finish, a
+    state download, and prune of a state that leaves the window and of states already gone."""
+    mp = pytest.MonkeyPatch()
+    for k, v in dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                     AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=s3_endpoint).items():
+        mp.setenv(k, v)
+    from dedloc_pipeline.storage.bucket import Bucket
+    opt, per_part = request.param
+    name = f"cost-{opt}-{time.time_ns() % 10**9}"
+    Bucket(f"s3://{name}").fs.mkdir(name)
+    bucket = Bucket(f"s3://{name}/c")
+    # 4 chunks (the last one short) in parts of 3 and 1, or in one; int8 shards, int4 deltas
+    config = RunConfig(run="cost", seq_len=32, chunk_size=1 << 19, chunks_per_part=per_part, codec="int8",
+                       target_batch_size=8, optimizer={"name": opt})
+    run = init_run(bucket, config)
+    keys, steps = run.keys, {}
+
+    def counted(label, fn):
+        before = _requests(bucket)
+        out = fn()
+        steps[label] = _requests(bucket) - before
+        return out
+
+    sched = scheduler.Scheduler(run, 2, 0)
+    peers = ["p0", "p1"]
+    for p in peers:
+        bucket.write_json(keys.progress(0, p), {"peer": p, "round": 0, "samples": 4, "samples_per_s": 1.0,
+                                                "time": time.time()})
+    counted("poll", lambda: sched.wait_close(0, deadline=time.monotonic() - 1))
+    counted("view", lambda: view.read(bucket, keys))
+    rng = np.random.default_rng(0)
+    for i, p in enumerate(peers):
+        arrays = codec.encode(rng.standard_normal(run.grad_format.n).astype(np.float32), "int8", config.block_size)
+        counted(f"upload {p}", lambda: shard.upload(run, 0, p, f"part{i}", arrays, 4, 1.0,
+                                                    shard.DataRef(stream=p, ranges=[(0, 4)])))
+    assert counted("closing", lambda: sched.try_close(0)) is not None
+    with ThreadPoolExecutor(2) as pool:
+        counted("finish", lambda: sched.finish(0, pool))
+    p0 = run.load_params(0)
+    counted("download", lambda: run.apply_delta(1, p0, run.commit_of(1)))
+    counted("between rounds", sched.poll)
+    counted("prune state 1", lambda: scheduler.prune(run, 1 + config.keep_states))
+    counted("prune again", lambda: scheduler.prune(run, 4 + config.keep_states))
+    yield run, cost.Layout(config), steps
+    mp.undo()
+
+
+def test_the_layout_is_the_runs(round_on_s3):
+    run, lay, _ = round_on_s3
+    assert lay.n == run.flat.n and lay.grad == run.grad_format and lay.delta == run.delta_format
+    assert lay.parts == [len(run.part_chunks(k)) for k in range(run.n_parts)] in ([3, 1], [4])
+
+
+def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
+    _, lay, steps = round_on_s3
+    _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True, manifests_listed=False))
+    _close(steps["view"], cost.Requests(get=1))
+    _close(steps["upload p0"], lay.shard_upload())
+    assert lay.shard_upload() == cost.Requests(get=4, put=2 * (4 + 1) + 1)  # codes and scales, then the manifest
+
+
+def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_on_s3):
+    _, lay, steps = round_on_s3
+    _close(steps["closing"], lay.scheduler_poll(heartbeats=0, manifests=2) + lay.closing(2))
+    _close(steps["finish"], lay.finish(2))
+    _close(steps["download"], lay.state_download())
+    assert lay.state_download() == cost.Requests(get=1 + 2 * 4)  # the COMMIT, the int4 delta's chunks
+    _close(steps["between rounds"], lay.between_rounds())
+
+
+def test_pruning_costs_what_the_model_says(round_on_s3):
+    _, lay, steps = round_on_s3
+    _close(steps["prune state 1"], lay.prune_state(shards=2, peers=2))
+    _close(steps["prune again"], lay.prune_missing() * 4)
+
+
+def test_the_cadence_is_integrated_over_the_falling_eta():
+    """A round open 100 s with the default cadence: polls every 0.5 s below an ETA of 4 s, an
+    eighth of the ETA up to 40 s, every 5 s above."""
+    cad = RunConfig(run="x").cadence
+    want = 4 / 0.5 + np.log(40 / 4) / 0.125 + 60 / 5
+    assert cost._count(cad.poll_s, 100.0) == pytest.approx(want, rel=1e-3)
+    assert cost._count(cad.poll_s, 2.0) == pytest.approx(4.0, rel=1e-3) and cost._count(cad.poll_s, 0) == 0
+
+
+def test_a_planned_round_adds_up_from_its_parts():
+    cfg = recipe_config("plan", "sahajbert")
+    e = cost.estimate(cfg, peers=40, days=14, samples_per_s=1.0, reduce_s=10.0, uplink_mbit_s=100.0)
+    lay = cost.Layout(cfg)
+    assert e.n_params == 18_105_474 and e.chunks == 18 and e.round_s == pytest.approx(4096 / 40)
+    upload_s = 0.66 * e.n_params * 8 / 100e6
+    assert e.settle_s == pytest.approx(10.0 + upload_s) and e.open_s == pytest.approx(e.round_s - e.settle_s)
+    per_round = {k: v * e.round_s / 3600 for k, v in e.volunteer_hour.requests.items()}
+    assert per_round["get"] == pytest.approx(e.view_reads_per_round + lay.state_download().get + lay.shard_upload().get)
+    assert per_round["put"] == pytest.approx(e.heartbeats_per_round + lay.shard_upload().put)
+    step_s = cfg.micro_batch / 1.0  # a volunteer looks between micro-batches: every 8 s here
+    assert per_round["head"] == pytest.approx(10.0 / step_s)  # the next COMMIT, while the round is reduced
+    assert per_round["list"] == 0
+    down = e.volunteer_hour.bytes_down * e.round_s / 3600
+    assert 0.47 * e.n_params < down < 0.48 * e.n_params  # the delta, and small objects
+    s3 = e.cost["s3"]
+    assert s3.run == pytest.approx(40 * 14 * s3.volunteer_day.total + 14 * s3.scheduler_day.total + s3.storage)
+    assert e.cost["r2"].volunteer_day.egress == 0 and s3.volunteer_day.egress > 0
+    inside = cost.estimate(cfg, 40, 14, 1.0, reduce_s=10.0, uplink_mbit_s=100.0, scheduler_egress=False)
+    assert inside.cost["s3"].scheduler_day.egress == 0 < s3.scheduler_day.egress
+
+
+def test_requests_per_volunteer_stay_flat_in_the_number_of_peers():
+    """The cadence's point: more peers make shorter rounds, not more polls per hour."""
+    cfg = recipe_config("plan", "sahajbert")
+    few, many = (cost.estimate(cfg, p, 1, 1.0, reduce_s=0.0).volunteer_hour.requests for p in (20, 40))
+    assert many["get"] < 2 * few["get"]
+
+
+def test_a_plan_needs_a_speed_where_none_was_measured():
+    with pytest.raises(ValueError, match="no measured speed for preset 'sahajbert'"):
+        cost.estimate(recipe_config("p", "sahajbert"), 40, 14)
+    assert cost.estimate(recipe_config("p", "tiny"), 4, 1).samples_per_s == cost.SAMPLES_PER_S["tiny"]
+
+
+# the command
+
+def cli(*args):
+    return CliRunner().invoke(app, ["cost", *args])
+
+
+def test_the_cost_command_prints_the_table():
+    res = cli("--preset", "sahajbert", "--peers", "40", "--days", "14", "--samples-per-s", "1")
+    assert res.exit_code == 0, res.output
+    for text in ("per volunteer-hour", "GB per volunteer-day", "$ per volunteer-day", "whole run",
+                 "scheduler", "S3", "R2", "18,105,474", "2026-12-01"):
+        assert text in res.output, text
+    as_json = cli("--preset", "tiny", "--peers", "4", "--days", "1", "--json")
+    assert as_json.exit_code == 0 and json.loads(as_json.output)["cost"]["s3"]["run"] > 0
+
+
+def test_the_cost_command_reads_a_runs_config(tmp_path):
+    from dedloc_pipeline.storage.bucket import Bucket
+    url = f"file://{tmp_path}/b"
+    init_run(Bucket(url), recipe_config("r", "tiny", target_batch_size=64))
+    res = cli("--bucket", url, "--run", "r", "--peers", "4", "--days", "2", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["target"] == 64
+    res = cli("--bucket", url, "--run", "r", "--preset", "small", "--peers", "4", "--days", "2")
+    assert res.exit_code == 2 and "drop --preset" in res.stderr
+
+
+def test_the_cost_command_takes_a_price_file_and_refuses_a_bad_one(tmp_path):
+    good = _dump(tmp_path, _priced())
+    res = cli("--preset", "tiny", "--peers", "4", "--days", "1", "--prices", good)
+    assert res.exit_code == 0 and "CHEAP" in res.output and "R2" not in res.output, res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"date": "soon"}')
+    res = cli("--preset", "tiny", "--peers", "4", "--days", "1", "--prices", str(bad))
+    assert res.exit_code == 2 and res.stderr.startswith("error: prices "), res.output
+    res = cli("--preset", "sahajbert", "--peers", "4", "--days", "1")
+    assert res.exit_code == 2 and "no measured speed" in res.stderr

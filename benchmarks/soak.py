@@ -222,6 +222,7 @@ def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3
             while state < rounds:  # lock-step, as tests/protocol_driver.py
                 for w in list(live.values()):
                     w.step()
+                    w.flush()
                 steps += 1
                 if steps > 400:  # a round fills in a handful of steps
                     raise RuntimeError(f"state {state + 1} not committed in {steps} steps")

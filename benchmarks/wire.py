@@ -38,6 +38,7 @@ def _lockstep(url: str, name: str, peers: int, rounds: int, warmup: int):
                 marks = {w.peer: w.run.bucket.stats.snapshot() for w in workers}
             for w in workers:
                 w.step()
+                w.flush()  # its transfers land before anyone's next move: deterministic
             if turn % 2 == 0:
                 sched.step(pool)
             turn += 1

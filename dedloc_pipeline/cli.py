@@ -99,7 +99,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            until_round: Optional[int] = typer.Option(None, help="exit once state R is committed"),
            threads: Optional[int] = typer.Option(None, help="torch threads"),
            micro_batch: Optional[int] = typer.Option(None, help="this volunteer's micro-batch"),
-           poll: float = typer.Option(1.0, help="seconds between bucket polls"),
+           poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
+                                                "cadence, often near the target, seldom far from it)"),
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
            key: Optional[str] = typer.Option(None, envvar="DEDLOC_KEY",
                                              help="your private key: signs your shards (runs that require it)"),
@@ -123,7 +124,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
               until_round: Optional[int] = typer.Option(None, help="exit once state R is committed"),
               parallel: int = typer.Option(2, help="aggregator threads"),
-              poll: float = typer.Option(1.0, help="seconds between bucket polls"),
+              poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
+                                                   "cadence, often near the target, seldom far from it)"),
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)

@@ -19,7 +19,7 @@ def open_run(bucket: str, run: str) -> Run:
 
 
 @functools.lru_cache(maxsize=8)
-def scheduler(bucket: str, run: str, poll_s: float = 1.0) -> Scheduler:
+def scheduler(bucket: str, run: str, poll_s: float | None = None) -> Scheduler:
     """One per process, so shard validations are cached across the polls of a round."""
     return Scheduler(open_run(bucket, run), poll_s=poll_s)
 

@@ -24,7 +24,7 @@ from flows.common import artifact_key, dask_address, open_run, scheduler, task_r
 
 
 @task(retries=3, retry_delay_seconds=2)
-def wait_close(bucket: str, run: str, r: int, poll_s: float, max_wait_s: float) -> dict | None:
+def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: float) -> dict | None:
     """Round r's CLOSE in brief, or None if the run was stopped or nothing closed in ``max_wait_s``."""
     close = scheduler(bucket, run, poll_s).wait_close(r, time.monotonic() + max_wait_s)
     return None if close is None else engine.close_summary(close)
@@ -61,7 +61,7 @@ def publish_report(bucket: str, run: str) -> dict:
 
 
 @flow(name="dedloc-round", log_prints=True)
-def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: float = 300.0,
+def round_flow(bucket: str, run: str, r: int, poll_s: float | None = None, max_wait_s: float = 300.0,
                runner: str = "threads") -> dict | None:
     """Close round r, reduce and apply every part in parallel, commit state r+1."""
     close = wait_close(bucket, run, r, poll_s, max_wait_s)
@@ -89,7 +89,7 @@ def round_flow(bucket: str, run: str, r: int, poll_s: float = 1.0, max_wait_s: f
 
 @flow(name="pretrain", log_prints=True)
 def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | None = 10,
-             max_minutes: float | None = None, config: dict | None = None, poll_s: float = 1.0,
+             max_minutes: float | None = None, config: dict | None = None, poll_s: float | None = None,
              parallel: int = 2, runner: str = "threads", dask_scheduler: str | None = None) -> dict:
     """Schedule rounds until state ``rounds`` is committed, ``max_minutes`` pass, or STOP.
 

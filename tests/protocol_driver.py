@@ -28,6 +28,7 @@ def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | 
                 return workers
             for w in workers:
                 w.step()
+                w.flush()  # its transfers land before anyone's next move: deterministic
             if i % scheduler_every == 0:
                 sched.step(pool)
     raise AssertionError(f"state {rounds} not reached in {max_steps} steps")

@@ -63,12 +63,14 @@ def trained(tmp_path_factory):
             for w in workers:
                 w.sync()
                 w.step()
+                w.flush()
             sched.step(pool)
     assert run.latest() == ROUNDS
     # one micro-batch each in the open round: live progress, too little to upload (4 + 8 < 24)
     for w in workers:
         w.sync()
         w.step()
+        w.flush()
     pending = {w.peer: w.acc.samples for w in workers}
     assert all(w.acc.round == ROUNDS for w in workers) and sum(pending.values()) < 24
     return url, run, pending

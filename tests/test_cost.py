@@ -186,7 +186,7 @@ def test_the_layout_is_the_runs(round_on_s3):
 
 def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
     _, lay, steps = round_on_s3
-    _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True, manifests_listed=False))
+    _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True))
     _close(steps["view"], cost.Requests(get=1))
     _close(steps["upload p0"], lay.shard_upload())
     assert lay.shard_upload() == cost.Requests(get=4, put=2 * (4 + 1) + 1)  # codes and scales, then the manifest
@@ -204,7 +204,8 @@ def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_o
 def test_pruning_costs_what_the_model_says(round_on_s3):
     _, lay, steps = round_on_s3
     _close(steps["prune state 1"], lay.prune_state(shards=2, peers=2))
-    _close(steps["prune again"], lay.prune_missing() * 4)
+    # states 2-4: gone already, and each pruned once by this process (state 1 was)
+    _close(steps["prune again"], lay.prune_missing() * 3)
 
 
 def test_the_cadence_is_integrated_over_the_falling_eta():
@@ -226,8 +227,7 @@ def test_a_planned_round_adds_up_from_its_parts():
     per_round = {k: v * e.round_s / 3600 for k, v in e.volunteer_hour.requests.items()}
     assert per_round["get"] == pytest.approx(e.view_reads_per_round + lay.state_download().get + lay.shard_upload().get)
     assert per_round["put"] == pytest.approx(e.heartbeats_per_round + lay.shard_upload().put)
-    step_s = cfg.micro_batch / 1.0  # a volunteer looks between micro-batches: every 8 s here
-    assert per_round["head"] == pytest.approx(10.0 / step_s)  # the next COMMIT, while the round is reduced
+    assert per_round.get("head", 0) == 0  # no HEAD of the next COMMIT while the round is reduced
     assert per_round["list"] == 0
     down = e.volunteer_hour.bytes_down * e.round_s / 3600
     assert 0.47 * e.n_params < down < 0.48 * e.n_params  # the delta, and small objects

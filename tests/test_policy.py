@@ -390,6 +390,7 @@ def test_a_real_worker_runs_on_these_rights(collab, monkeypatch):
     while w.uploaded_samples == 0:
         assert time.time() < deadline, "the worker did not upload"
         w.step()
+        w.flush()
     w.leave()
     manifests = bucket.find(f"{KEYS.manifests_dir(w.state)}/{ME}")
     assert manifests and collab["admin"].head_object(Bucket=collab["bucket"], Key=f"{PREFIX}/{manifests[0]}")

@@ -34,7 +34,9 @@ def test_display_shows_the_worker_and_the_ledger(make_run):
     run.bucket.write_json(run.keys.progress(1, "bob"), {"peer": "bob", "round": 1, "samples": 8,
                                                          "samples_per_s": 2.0, "time": time.time()})
     Scheduler(run, 1, 0).try_close(1)  # the scheduler's round view: what alice reads of bob
+    alice.sync()  # at state 1 (a step would only start its download)
     alice.step()
+    alice.flush()
     display = Display(alice, plain=True, console=Console(file=io.StringIO()))
     f = display.facts()
     assert f["snapshot"].state == 1 and f["activity"] == "computing round 1"

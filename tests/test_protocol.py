@@ -333,16 +333,23 @@ def test_delayed_updates_keep_computing_while_a_round_is_reduced(make_run, delay
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
     put_shard(run, 0, "other", samples=24)  # the round is full ...
     Scheduler(run, 1, 0).try_close(0)  # ... closed, its round view published; nobody reduces it
-    worked = [w.step() for _ in range(3)]
+    worked = []
+    for _ in range(3):
+        worked.append(w.step())
+        w.flush()
     assert worked == [delayed] * 3
     if delayed:
         assert w.acc.round == 1 and w.acc.stale_samples == w.acc.samples == 12
         progress = run.bucket.read_json(run.keys.progress(1, "a"))
         assert progress["samples"] == 12  # and the others can count them toward round 1
-        Scheduler(run, 1, 0).try_close(0)
         finish(run, 0)
+        Scheduler(run, 1, 0).try_close(1)  # the scheduler's next poll: the view names state 1
         w.step()
-        assert w.state == 1 and w.acc.round == 1 and w.acc.samples == 16 and w.acc.stale_samples == 12
+        w.flush()
+        # state 1 downloads beside that micro-batch, which is one more on state 0 (stale) ...
+        assert w.state == 1 and w.acc.round == 1 and w.acc.samples == 16 and w.acc.stale_samples == 16
+        w.step()  # ... and the next is on state 1
+        assert w.acc.samples == 20 and w.acc.stale_samples == 16
     else:
         assert w.acc is None and w.computed_samples == 0
 

@@ -131,6 +131,7 @@ def _drive(run, peers, rounds, attack, max_steps=400):
             attack(i, r)
             for w in workers:
                 w.step()
+                w.flush()
             if i % 2 == 0:
                 sched.step(pool)
     raise AssertionError(f"state {rounds} not reached in {max_steps} steps")
@@ -187,6 +188,7 @@ def test_without_a_fresh_view_workers_compute_and_hold_until_a_scheduler_publish
         for _ in range(n):
             for w in workers:
                 w.step()
+                w.flush()
 
     # no view at all: no scheduler yet. 12 samples each (36 together) stay pending
     step_all(3)
@@ -219,7 +221,10 @@ def test_a_lone_worker_without_a_view_uploads_only_a_round_it_fills_itself(make_
     scheduler, uploads the whole target once, then waits."""
     run = make_run()
     w = Worker(run, "a", micro_batch=8, threads=1, poll_s=0)
-    worked = [w.step() for _ in range(5)]
+    worked = []
+    for _ in range(5):
+        worked.append(w.step())
+        w.flush()
     assert worked == [True, True, True, False, False]
     assert w.uploads and [n for _, _, n in w.uploads] == [TARGET]
 
@@ -238,9 +243,11 @@ def _worker_requests(tmp_path, others: int) -> tuple[Counter, Counter]:
     sched = Scheduler(Run(Bucket(url), "cost"), 1, 0)
     sched.try_close(0)
     w.step()
+    w.flush()
     before, s0 = Counter(w.run.bucket.stats.requests), Counter(sched.run.bucket.stats.requests)
     for _ in range(3):
         w.step()
+        w.flush()
     sched.try_close(0)
     assert w.uploads == []
     return Counter(w.run.bucket.stats.requests) - before, Counter(sched.run.bucket.stats.requests) - s0

@@ -169,7 +169,7 @@ HEARTBEAT_BYTES = 300  # protocol/view.py: an honest heartbeat is ~300 bytes
 CHECKSUM_JSON_BYTES = 38  # one chunk's 32-hex checksum in indented JSON (COMMIT, CLOSE)
 SHARD_ENTRY_BYTES = 250  # a shard's entry in a COMMIT (key, peer, samples, loss, manifest hash)
 OPTIM_STATE = ("exp_avg", "exp_avg_sq")  # protocol/optim.py's STATE (torch there; the test compares)
-PRUNE_WINDOW = 3  # scheduler.prune's window: already-pruned states it deletes again each commit
+PRUNE_WINDOW = 3  # scheduler.prune's window: the states a process looks back at its first prune
 S3_PAGE = 1000  # keys per LIST page and per DeleteObjects request
 # Measured: samples/s of one volunteer, where a benchmark has it. tiny: benchmark 1's limit, one
 # single-thread process per core (35.7 samples/s on 2 cores). sahajbert on a GPU is not measured yet.
@@ -251,19 +251,17 @@ class Layout:
         reads skip zarr's metadata)."""
         return Requests(get=1 + sum(_chunks(self.delta)))
 
-    def scheduler_poll(self, heartbeats: int, manifests: int, first: bool = False,
-                       manifests_listed: bool = True) -> Requests:
+    def scheduler_poll(self, heartbeats: int, manifests: int, first: bool = False) -> Requests:
         """One poll of the scheduler that does not close the round (``Scheduler.try_close``): its
         CLOSE, the round's heartbeats and manifests listed and the given numbers read (those
         written since the last poll), STOP, and the view written. The round's first poll also
-        reads the COMMIT that opened it. On S3 listing an empty prefix costs a LIST, a HEAD and a
-        LIST (s3fs probes whether it is a file)."""
+        reads the COMMIT that opened it. A listing is one LIST a 1000 keys, empty or not."""
         cfg = self.config
         r = Requests(get=1 + heartbeats + manifests + int(first), put=1, head=1, list=2)
         r += Requests(get=int(cfg.organizer_key is not None))  # the roster
         if cfg.close.late_shards == "fold":  # the previous round's CLOSE and its manifests' listing
             r += Requests(get=1 + int(cfg.organizer_key is not None), list=1)
-        return r + Requests(list=int(not manifests_listed), head=int(not manifests_listed))
+        return r
 
     def closing(self, shards: int) -> Requests:
         """What closing adds to its poll: each new shard validated (its objects listed, every
@@ -296,30 +294,29 @@ class Layout:
 
     def prune_state(self, shards: int, peers: int, checkpoint: bool = False) -> Requests:
         """``scheduler.prune`` deleting one state that leaves the kept window, and its round's
-        scratch: a LIST page and a DeleteObjects per 1000 keys of each prefix; streams.json, a
-        single object, a LIST, a HEAD and a DELETE. A checkpoint keeps its params and optimizer state."""
+        scratch: a LIST page and a DeleteObjects per 1000 keys of each prefix (streams.json, a
+        single object, too). A checkpoint keeps its params and optimizer state."""
         dense = self.dense
         prefixes = [len(self.parts), _objects(self.delta), shards * _objects(self.grad), shards, peers,
                     _objects(dense) + len(self.parts)]  # applied, delta, shards, manifests, heartbeats, reduced
         if not checkpoint:
             prefixes += [_objects(dense), (len(OPTIM_STATE) + 1) * (dense.n_chunks + 1)]  # params, optim
-        r = Requests(list=1, head=1, delete=1)
+        r = Requests(list=1, delete=1)
         for objects in prefixes:
             pages = max(1, math.ceil(objects / S3_PAGE))
             r += Requests(list=pages, delete=pages)
         return r
 
     def prune_missing(self, checkpoint: bool = False) -> Requests:
-        """``scheduler.prune`` deleting again a state already pruned: on S3 each missing prefix
-        costs 3 LISTs and 2 HEADs (s3fs probes it as a folder and as a file)."""
-        return Requests(list=3, head=2) * (9 - 2 * checkpoint)
+        """``scheduler.prune`` deleting a state that is gone already (the ``PRUNE_WINDOW`` a
+        process looks back once): one LIST a prefix."""
+        return Requests(list=1) * (9 - 2 * checkpoint)
 
     def prune_steady(self, shards: int, peers: int) -> Requests:
         """``scheduler.prune`` after one commit in a long run, on average: one state leaves the
-        kept window, and the ``PRUNE_WINDOW`` before it are deleted again."""
+        kept window (a process deletes each state once)."""
         k = 1 / self.config.checkpoint_every
-        return (self.prune_state(shards, peers) * (1 - k) + self.prune_state(shards, peers, True) * k
-                + (self.prune_missing() * (1 - k) + self.prune_missing(True) * k) * PRUNE_WINDOW)
+        return self.prune_state(shards, peers) * (1 - k) + self.prune_state(shards, peers, True) * k
 
 
 # a planned run
@@ -390,9 +387,9 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     scheduler reduces (``reduce_s``, default benchmark 5's fit). With delayed updates volunteers
     keep computing while it settles, so a round lasts its computing time (at least the settling);
     without, the two add. Volunteers read the view and heartbeat at the cadence's intervals for
-    the ETA (0 once the round can fill; a closed view also costs a HEAD of the next COMMIT per
-    read, and once unchanged for ``peer_timeout_s`` a fallback check of LATEST and STOP every
-    ``poll_max_s``), rounded up to whole micro-batches (``micro_batch``, default the run's: a
+    the ETA (0 once the round can fill; while it is reduced, what the last reduction took,
+    less the time since; once the view is unchanged for ``peer_timeout_s`` a fallback check of
+    LATEST and STOP every ``poll_max_s``), rounded up to whole micro-batches (``micro_batch``, default the run's: a
     computing worker looks between them), upload one shard and download one state per round. The scheduler polls at the
     cadence too (every ``scheduler_poll_s`` if given) until the round closes, reading each
     heartbeat once per write and each manifest once, then validates, reduces, applies, commits
@@ -435,10 +432,9 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # per round, the scheduler: polls until CLOSE (the first reads the opening COMMIT and every
     # live heartbeat, later ones the heartbeats written since), then the round's own work
     polls = max(1.0, _count(sched_poll, open_s) + upload_s / sched_poll(0.0))
-    empty = min(polls, _count(sched_poll, open_s))  # before the first upload: an empty manifests prefix
     beats_open = _count(beat, open_s) + upload_s / beat(0.0)
     changed = peers * (1 + min(beats_open, polls))
-    sched = (lay.scheduler_poll(0, 0) * polls + Requests(list=empty, head=empty)
+    sched = (lay.scheduler_poll(0, 0) * polls
              + Requests(get=1 + changed + peers) + lay.closing(peers) + lay.finish(peers)
              + lay.prune_steady(peers, peers) + lay.between_rounds())
     view_b = _view_bytes(config)
@@ -457,10 +453,11 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
         """Computing ahead with delayed updates; else waiting, looking every quarter interval."""
         return between_steps(interval) if config.delayed_updates else interval
 
-    closed_reads = reduce_s / while_reduced(cad.poll_s(0.0))
+    # reading a closed view, a volunteer polls at a share of what the last reduction took
+    closed_reads = _count(lambda eta: while_reduced(cad.poll_s(eta)), reduce_s)
     fallbacks = max(0.0, reduce_s - timeout) / cad.poll_max_s  # the view unchanged: LATEST and STOP
     beats = beats_open + reduce_s / while_reduced(cad.heartbeat_s(0.0, timeout)) + 1
-    volunteer = (Requests(get=reads_open + closed_reads, head=closed_reads, put=beats)
+    volunteer = (Requests(get=reads_open + closed_reads, put=beats)
                  + Requests(get=1, head=2) * fallbacks + lay.shard_upload() + lay.state_download())
     vol_up = shard_b + lay.manifest_bytes() + beats * HEARTBEAT_BYTES
     vol_down = delta_b + min(reads_open, polls) * view_b + lay.commit_bytes(peers)

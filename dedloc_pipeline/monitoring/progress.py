@@ -332,7 +332,7 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
 
 def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
                 device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
-                poll: float = 1.0, endpoint_url: str | None = None) -> Worker:
+                poll: float | None = None, endpoint_url: str | None = None) -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
     exists (default: the GPU when there is one), the key it signs with."""
     from ..protocol.run import Run

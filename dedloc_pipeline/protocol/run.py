@@ -38,6 +38,7 @@ class Run:
                                f"this dedloc reads v{LAYOUT_VERSION}: nothing was written")
             config = RunConfig.model_validate(raw)
         self.config = config
+        self.pruned_through: int | None = None  # the newest state this process pruned (scheduler.prune)
 
     @property
     def name(self) -> str:

@@ -310,7 +310,10 @@ def prune(run: Run, newest: int, window: int = 3) -> None:
     """
     keys, bucket, cfg = run.keys, run.bucket, run.config
     last = newest - cfg.keep_states
-    for s in range(max(1, last - window), last + 1):
+    # ``window`` states back once per process (a crash may have skipped some), then only new ones
+    first = max(1, last - window) if run.pruned_through is None else run.pruned_through + 1
+    run.pruned_through = max(last, run.pruned_through or 0)
+    for s in range(first, last + 1):
         bucket.delete(keys.applied_dir(s))
         bucket.delete(keys.streams(s))
         bucket.delete(keys.delta(s))

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,10 +60,14 @@ class Manifest(BaseModel):
 
 
 def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, loss: float,
-           data: DataRef, stale_samples: int = 0, signer: identity.Ed25519PrivateKey | None = None) -> str:
-    """Write a shard: chunks first, then the manifest (signed if given a key). Returns its key."""
+           data: DataRef, stale_samples: int = 0, signer: identity.Ed25519PrivateKey | None = None,
+           abandoned: Callable[[], bool] = lambda: False) -> str | None:
+    """Write a shard: chunks first, then the manifest (signed if given a key). Returns its key;
+    None if ``abandoned()`` said so once the chunks were written (no manifest: no shard)."""
     key = run.keys.shard(r, peer, part)
     sums = codec.write_vector(run.bucket, key, run.grad_format, arrays)
+    if abandoned():
+        return None
     fmt = run.grad_format
     m = Manifest(layout_version=LAYOUT_VERSION, run=run.name, round=r, peer=peer, part=part,
                  codec=fmt.codec, n=fmt.n, chunk_size=fmt.chunk_size, block=fmt.block,

@@ -25,9 +25,12 @@ than the worker's, a closed round, STOP.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -42,6 +45,16 @@ from .run import Run, RunError
 from .view import RoundView
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Sent:
+    """One upload of this peer's: ``at`` is when its manifest landed (inf while under way)."""
+
+    round: int
+    samples: int
+    at: float = math.inf
+    job: Future | None = None
 
 
 @dataclass
@@ -99,6 +112,8 @@ class Worker:
         self.fallback_s = self.cadence.poll_max_s if poll_s is None else 5 * poll_s
         self._reader = published.Reader(run.config.peer_timeout_s)
         self._speed = 0.0  # this peer's samples per second of wall time (moving average)
+        self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
+        self._reduce_s: float | None = None  # from then to the next state, last time
         self._computed_at: float | None = None
         if threads:
             torch.set_num_threads(threads)
@@ -116,7 +131,13 @@ class Worker:
         self._view: RoundView | None = None  # round ``state`` as the last fresh round view showed it
         self._looked = float("-inf")  # time.monotonic() of the last round-view read
         self._beats: deque[tuple[float, int, int, float]] = deque(maxlen=64)  # (time, round, samples, rate)
-        self._sent: deque[tuple[float, int, int]] = deque(maxlen=64)  # (time, round, samples) of uploads
+        self._sent: deque[_Sent] = deque(maxlen=64)  # this peer's recent uploads
+        self._sending: list[_Sent] = []  # those under way
+        self._fetching: tuple[int, Future] | None = None  # (state, its download) under way
+        # one thread moves the bytes: uploads in order (error feedback), downloads between them;
+        # started on the first transfer, ended when the worker leaves
+        self._transfers: ThreadPoolExecutor | None = None
+        self._abandon = threading.Event()
         self._uploaded: set[int] = set()  # rounds this worker sent a part to
         self._last_progress = 0.0
         self._last_sync = 0.0
@@ -131,45 +152,69 @@ class Worker:
     # state
     def sync(self, latest: int | None = None) -> bool:
         """Move to the newest committed state (LATEST and the COMMITs say which; STOP is read
-        too), or to state ``latest`` when the round view names it; True if it changed."""
+        too), or to state ``latest`` when the round view names it; True if it changed. This
+        waits for the download: the round view's new states are fetched in the background
+        (``_prefetch``) instead."""
         if latest is None:
             self._last_sync = time.time()
             self.stopped = self.run.bucket.exists(self.run.keys.stop())
             latest = self.run.latest()
-        elif self.state is not None and latest <= self.state:
+        if self.state is not None and latest <= self.state:
             return False
-        if latest == self.state:
-            return False
+        try:
+            params = self._load(latest, self.state, self.params)
+        except CorruptShard:
+            if self.run.latest() == latest:
+                raise
+            return self.sync()  # pruned under our feet by newer commits: take the newest
+        return params is not None and self._install(latest, params)
+
+    def _load(self, latest: int, state: int | None, base) -> object | None:
+        """The parameters of committed state ``latest``: from ``base`` (those of ``state``) and
+        the delta when it is the next state, else the snapshot; None if it is not committed.
+        Touches nothing of the worker's, so it runs on the transfer thread too."""
         try:
             commit = self.run.commit_of(latest)
         except RunError:  # the view named a state whose COMMIT is not there: only COMMITs count
             log.warning("%s: the round view names state %d, which is not committed", self.peer, latest)
-            return False
-        params = None
-        if self.state is not None and latest == self.state + 1:
+            return None
+        if state is not None and latest == state + 1:
             try:
-                params = self.run.apply_delta(latest, self.params, commit)
+                return self.run.apply_delta(latest, base, commit)
             except Exception as exc:  # any mismatch: the snapshot is the truth
                 log.warning("%s: delta of state %d unusable (%s); reading the snapshot", self.peer, latest, exc)
-        if params is None:
-            try:
-                params = self.run.load_params(latest, commit)
-            except CorruptShard:
-                if self.run.latest() == latest:
-                    raise
-                return self.sync()  # pruned under our feet by newer commits: take the newest
+        return self.run.load_params(latest, commit)
+
+    def _install(self, latest: int, params) -> bool:
+        """Make state ``latest`` the one computed on (between micro-batches)."""
         if self.state is None:
             self.cursor = self._resume_cursor(latest)
+        elif latest <= self.state:
+            return False
         elif latest > self.state + 1 and self.acc is not None:
             self._drop()  # more than one step behind: those gradients are too stale to use
+        if self._closed_seen is not None:
+            self._reduce_s, self._closed_seen = time.monotonic() - self._closed_seen, None
         self.params, self.state = params, latest
         self.flat.set(params)
         self._view = None
-        self._looked = float("-inf")  # the view read before this sync was of the old state
+        self._looked = float("-inf")  # the view read before this was of the old state
         self._uploaded = {x for x in self._uploaded if x >= latest}
         self._retarget()
         log.info("%s: at state %d", self.peer, latest)
         return True
+
+    def _prefetch(self, latest: int) -> None:
+        """Download state ``latest`` on the transfer thread while this one computes; installed
+        by the first step after it lands (``_settle``)."""
+        if self._fetching is not None or latest <= self.state:
+            return
+        self._fetching = (latest, self._transfer(self._load, latest, self.state, self.params))
+
+    def _transfer(self, fn, *args) -> Future:
+        if self._transfers is None:
+            self._transfers = ThreadPoolExecutor(1, thread_name_prefix=f"{self.peer}-transfers")
+        return self._transfers.submit(fn, *args)
 
     def _retarget(self) -> None:
         acc = self.acc
@@ -216,10 +261,11 @@ class Worker:
         if v is not None:
             self.stopped = self.stopped or v.stopped  # facts even in a stale view: STOP stays,
             if v.state > self.state:  # a state once committed stays committed
-                self.sync(v.state)
-            elif v.state == self.state and v.closed and bucket.exists(keys.commit(self.state + 1)):
-                self.sync(self.state + 1)  # committed since the view was written
-        if not (fresh and v.state == self.state) and time.time() - self._last_sync >= self.fallback_s:
+                self._prefetch(v.state)
+            elif v.state == self.state and v.closed and self._closed_seen is None:
+                self._closed_seen = time.monotonic()
+        if not (fresh and v.state == self.state) and self._fetching is None \
+                and time.time() - self._last_sync >= self.fallback_s:
             self.sync()
         usable = v is not None and v.state == self.state and (fresh or v.closed)
         self._view = self._mine(v) if usable else None
@@ -229,8 +275,9 @@ class Worker:
         """Seconds until round ``state`` can fill, as this peer sees it: what the validated
         samples and everyone's pending ones lack, at everyone's speed; None if nobody computes."""
         v = self._view if self._view is not None else self._alone(self.state)
-        if v.closed:
-            return 0.0
+        if v.closed:  # being reduced: as long as the last reduction took (unknown: soon)
+            since = time.monotonic() - (self._closed_seen or time.monotonic())
+            return max(0.0, (self._reduce_s or 0.0) - since)
         acc = self.acc
         mine = acc.samples if acc is not None and acc.round == self.state else 0
         lacking = self.run.config.target_batch_size - v.manifest_samples - v.fresh_samples - mine
@@ -260,12 +307,12 @@ class Worker:
         if maybe and not v.closed:
             pending, counted = min(max(b[2] for b in maybe), cfg.target_batch_size), True
             speed = min(max(maybe[-1][3], 0.0), published.MAX_PEER_SPEED)
-        unseen = sum(n for t, rr, n in self._sent if rr == r and t > v.at)
+        unseen = sum(x.samples for x in self._sent if x.round == r and x.at > v.at)
         return published.for_worker(v, pending, speed, counted, unseen)
 
     def _alone(self, r: int) -> RoundView:
         """Round r without a fresh view: nobody's counts but this peer's own shards."""
-        return RoundView(manifest_samples=sum(n for _, rr, n in self._sent if rr == r), at=time.time())
+        return RoundView(manifest_samples=sum(x.samples for x in self._sent if x.round == r), at=time.time())
 
     def _note_speed(self, n: int) -> None:
         """This peer's speed for the ETA: samples per second of wall time, uploads and waits
@@ -281,10 +328,11 @@ class Worker:
         """One decision, and one micro-batch if there is work. False while only waiting."""
         if self.state is None:
             self.sync()
+        self._settle()
         seen = self.view()
         r, target = self.state, self.run.config.target_batch_size
         v = seen if seen is not None else self._alone(r)
-        full = v.closed or v.manifest_samples >= target
+        full = v.closed or v.manifest_samples >= target or self._fetching is not None  # a newer state exists
         acc = self.acc
         if full and acc is not None and acc.round == r:
             if self.delayed:
@@ -335,21 +383,62 @@ class Worker:
         self._note_speed(n)
 
     def _upload(self, acc: Accumulator) -> None:
-        arrays = self.feedback.encode(self.flat.grad() / acc.samples)
-        part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
-        self.activity = "uploading"
-        key = shard.upload(self.run, acc.round, self.peer, part, arrays, acc.samples,
-                           acc.loss_sum / acc.samples,
-                           shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges]),
-                           stale_samples=acc.stale_samples, signer=self.signer)
+        """Send ``acc`` as a shard on the transfer thread: its gradient is copied out (the
+        copy is what is sent) and the model's gradients are zeroed for the next part. Until the
+        manifest lands its samples count as this peer's pending (heartbeat) and unseen shards
+        (round view), so nobody reads them as missing."""
+        grad = self.flat.grad()
+        sent = _Sent(acc.round, acc.samples)
         self._uploaded.add(acc.round)
-        self._sent.append((time.time(), acc.round, acc.samples))
-        self.uploads.append((acc.round, key, acc.samples))
-        self.uploaded_samples += acc.samples
-        log.info("%s: uploaded %d samples to round %d (%s)", self.peer, acc.samples, acc.round, key)
+        self._sent.append(sent)
+        data = shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges])
+        sent.job = self._transfer(self._send, grad, acc.round, acc.samples, acc.loss_sum / acc.samples,
+                                          data, acc.stale_samples, sent)
+        self._sending.append(sent)
         self._drop()
-        self._looked = float("-inf")  # the next step reads the view again, this shard counted in
-        self._report(force=True, round_=acc.round)
+
+    def _send(self, grad, r: int, samples: int, loss: float, data: shard.DataRef, stale: int, sent: "_Sent") -> str:
+        """On the transfer thread: encode (the error feedback is this thread's alone, in
+        upload order) and upload, chunks first and the manifest last."""
+        grad /= samples
+        arrays = self.feedback.encode(grad)
+        part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+        key = shard.upload(self.run, r, self.peer, part, arrays, samples, loss, data,
+                           stale_samples=stale, signer=self.signer, abandoned=self._abandon.is_set)
+        sent.at = time.time()
+        return key
+
+    def _settle(self, wait: bool = False) -> None:
+        """Account for the transfers that finished (all of them with ``wait``): uploads are
+        logged and heartbeaten, a downloaded state is installed. A transfer that failed after
+        its retries raises here, on the worker's thread."""
+        for sent in list(self._sending):
+            if not (wait or sent.job.done()):
+                continue
+            activity, self.activity = self.activity, "uploading" if not sent.job.done() else self.activity
+            try:
+                key = sent.job.result()
+            finally:
+                self.activity = activity
+            self._sending.remove(sent)
+            self.uploads.append((sent.round, key, sent.samples))
+            self.uploaded_samples += sent.samples
+            log.info("%s: uploaded %d samples to round %d (%s)", self.peer, sent.samples, sent.round, key)
+            self._looked = float("-inf")  # the next step reads the view again, this shard counted in
+            self._report(force=True, round_=sent.round)
+        if self._fetching is not None and (wait or self._fetching[1].done()):
+            (latest, job), self._fetching = self._fetching, None
+            try:
+                params = job.result()
+            except CorruptShard:
+                self.sync()  # pruned under our feet by newer commits: take the newest
+                return
+            if params is not None:
+                self._install(latest, params)
+
+    def flush(self) -> None:
+        """Wait for every transfer under way and account for it (lock-step drivers, leaving)."""
+        self._settle(wait=True)
 
     def _drop(self) -> None:
         self.acc = None
@@ -366,10 +455,11 @@ class Worker:
         rate = (self.computed_samples - c0) / max(1e-9, time.monotonic() - t0)
         self._rate = (time.monotonic(), self.computed_samples)
         io = self.run.bucket.stats
-        samples = acc.samples if acc and acc.round == r else 0
+        sending = sum(x.samples for x in self._sending if x.round == r)  # pending until their manifests land
+        samples = (acc.samples if acc and acc.round == r else 0) + sending
         self._beats.append((now, r, samples, rate))
         self.run.bucket.write_json(self.run.keys.progress(r, self.peer), {
-            "peer": self.peer, "round": r, "samples": samples,
+            "peer": self.peer, "round": r, "samples": samples, "sending": sending,
             "samples_per_s": rate, "time": now, "uploaded_samples": self.uploaded_samples,
             "compute_s": self.compute_s, "wall_s": time.monotonic() - self.started,
             "bytes_up": io.bytes_written, "bytes_down": io.bytes_read})
@@ -386,10 +476,21 @@ class Worker:
                         bytes_up=io.bytes_written, bytes_down=io.bytes_read)
 
     def leave(self) -> None:
-        """Tell the others this peer's pending samples will not come."""
-        if self.state is not None:
-            self._drop()
-            self._report(force=True)
+        """Finish the uploads under way, then tell the others this peer's pending samples will
+        not come."""
+        pool, self._transfers = self._transfers, None
+        try:
+            self.flush()
+        except BaseException:  # a second Ctrl-C: the upload under way ends before its manifest
+            self._abandon.set()
+            self._sending.clear()
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=not self._abandon.is_set())
+            if self.state is not None:
+                self._drop()
+                self._report(force=True)
 
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Work until state ``until_round`` is committed, the run is stopped, or ``stop()`` says

@@ -340,13 +340,29 @@ class Bucket:
         """Every key below ``prefix`` with its size and version tag (``Fetched.tag``): S3 lists
         the ETag with each key, so a reader can skip the objects it has read already."""
         n = len(self.root) + 1
+        if self.protocol == "s3":
+            return {p[n:]: info for p, info in self._s3_objects(self.path(prefix) + "/").items()}
         try:
             found = {p[n:]: (int(info.get("size") or 0), _tag(info))
                      for p, info in self.fs.find(self.path(prefix), detail=True).items()}
         except FileNotFoundError:
             found = {}
-        self.stats.add("list", n=1 + len(found) // 1000)  # S3 lists 1000 keys a request
+        self.stats.add("list", n=1 + len(found) // 1000)
         return found
+
+    def _s3_objects(self, path: str) -> dict[str, tuple[int, str]]:
+        """Every object whose path starts with ``path``, with size and ETag: one LIST a 1000
+        keys (s3fs's ``find`` adds a HEAD and a second LIST when there are none)."""
+        bucket, name, _ = self.fs.split_path(path)
+        found, token = {}, None
+        while True:
+            resp = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=name,
+                                   **({"ContinuationToken": token} if token else {}))
+            for o in resp.get("Contents", []):
+                found[f"{bucket}/{o['Key']}"] = (int(o["Size"]), str(o["ETag"]))
+            token = resp.get("NextContinuationToken")
+            if not (resp.get("IsTruncated") and token):
+                return found
 
     # writes
     @_retried
@@ -394,7 +410,17 @@ class Bucket:
 
     @_retried
     def delete(self, prefix: str) -> None:
+        """Delete the object ``prefix`` and everything below it. On S3: one LIST, and one
+        DeleteObjects a 1000 keys only if there is anything (a pruned prefix costs one LIST)."""
         self.stats.add("delete")
+        if self.protocol == "s3":
+            path = self.path(prefix)
+            keys = [k for k in self._s3_objects(path) if k == path or k.startswith(path + "/")]
+            bucket = self.fs.split_path(path)[0]
+            for i in range(0, len(keys), 1000):
+                self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
+                    "Objects": [{"Key": self.fs.split_path(k)[1]} for k in keys[i:i + 1000]], "Quiet": True})
+            return
         try:
             self.fs.rm(self.path(prefix), recursive=True)
         except FileNotFoundError:

@@ -209,12 +209,12 @@ def test_pruning_costs_what_the_model_says(round_on_s3):
 
 
 def test_the_cadence_is_integrated_over_the_falling_eta():
-    """A round open 100 s with the default cadence: polls every 0.5 s below an ETA of 4 s, an
-    eighth of the ETA up to 40 s, every 5 s above."""
+    """A round open 100 s with the default cadence: polls every 0.5 s below an ETA of 1 s, at
+    half the ETA up to 20 s, every 10 s above."""
     cad = RunConfig(run="x").cadence
-    want = 4 / 0.5 + np.log(40 / 4) / 0.125 + 60 / 5
+    want = 1 / 0.5 + np.log(20 / 1) / 0.5 + 80 / 10
     assert cost._count(cad.poll_s, 100.0) == pytest.approx(want, rel=1e-3)
-    assert cost._count(cad.poll_s, 2.0) == pytest.approx(4.0, rel=1e-3) and cost._count(cad.poll_s, 0) == 0
+    assert cost._count(cad.poll_s, 1.0) == pytest.approx(2.0, rel=1e-3) and cost._count(cad.poll_s, 0) == 0
 
 
 def test_a_planned_round_adds_up_from_its_parts():

@@ -202,7 +202,7 @@ def test_without_a_fresh_view_workers_compute_and_hold_until_a_scheduler_publish
     assert run.bucket.find(run.keys.manifests_dir(0)) == []
     assert all(w.acc.samples == 16 and w.snapshot().view is None for w in workers)
     # a scheduler publishes again: 48 pending, the round can fill, everyone uploads
-    assert sched.try_close(0) is None and _published(run).pending_samples == 48
+    assert sched.try_close(0) is None and _published(run).pending_samples >= 48  # projected at their speed
     step_all()
     assert len(run.bucket.find(run.keys.manifests_dir(0))) == 3 and all(w.acc is None for w in workers)
     with ThreadPoolExecutor(2) as pool:

@@ -47,21 +47,23 @@ class CloseRule(BaseModel):
 
 class Cadence(BaseModel):
     """How often volunteers read the round view and heartbeat: fast near the target, slow far from
-    it. Each interval is a share of the view's ETA (seconds until the round can fill), bounded:
-    requests per volunteer stay flat in the round's length and the number of peers, and the last
-    seconds of a round are watched closely enough to close it promptly."""
+    it. Each interval is a share of the ETA (seconds until the round can fill), bounded: halving
+    the ETA each time, a round costs about log2(round / poll_min_s) reads wherever it starts, and
+    the last second of a round is still watched closely. Between reads, and between heartbeats,
+    pending samples are projected at each peer's speed, so seldom heartbeats do not make the
+    count lag behind the work."""
 
     model_config = ConfigDict(extra="forbid")
 
     poll_min_s: float = Field(0.5, gt=0, description="fastest round-view read (near the target)",
                               json_schema_extra={"flag": "--poll-min"})
-    poll_max_s: float = Field(5.0, gt=0, description="slowest round-view read (far from it, or no view)",
+    poll_max_s: float = Field(10.0, gt=0, description="slowest round-view read (far from it, or no view)",
                               json_schema_extra={"flag": "--poll-max"})
-    heartbeat_min_s: float = Field(1.0, gt=0, description="most frequent heartbeat")
+    heartbeat_min_s: float = Field(3.0, gt=0, description="most frequent heartbeat")
     heartbeat_max_s: float = Field(6.0, gt=0, description="least frequent heartbeat (never above a third "
                                    "of peer_timeout_s)", json_schema_extra={"flag": "--heartbeat-max"})
-    poll_share: float = Field(0.125, gt=0, le=1, description="a poll every this share of the ETA")
-    heartbeat_share: float = Field(0.25, gt=0, le=1, description="a heartbeat every this share of the ETA")
+    poll_share: float = Field(0.5, gt=0, le=1, description="a poll every this share of the ETA")
+    heartbeat_share: float = Field(0.5, gt=0, le=1, description="a heartbeat every this share of the ETA")
 
     @model_validator(mode="after")
     def _check(self) -> "Cadence":

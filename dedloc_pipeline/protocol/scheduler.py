@@ -182,7 +182,8 @@ class Scheduler:
         if self._roster is None and r > 0 and self.run.config.organizer_key is not None:
             self._roster_floor = (bucket.read_json(keys.close(r - 1)) or {}).get("roster") or -1
         cfg = self.run.config  # heartbeats first: with the manifests listed next, both as of `at`
-        pending = self._beats.pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size)
+        pending = self._beats.pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size,
+                                      cfg.cadence.heartbeat_max_s)
         accepted, rejected = self._verdicts(r)
         accepted, screened = self._screen(r, accepted + self._late(r))
         rejected += screened

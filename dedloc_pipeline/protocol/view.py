@@ -125,9 +125,12 @@ def write(bucket: Bucket, keys: RunLayout, view: View) -> None:
 
 # heartbeats, as the scheduler counts them
 
-def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int) -> tuple[int, float] | None:
-    """One heartbeat's (pending samples, samples/s) for round r, bounded; None if it does not
-    count: unreadable, another round, or older (or further ahead) than ``timeout``."""
+def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int,
+              ahead_s: float = 0.0) -> tuple[int, float] | None:
+    """One heartbeat's (pending samples, samples/s) for round r at ``now``, bounded; None if it
+    does not count: unreadable, another round, or older (or further ahead) than ``timeout``.
+    The pending samples are projected to ``now`` at the peer's speed, for at most ``ahead_s``
+    seconds: heartbeats can then be seldom without the count lagging behind the work."""
     if raw is None or len(raw) > MAX_HEARTBEAT_BYTES:
         return None
     try:
@@ -145,7 +148,13 @@ def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None
     speed = min(max(speed, 0.0), MAX_PEER_SPEED) if math.isfinite(speed) else 0.0
-    return min(max(samples, 0), target), speed
+    return project(samples, speed, now - t, ahead_s, target), speed
+
+
+def project(samples: int, speed: float, since_s: float, ahead_s: float, target: int) -> int:
+    """Pending samples ``since_s`` seconds after they were counted, at ``speed``, projected for
+    at most ``ahead_s`` seconds; within [0, target]."""
+    return min(max(int(samples + speed * min(max(since_s, 0.0), ahead_s)), 0), target)
 
 
 @dataclass(frozen=True)
@@ -166,7 +175,7 @@ class Heartbeats:
         self._raw: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (tag, bytes)
 
     def pending(self, bucket: Bucket, keys: RunLayout, r: int, now: float, timeout: float,
-                target: int) -> Pending:
+                target: int, ahead_s: float = 0.0) -> Pending:
         listed = bucket.listing(keys.progress_dir(r))
         beats = {k: e for k, e in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
         small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
@@ -177,7 +186,7 @@ class Heartbeats:
         self._raw = known
         samples, speed, peers = 0, 0.0, 0
         for _, raw in known.values():
-            got = heartbeat(raw, r, now, timeout, target)
+            got = heartbeat(raw, r, now, timeout, target, ahead_s)
             if got is not None:
                 samples, speed, peers = samples + got[0], speed + got[1], peers + 1
         return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small))

@@ -24,6 +24,7 @@ than the worker's, a closed round, STOP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -274,7 +275,7 @@ class Worker:
     def eta(self) -> float | None:
         """Seconds until round ``state`` can fill, as this peer sees it: what the validated
         samples and everyone's pending ones lack, at everyone's speed; None if nobody computes."""
-        v = self._view if self._view is not None else self._alone(self.state)
+        v = self._projected(self._view) if self._view is not None else self._alone(self.state)
         if v.closed:  # being reduced: as long as the last reduction took (unknown: soon)
             since = time.monotonic() - (self._closed_seen or time.monotonic())
             return max(0.0, (self._reduce_s or 0.0) - since)
@@ -304,8 +305,9 @@ class Worker:
         pending, speed, counted = 0, 0.0, False
         live = [b for b in self._beats if b[1] == r and abs(v.at - b[0]) < cfg.peer_timeout_s]
         maybe = [b for b in live if b[0] <= v.at][-1:] + [b for b in live if v.at < b[0] <= v.written_at]
-        if maybe and not v.closed:
-            pending, counted = min(max(b[2] for b in maybe), cfg.target_batch_size), True
+        if maybe and not v.closed:  # as the scheduler counted it: projected to v.at
+            ahead, target = cfg.cadence.heartbeat_max_s, cfg.target_batch_size
+            pending, counted = max(published.project(b[2], b[3], v.at - b[0], ahead, target) for b in maybe), True
             speed = min(max(maybe[-1][3], 0.0), published.MAX_PEER_SPEED)
         unseen = sum(x.samples for x in self._sent if x.round == r and x.at > v.at)
         return published.for_worker(v, pending, speed, counted, unseen)
@@ -313,6 +315,13 @@ class Worker:
     def _alone(self, r: int) -> RoundView:
         """Round r without a fresh view: nobody's counts but this peer's own shards."""
         return RoundView(manifest_samples=sum(x.samples for x in self._sent if x.round == r), at=time.time())
+
+    def _projected(self, v: RoundView) -> RoundView:
+        """The others' pending samples grow at their speed since the view was read (for at
+        most ``heartbeat_max_s``): between reads a worker still sees the round fill."""
+        grown = published.project(v.fresh_samples, v.samples_per_s, time.monotonic() - self._looked,
+                                  self.cadence.heartbeat_max_s, self.run.config.target_batch_size)
+        return dataclasses.replace(v, fresh_samples=grown)
 
     def _note_speed(self, n: int) -> None:
         """This peer's speed for the ETA: samples per second of wall time, uploads and waits
@@ -331,7 +340,7 @@ class Worker:
         self._settle()
         seen = self.view()
         r, target = self.state, self.run.config.target_batch_size
-        v = seen if seen is not None else self._alone(r)
+        v = self._projected(seen) if seen is not None else self._alone(r)
         full = v.closed or v.manifest_samples >= target or self._fetching is not None  # a newer state exists
         acc = self.acc
         if full and acc is not None and acc.round == r:
@@ -366,11 +375,8 @@ class Worker:
             self.acc = Accumulator(round=round_)
             self.model.zero_grad(set_to_none=False)
         acc, n = self.acc, self.micro_batch
-        batch = {k: v.to(self.device) for k, v in self.source.batch(self.peer, self.cursor, n).items()}
         t0 = time.perf_counter()
-        loss = pretraining_loss_sum(self.model, batch)
-        loss.backward()
-        acc.loss_sum += loss.item()  # waits for the device: the timer covers the whole step
+        acc.loss_sum += self.train(self.cursor, n)
         self.compute_s += time.perf_counter() - t0
         if acc.ranges and acc.ranges[-1][0] + acc.ranges[-1][1] == self.cursor:
             acc.ranges[-1][1] += n
@@ -381,6 +387,15 @@ class Worker:
         self.cursor += n
         self.computed_samples += n
         self._note_speed(n)
+
+    def train(self, cursor: int, n: int) -> float:
+        """Forward and backward on samples ``cursor`` to ``cursor + n`` of this peer's stream,
+        gradients summed into the model's; the summed loss. (The coordination benchmark
+        replaces it with a timed sleep: everything else is the worker's own code.)"""
+        batch = {k: v.to(self.device) for k, v in self.source.batch(self.peer, cursor, n).items()}
+        loss = pretraining_loss_sum(self.model, batch)
+        loss.backward()
+        return loss.item()  # waits for the device: the caller's timer covers the whole step
 
     def _upload(self, acc: Accumulator) -> None:
         """Send ``acc`` as a shard on the transfer thread: its gradient is copied out (the

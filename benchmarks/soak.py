@@ -206,7 +206,10 @@ def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3
     def sample(state: int, t: float) -> None:
         usage = bucket_usage(root, run.keys.root, state, cfg.keep_states, cfg.checkpoint_every)
         samples.append({"state": state, "t": round(t, 2), "rss_mb": round(rss_mb(), 1), "fds": open_fds(),
-                        "threads": threading.active_count(), "py_objects": len(gc.get_objects()),
+                        # each live worker owns one transfer thread: counted apart, bounded by the peers
+                        "threads": sum("-transfers" not in t.name for t in threading.enumerate()),
+                        "transfer_threads": sum("-transfers" in t.name for t in threading.enumerate()),
+                        "py_objects": len(gc.get_objects()),
                         "peers": len(live),
                         "loss": losses.get(state), **usage})
         if trim:
@@ -333,6 +336,7 @@ def summarize(samples: list[dict], round_s: list[float], wall: float, rounds: in
         "loss_fell": bool(losses) and losses[-1] < losses[0],
         "fds_constant": fds["max"] - fds["min"] <= FD_SLACK,
         "threads_constant": threads["max"] - threads["min"] <= THREAD_SLACK,
+        "transfer_threads_bounded": all(x["transfer_threads"] <= x["peers"] for x in samples),
         # judged over two churn cycles or more: before that the kept states are still filling up
         "working_set_bounded": work2 <= BUCKET_RATIO * work1 if rounds >= 20 else None,
     }

@@ -51,6 +51,7 @@ def test_a_soak_with_churn_loses_nothing_and_stays_bounded(soak):
     # bounded: fds and threads constant after warm-up, the working set no larger, RSS peaks level
     assert v["fds_constant"], soak["fds"]
     assert v["threads_constant"], soak["threads"]
+    assert v["transfer_threads_bounded"], [(x["peers"], x["transfer_threads"]) for x in soak["samples"]]
     assert v["working_set_bounded"], soak["bucket"]
     assert soak["rss_mb"]["growth_second_half_mb"] < RSS_GROWTH_MB, soak["rss_mb"]
 

@@ -241,10 +241,10 @@ class Layout:
 
     # requests, as botocore sends them to S3 (R2 speaks the same API through the same client)
     def shard_upload(self) -> Requests:
-        """``shard.upload``: each array's metadata looked for, written and read back (zarr opens the
-        array to write it), its chunks, then the manifest. zarr skips a chunk that is all zeros,
-        so this is at most."""
-        return Requests(get=2 * len(self.grad.arrays()), put=_objects(self.grad) + 1)
+        """``shard.upload``: each array's metadata looked for (it may exist: a restarted writer)
+        and written, its chunks, then the manifest. zarr skips a chunk that is all zeros, so
+        this is at most."""
+        return Requests(get=len(self.grad.arrays()), put=_objects(self.grad) + 1)
 
     def state_download(self) -> Requests:
         """A synced peer moving one state on: the COMMIT, then each chunk of the delta (checksummed

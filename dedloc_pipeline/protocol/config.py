@@ -63,6 +63,9 @@ class Cadence(BaseModel):
     heartbeat_max_s: float = Field(6.0, gt=0, description="least frequent heartbeat (never above a third "
                                    "of peer_timeout_s)", json_schema_extra={"flag": "--heartbeat-max"})
     poll_share: float = Field(0.5, gt=0, le=1, description="a poll every this share of the ETA")
+    scheduler_poll_s: float = Field(1.0, gt=0, description="the scheduler's slowest poll: its view is "
+                                    "what every volunteer's count is as fresh as (its requests do not grow "
+                                    "with the peers' number)")
     heartbeat_share: float = Field(0.5, gt=0, le=1, description="a heartbeat every this share of the ETA")
 
     @model_validator(mode="after")
@@ -72,8 +75,12 @@ class Cadence(BaseModel):
         return self
 
     def poll_s(self, eta_s: float | None) -> float:
-        """Seconds to the next round-view read (or, for the scheduler, the next poll)."""
+        """Seconds to the next round-view read."""
         return _bounded(eta_s, self.poll_share, self.poll_min_s, self.poll_max_s)
+
+    def scheduler_s(self, eta_s: float | None) -> float:
+        """Seconds to the scheduler's next poll: every ``scheduler_poll_s``, faster near the target."""
+        return _bounded(eta_s, self.poll_share, min(self.poll_min_s, self.scheduler_poll_s), self.scheduler_poll_s)
 
     def heartbeat_s(self, eta_s: float | None, peer_timeout_s: float) -> float:
         """Seconds to the next heartbeat: at most a third of ``peer_timeout_s``, so that a live

@@ -69,6 +69,7 @@ class Scheduler:
         self._opened: tuple[int, float] = (-1, 0.0)  # (round, when its state was committed)
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
+        self._speed = 0.0  # the live peers' speed, summed, when last known
         self._roster: identity.Roster | None = None
         self._roster_floor = -1  # the version the last CLOSE used: a restart accepts no older one
 
@@ -217,7 +218,10 @@ class Scheduler:
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
         if close is not None:
             samples, shards, rejected = close["samples"], len(close["accepted"]), len(close["rejected"])
-        self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s, close is not None)
+        if pending.samples_per_s > 0:
+            self._speed = pending.samples_per_s
+        # before a new round's first heartbeats, the collaboration's last known speed
+        self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s or self._speed, close is not None)
         try:
             self._stopped = bucket.exists(keys.stop())
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
@@ -244,9 +248,9 @@ class Scheduler:
 
     def wait_close(self, r: int, deadline: float | None = None) -> dict | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
-        (``time.monotonic()``) passes, so the loop can check its stop rules again. Each poll
-        costs O(peers) requests, so by default they follow the run's cadence: often near the
-        target, up to ``cadence.poll_max_s`` apart far from it."""
+        (``time.monotonic()``) passes, so the loop can check its stop rules again. By default
+        it polls every ``cadence.scheduler_poll_s``, faster near the target: each poll reads
+        only the heartbeats and manifests written since the last one."""
         while True:
             close = self.try_close(r)
             if close is not None:
@@ -255,7 +259,7 @@ class Scheduler:
                 return None
             if deadline is not None and time.monotonic() > deadline:
                 return None
-            wait = self.run.config.cadence.poll_s(self._eta) if self.poll_s is None else self.poll_s
+            wait = self.run.config.cadence.scheduler_s(self._eta) if self.poll_s is None else self.poll_s
             time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
 
     def finish(self, r: int, pool: Executor) -> dict:

@@ -213,6 +213,7 @@ class RoundView:
     samples_per_s: float = 0.0  # their speed together
     closed: bool = False
     at: float = 0.0
+    eta_s: float | None = None  # the scheduler's, as of ``at``
 
 
 def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int) -> RoundView:
@@ -222,4 +223,5 @@ def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, o
     return RoundView(manifest_samples=v.validated_samples + own_unseen,
                      fresh_samples=max(0, v.pending_samples - own_pending),
                      peers=max(0, v.peers - int(own_counted)),
-                     samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, at=v.at)
+                     samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, at=v.at,
+                     eta_s=v.eta_s)

@@ -114,6 +114,7 @@ class Worker:
         self._reader = published.Reader(run.config.peer_timeout_s)
         self._speed = 0.0  # this peer's samples per second of wall time (moving average)
         self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
+        self._behind = False  # the fresh view is of an older state than this worker's
         self._reduce_s: float | None = None  # from then to the next state, last time
         self._computed_at: float | None = None
         if threads:
@@ -270,6 +271,7 @@ class Worker:
             self.sync()
         usable = v is not None and v.state == self.state and (fresh or v.closed)
         self._view = self._mine(v) if usable else None
+        self._behind = fresh and v.state < self.state  # not published since this state: look again soon
         return self._view
 
     def eta(self) -> float | None:
@@ -283,10 +285,16 @@ class Worker:
         mine = acc.samples if acc is not None and acc.round == self.state else 0
         lacking = self.run.config.target_batch_size - v.manifest_samples - v.fresh_samples - mine
         speed = v.samples_per_s + self._speed
-        return 0.0 if lacking <= 0 else (lacking / speed if speed > 0 else None)
+        mine_eta = 0.0 if lacking <= 0 else (lacking / speed if speed > 0 else None)
+        if v.eta_s is None:  # before the others' heartbeats count, the scheduler may know better
+            return mine_eta
+        theirs = max(0.0, v.eta_s - max(0.0, time.time() - v.at))
+        return theirs if mine_eta is None else min(mine_eta, theirs)
 
     def poll_every(self) -> float:
-        return self.cadence.poll_s(self.eta()) if self.poll_s is None else self.poll_s
+        if self.poll_s is not None:
+            return self.poll_s
+        return self.cadence.poll_min_s if self._behind else self.cadence.poll_s(self.eta())
 
     def heartbeat_every(self) -> float:
         timeout = self.run.config.peer_timeout_s
@@ -317,9 +325,10 @@ class Worker:
         return RoundView(manifest_samples=sum(x.samples for x in self._sent if x.round == r), at=time.time())
 
     def _projected(self, v: RoundView) -> RoundView:
-        """The others' pending samples grow at their speed since the view was read (for at
-        most ``heartbeat_max_s``): between reads a worker still sees the round fill."""
-        grown = published.project(v.fresh_samples, v.samples_per_s, time.monotonic() - self._looked,
+        """The others' pending samples grow at their speed since the scheduler counted them
+        (``v.at``, for at most ``heartbeat_max_s``, so a skewed clock costs little): between
+        reads, and with a view a scheduler poll old, a worker still sees the round fill."""
+        grown = published.project(v.fresh_samples, v.samples_per_s, time.time() - v.at,
                                   self.cadence.heartbeat_max_s, self.run.config.target_batch_size)
         return dataclasses.replace(v, fresh_samples=grown)
 

@@ -356,8 +356,8 @@ class Bucket:
         bucket, name, _ = self.fs.split_path(path)
         found, token = {}, None
         while True:
-            resp = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=name,
-                                   **({"ContinuationToken": token} if token else {}))
+            resp = sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=name,
+                        **({"ContinuationToken": token} if token else {}))
             for o in resp.get("Contents", []):
                 found[f"{bucket}/{o['Key']}"] = (int(o["Size"]), str(o["ETag"]))
             token = resp.get("NextContinuationToken")
@@ -418,7 +418,7 @@ class Bucket:
             keys = [k for k in self._s3_objects(path) if k == path or k.startswith(path + "/")]
             bucket = self.fs.split_path(path)[0]
             for i in range(0, len(keys), 1000):
-                self.fs.call_s3("delete_objects", Bucket=bucket, Delete={
+                sync(self.fs.loop, self.fs._call_s3, "delete_objects", Bucket=bucket, Delete={
                     "Objects": [{"Key": self.fs.split_path(k)[1]} for k in keys[i:i + 1000]], "Quiet": True})
             return
         try:

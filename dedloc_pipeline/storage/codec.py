@@ -183,33 +183,35 @@ def chunk_checksums(fmt: VectorFormat, arrays: dict[str, np.ndarray], chunks: ra
     return out
 
 
-def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4") -> None:
-    """Array metadata only; an existing array (a restarted writer) is left as it is.
+def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4") -> dict:
+    """Array metadata only; an existing array (a restarted writer) is left as it is. Returns
+    the arrays it created, open for writing (no second request to open them).
 
     ``lz4hc`` writes the same lz4 format, smaller and far slower to make: worth it for what one
     writer makes and every peer downloads (parameter deltas), not for each peer's shard.
     """
+    created = {}
     for name, (dtype, length, clen) in fmt.arrays().items():
         shuffle = _SHUFFLE.get(name, "bitshuffle")
         try:
-            zarr.create_array(bucket.zarr_store(f"{key}/{name}"), shape=(length,), chunks=(clen,),
-                              dtype=dtype, fill_value=0, zarr_format=3, overwrite=False,
-                              compressors=BloscCodec(cname=cname, clevel=9, shuffle=shuffle))
+            created[name] = zarr.create_array(
+                bucket.zarr_store(f"{key}/{name}"), shape=(length,), chunks=(clen,), dtype=dtype, fill_value=0,
+                zarr_format=3, overwrite=False, compressors=BloscCodec(cname=cname, clevel=9, shuffle=shuffle))
         except ContainsArrayError:
             pass
+    return created
 
 
 def write_vector(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray],
                  chunks: range | None = None) -> dict[str, list[str]]:
     """Write ``arrays`` (the elements of ``chunks``, default all) and return their chunk hashes."""
     chunks = chunks or range(fmt.n_chunks)
-    if chunks.start == 0 and chunks.stop == fmt.n_chunks:
-        create_vector(bucket, key, fmt)
+    created = create_vector(bucket, key, fmt) if chunks.start == 0 and chunks.stop == fmt.n_chunks else {}
     for name in fmt.arrays():
         lo, hi = fmt.bounds(name, chunks)
         if len(arrays[name]) != hi - lo:
             raise ValueError(f"{key}/{name}: {len(arrays[name])} elements for [{lo}, {hi})")
-        z = zarr.open_array(bucket.zarr_store(f"{key}/{name}"), mode="r+", zarr_format=3)
+        z = created.get(name) or zarr.open_array(bucket.zarr_store(f"{key}/{name}"), mode="r+", zarr_format=3)
         z[lo:hi] = arrays[name]
     return chunk_checksums(fmt, arrays, chunks)
 

@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
-BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale")
+BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped")
 
 
 def _table(title: str, columns: list[str], rows: list[list]) -> Table:
@@ -97,6 +97,22 @@ def scale_(out: dict) -> Table:
                   ["peers", "params", "validate s", "reduce+apply s", "requests"], rows)
 
 
+def coordination_(out: dict) -> Table:
+    """Simulated volunteers against moto's S3 server: requests per volunteer, close latency, dollars."""
+    from . import coordination
+
+    out["coordination"] = res = coordination.run()
+    return coordination.table(res)
+
+
+def shaped_(out: dict) -> Table:
+    """Volunteers and hivemind peers behind tc-shaped household links (root only; else skipped)."""
+    from . import shaped
+
+    out["shaped"] = res = shaped.run()
+    return shaped.table(res)
+
+
 def gpu(out: dict) -> Table:
     """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
     from . import collab
@@ -117,7 +133,7 @@ def soak_(out: dict) -> Table:
 
 
 RUNNERS = {"throughput": throughput, "wire": wire_, "aggregation": aggregation_, "compute": compute,
-           "scale": scale_, "gpu": gpu, "soak": soak_}
+           "scale": scale_, "coordination": coordination_, "shaped": shaped_, "gpu": gpu, "soak": soak_}
 
 
 def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu, soak"),

@@ -28,7 +28,8 @@ def one_line(text: str) -> str:
 INIT_SETTINGS = ("preset", "target_batch_size", "data", "micro_batch", "codec", "download_codec",
                  "optimizer.name", "optimizer.lr", "seed", "seq_len", "chunk_size", "chunks_per_part",
                  "close.timeout_s", "close.min_fraction", "close.late_shards", "delayed_updates",
-                 "peer_timeout_s", "organizer_key", "aggregation")
+                 "peer_timeout_s", "cadence.poll_min_s", "cadence.poll_max_s", "cadence.heartbeat_max_s",
+                 "organizer_key", "aggregation")
 
 # A flag that takes something other than its field's value: its metavar and help, and how the value is made.
 _READS = {"organizer_key": ("FILE", "your private key (`dedloc keygen`): its public key goes in the run, "

@@ -474,7 +474,7 @@ class Worker:
         if not force and now - self._last_progress < self.heartbeat_every():
             return
         acc = self.acc
-        r = acc.round if acc is not None else (round_ if round_ is not None else self.state)
+        r = round_ if round_ is not None else (acc.round if acc is not None else self.state)
         t0, c0 = self._rate
         rate = (self.computed_samples - c0) / max(1e-9, time.monotonic() - t0)
         self._rate = (time.monotonic(), self.computed_samples)

@@ -1,0 +1,95 @@
+"""Transfers off the compute path (protocol/worker.py): a shard uploads and a new state downloads
+on the worker's transfer thread while it keeps computing; nothing is counted twice or lost, and
+a shard is whole or absent."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.worker import Worker
+
+from .test_protocol import finish, put_shard
+
+
+def _gated_upload(monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """shard.upload held before its chunks until ``release`` is set; ``started`` says it began."""
+    started, release, upload = threading.Event(), threading.Event(), shard.upload
+
+    def held(*a, **kw):
+        started.set()
+        assert release.wait(30)
+        return upload(*a, **kw)
+
+    monkeypatch.setattr(shard, "upload", held)
+    return started, release
+
+
+def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
+    """Alone in a round of 24 (micro-batch 4, no delayed updates) a worker uploads after 6
+    micro-batches. While that upload is held it computes on (delayed updates: toward the next
+    round), counting the shard as its own, and no manifest exists; released, the shard lands
+    whole, is counted once, and round 0's heartbeat withdraws its pending samples."""
+    run = make_run(delayed_updates=True)
+    started, release = _gated_upload(monkeypatch)
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
+    while not started.is_set():
+        w.step()
+    assert w.uploads == [] and run.bucket.find(run.keys.manifests_dir(0)) == []
+    computed = w.computed_samples
+    for _ in range(3):
+        assert w.step()  # computing, the upload still held
+    assert w.computed_samples == computed + 12 and w.acc.round == 1
+    assert w._alone(0).manifest_samples == 24  # its own count has the shard on the way
+    release.set()
+    w.flush()
+    (manifest,) = run.bucket.find(run.keys.manifests_dir(0))
+    entry = shard.validate(run, 0, run.keys.shard_of(manifest), run.bucket.read_bytes(manifest))
+    assert entry["samples"] == 24 and w.uploads[0][2] == 24 and w.uploaded_samples == 24
+    beat = run.bucket.read_json(run.keys.progress(0, "a"))  # landed: round 0's heartbeat withdrawn
+    assert beat["samples"] == beat["sending"] == 0
+
+
+def test_a_new_state_downloads_while_the_worker_computes(make_run, monkeypatch):
+    """The round view names state 1: the worker starts its download and computes its next
+    micro-batch on state 0 meanwhile (one step stale, counted toward round 1); the state is
+    installed between micro-batches, bit for bit the committed one."""
+    run = make_run(delayed_updates=True)
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
+    w.sync()
+    put_shard(run, 0, "other", samples=24)
+    assert Scheduler(run, 1, 0).try_close(0) is not None
+    finish(run, 0)
+    Scheduler(run, 1, 0).try_close(1)  # the view now names state 1
+    gate, load = threading.Event(), w._load
+
+    def held(*a):
+        assert gate.wait(30)
+        return load(*a)
+
+    monkeypatch.setattr(w, "_load", held)
+    assert w.step() and w.state == 0 and w._fetching is not None
+    assert w.acc.round == 1 and w.acc.stale_samples == 4  # computed on state 0, toward round 1
+    gate.set()
+    w.flush()
+    assert w.state == 1 and (w.flat.get() == run.load_params(1)).all()
+
+
+def test_leaving_waits_for_the_upload_under_way(make_run, monkeypatch):
+    """leave() (Ctrl-C once, or the end of serve) lets the shard under way land, then withdraws
+    the pending samples; the transfer thread is gone after it."""
+    run = make_run()
+    started, release = _gated_upload(monkeypatch)
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
+    while not started.is_set():
+        w.step()
+    with ThreadPoolExecutor(1) as pool:
+        left = pool.submit(w.leave)
+        assert not left.done()
+        release.set()
+        left.result(30)
+    assert len(run.bucket.find(run.keys.manifests_dir(0))) == 1 and w.uploaded_samples == 24
+    assert run.bucket.read_json(run.keys.progress(0, "a"))["samples"] == 0
+    assert not any(t.name.startswith("a-transfers") for t in threading.enumerate())

@@ -6,6 +6,10 @@ between the end of the warm-up and the last commit, over the time between those 
 worker's heartbeat carries its cumulative forward/backward seconds, wall seconds and bucket bytes,
 read at both ends of the same window: compute fraction and bytes per round come from those.
 
+Run on another bucket (``url``: an ``s3://`` one with its ``endpoint_url``) and with a command
+prefix per process (``prefixes``: ``ip netns exec NS``), it is benchmark 6's collaboration on
+shaped links (benchmarks/shaped.py).
+
 ``limit`` is the same training with no collaboration at all: one single-thread process per core,
 each accumulating micro-batches and stepping its own AdamW every target batch; samples/s summed.
 """
@@ -40,16 +44,23 @@ def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, dict]:
 
 def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8", preset: str = "tiny",
                 warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
-                timeout_s: float = 600, worker_args: tuple[str, ...] = ()) -> dict:
+                timeout_s: float = 600, worker_args: tuple[str, ...] = (), url: str | None = None,
+                endpoint_url: str | None = None, env: dict | None = None,
+                prefixes: dict[str, list[str]] | None = None) -> dict:
+    """``prefixes`` maps a process name (``scheduler``, ``peer-0``, ...) to what its command line
+    starts with; ``env`` is added to every process's environment (S3 credentials)."""
     from dedloc_pipeline.protocol.config import recipe_config
     from dedloc_pipeline.protocol.run import Run, init_run
     from dedloc_pipeline.storage.bucket import Bucket
 
     tmp = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
-    url = f"file://{tmp}/bucket"
+    url = url or f"file://{tmp}/bucket"
+    endpoint = {"AWS_ENDPOINT_URL": endpoint_url, "AWS_ENDPOINT_URL_S3": endpoint_url} if endpoint_url else {}
+    env = {**ENV, **(env or {}), **endpoint}
+    prefixes = prefixes or {}
     cfg = recipe_config("bench", preset, target_batch_size=target, micro_batch=micro_batch, codec=codec,
                         delayed_updates=delayed)
-    run = init_run(Bucket(url), cfg)
+    run = init_run(Bucket(url, endpoint_url=endpoint_url), cfg)
     end = warmup + rounds
     names = [f"peer-{i}" for i in range(peers)]
     logs, procs = {}, {}
@@ -58,9 +69,9 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
         logs[name] = open(tmp / f"{name}.log", "w")
         args = ["aggregate"] if name == "scheduler" else ["worker", "--peer-id", name, "--threads", "1",
                                                           *worker_args]
-        procs[name] = subprocess.Popen([DEDLOC, *args, *common], env=ENV, stdout=logs[name],
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    bucket = Bucket(url)  # the harness's own reads are not counted against the peers
+        procs[name] = subprocess.Popen([*prefixes.get(name, []), DEDLOC, *args, *common], env=env,
+                                       stdout=logs[name], stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    bucket = Bucket(url, endpoint_url=endpoint_url)  # the harness's own reads are not counted against the peers
     handles = {n: psutil.Process(p.pid) for n, p in procs.items()}
     deadline = time.monotonic() + timeout_s
     stop_cpu: dict = {}
@@ -123,7 +134,8 @@ def _tails(tmp: Path, procs: dict) -> str:
                      for n, p in procs.items())
 
 
-def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float) -> float:
+def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float, preset: str = "tiny",
+                 seq_len: int = 128) -> float:
     """One process, one thread, no collaboration: samples/s over ``seconds`` after a warm-up."""
     import torch
 
@@ -131,9 +143,9 @@ def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float)
     from dedloc_pipeline.model.data import SyntheticSource
 
     torch.set_num_threads(1)
-    model = build_model("tiny", 0)
+    model = build_model(preset, 0, seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=5e-4, weight_decay=0.01)
-    src = SyntheticSource(model.config.vocab_size, 128, seed=0)
+    src = SyntheticSource(model.config.vocab_size, seq_len, seed=0)
     cursor, counted, t_start = 0, 0, None
     t0 = time.monotonic()
     while True:
@@ -155,19 +167,19 @@ def _train_alone(micro_batch: int, target: int, seconds: float, warmup_s: float)
 
 
 def limit(micro_batch: int = 8, target: int = 256, seconds: float = 30.0, warmup_s: float = 8.0,
-          processes: int | None = None) -> dict:
+          processes: int | None = None, preset: str = "tiny", seq_len: int = 128) -> dict:
     processes = processes or os.cpu_count()
     cmd = [sys.executable, "-m", "benchmarks.collab", "alone", str(micro_batch), str(target), str(seconds),
-           str(warmup_s)]
+           str(warmup_s), preset, str(seq_len)]
     procs = [subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
     rates = [float(p.communicate(timeout=seconds + warmup_s + 120)[0].strip().splitlines()[-1]) for p in procs]
-    return {"system": "no collaboration", "processes": processes, "micro_batch": micro_batch,
-            "samples_per_s": sum(rates), "per_process": rates}
+    return {"system": "no collaboration", "processes": processes, "micro_batch": micro_batch, "preset": preset,
+            "seq_len": seq_len, "samples_per_s": sum(rates), "per_process": rates}
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["alone"]:
-        mb, tgt, secs, wu = sys.argv[2:6]
-        print(_train_alone(int(mb), int(tgt), float(secs), float(wu)))
+        mb, tgt, secs, wu, preset, seq = sys.argv[2:8]
+        print(_train_alone(int(mb), int(tgt), float(secs), float(wu), preset, int(seq)))
     else:
         print(json.dumps({"ours": collaborate(), "limit": limit()}, indent=1))

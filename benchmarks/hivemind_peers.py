@@ -12,8 +12,14 @@ After ``warmup`` global steps (``optimizer.local_epoch`` advancing), each peer m
 ``rounds`` ones: wall time, the samples it computed and its time in forward + backward. The
 parent reports samples/s as the samples all peers actually computed in that window divided by
 the window (``samples_per_s_target`` is target x rounds / window), seconds per global step, and
-the mean compute fraction. Peers exit cleanly (optimizer and DHT shut down); on failure or
-timeout the parent kills every process group it started.
+the mean compute fraction. With ``hosts`` (one address per peer) and ``prefixes`` (what each
+peer's command line starts with, e.g. ``ip netns exec NS``) the peers run on links of their own,
+as in benchmark 6 (benchmarks/shaped.py); each then also counts the bytes its network interfaces
+sent and received in the window, which the parent reports per parameter per global step. Slow
+links need longer ``averaging_timeout`` and ``next_chunk_timeout``: by default hivemind gives a
+sender only ``matchmaking_time`` (1 s) per 512 kB part, then averages without it, silently.
+Peers exit cleanly (optimizer and DHT shut down); on failure or timeout the parent kills every
+process group it started.
 
 ``python -m benchmarks.hivemind_peers`` runs ``run()`` and prints the result as JSON.
 """
@@ -46,13 +52,17 @@ DELAY_GRAD_AVERAGING = True
 
 
 def run(peers: int = 4, micro_batch: int = 8, target: int = 256, warmup: int = 2, rounds: int = 5,
-        timeout_s: float = 420) -> dict:
+        timeout_s: float = 420, preset: str = "tiny", hosts: list[str] | None = None,
+        prefixes: list[list[str]] | None = None, averaging_timeout: float = AVERAGING_TIMEOUT_S,
+        next_chunk_timeout: float | None = None) -> dict:
     """Run one collaboration of ``peers`` processes and return its throughput (JSON-able)."""
     return _run(peers, micro_batch, target, warmup, rounds, timeout_s,
-                DELAY_OPTIMIZER_STEP, DELAY_GRAD_AVERAGING)
+                DELAY_OPTIMIZER_STEP, DELAY_GRAD_AVERAGING, preset, hosts, prefixes, averaging_timeout,
+                next_chunk_timeout)
 
 
-def _run(peers, micro_batch, target, warmup, rounds, timeout_s, delay_step, delay_grads) -> dict:
+def _run(peers, micro_batch, target, warmup, rounds, timeout_s, delay_step, delay_grads, preset="tiny",
+         hosts=None, prefixes=None, averaging_timeout=AVERAGING_TIMEOUT_S, next_chunk_timeout=None) -> dict:
     try:
         import hivemind  # noqa: F401  (only to fail early and clearly)
     except ImportError as e:
@@ -63,15 +73,18 @@ def _run(peers, micro_batch, target, warmup, rounds, timeout_s, delay_step, dela
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     common = [f"--peers={peers}", f"--micro-batch={micro_batch}", f"--target={target}",
               f"--warmup={warmup}", f"--rounds={rounds}", f"--work={work}",
-              f"--delay-step={int(delay_step)}", f"--delay-grads={int(delay_grads)}"]
+              f"--delay-step={int(delay_step)}", f"--delay-grads={int(delay_grads)}", f"--preset={preset}",
+              f"--averaging-timeout={averaging_timeout}",
+              *([f"--next-chunk-timeout={next_chunk_timeout}"] if next_chunk_timeout else [])]
     procs: list[subprocess.Popen] = []
 
     def start(i: int, initial: str) -> None:
         log = open(work / f"peer{i}.log", "wb")
         # own session: the peer's p2pd and hivemind child processes share its process group
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.hivemind_peers", f"--peer={i}", f"--initial={initial}",
-             *common], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            [*(prefixes[i] if prefixes else []), sys.executable, "-m", "benchmarks.hivemind_peers", f"--peer={i}",
+             f"--initial={initial}", f"--host={hosts[i] if hosts else '127.0.0.1'}", *common],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         log.close()
 
     def wait_for(names: list[str], what: str) -> None:
@@ -107,6 +120,9 @@ def _run(peers, micro_batch, target, warmup, rounds, timeout_s, delay_step, dela
     shutil.rmtree(work, ignore_errors=True)  # kept on failure: the error names the logs
     window = sum(s["t_end"] - s["t_start"] for s in stats) / peers
     samples = sum(s["samples"] for s in stats)
+    # on loopback every peer's traffic shares one interface, so bytes mean something only on own links
+    wire = {f"{way}_bytes_per_param": sum(s[key] for s in stats) / peers / rounds / stats[0]["n_params"]
+            for way, key in (("up", "net_sent"), ("down", "net_recv"))} if hosts else {}
     return {
         "system": "hivemind 1.1.12", "peers": peers, "micro_batch": micro_batch, "target": target,
         "rounds": rounds,
@@ -114,15 +130,18 @@ def _run(peers, micro_batch, target, warmup, rounds, timeout_s, delay_step, dela
         "s_per_round": window / rounds,
         "compute_fraction": sum(s["compute_s"] / (s["t_end"] - s["t_start"]) for s in stats) / peers,
         "samples_per_s_target": target * rounds / window,
+        **wire,
         "settings": {
             "samples_per_s": "samples computed by all peers between the end of warm-up and the end, "
                              "over that window (mean of the peers' windows)",
-            "warmup": warmup, "model": "tiny", "seq_len": 128, "data": "SyntheticSource seed 0",
+            "warmup": warmup, "model": preset, "seq_len": 128, "data": "SyntheticSource seed 0",
             "optimizer": "AdamW lr 5e-4 wd 0.01", "use_local_updates": False,
             "compression": f"8-bit blockwise, absmax per {BLOCK} values (grads and state averaging)",
-            "matchmaking_time": MATCHMAKING_S, "averaging_timeout": AVERAGING_TIMEOUT_S,
+            "matchmaking_time": MATCHMAKING_S, "averaging_timeout": averaging_timeout,
+            "next_chunk_timeout": next_chunk_timeout or MATCHMAKING_S,
             "delay_optimizer_step": delay_step, "delay_grad_averaging": delay_grads,
-            "torch_threads_per_peer": 1, "host": "127.0.0.1", "cpu_count": os.cpu_count(),
+            "torch_threads_per_peer": 1, "host": " ".join(hosts) if hosts else "127.0.0.1",
+            "cpu_count": os.cpu_count(),
             "samples_per_peer": [s["samples"] for s in stats],
             "compute_fraction_per_peer": [round(s["compute_s"] / (s["t_end"] - s["t_start"]), 3)
                                           for s in stats],
@@ -227,6 +246,14 @@ def _blockwise_codec():
     return codec
 
 
+def _link_bytes() -> tuple[int, int]:
+    """(sent, received) over this network namespace's interfaces but loopback."""
+    import psutil
+
+    nics = [c for nic, c in psutil.net_io_counters(pernic=True).items() if nic != "lo"]
+    return sum(c.bytes_sent for c in nics), sum(c.bytes_recv for c in nics)
+
+
 def _peer(a: argparse.Namespace) -> None:
     """One volunteer: train until the measured window is over and the parent says stop."""
     import torch
@@ -238,10 +265,10 @@ def _peer(a: argparse.Namespace) -> None:
     from dedloc_pipeline.model.data import SyntheticSource
 
     work = Path(a.work)
-    model = build_model("tiny", seed=0)
+    model = build_model(a.preset, seed=0)
     src = SyntheticSource(vocab_size=model.config.vocab_size, seq_len=128, seed=0)
     codec = _blockwise_codec()
-    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{a.host}/tcp/0"],
                        initial_peers=a.initial.split() if a.initial else None)
     if a.peer == 0:
         (work / "maddrs.tmp").write_text(" ".join(str(m) for m in dht.get_visible_maddrs()))
@@ -250,7 +277,8 @@ def _peer(a: argparse.Namespace) -> None:
         dht=dht, run_id="dedloc-bench", target_batch_size=a.target, batch_size_per_step=a.micro_batch,
         params=model.parameters(),
         optimizer=lambda params: torch.optim.AdamW(params, lr=5e-4, weight_decay=0.01),
-        matchmaking_time=MATCHMAKING_S, averaging_timeout=AVERAGING_TIMEOUT_S,
+        matchmaking_time=MATCHMAKING_S, averaging_timeout=a.averaging_timeout,
+        next_chunk_timeout=a.next_chunk_timeout,
         use_local_updates=False, delay_optimizer_step=bool(a.delay_step),
         delay_grad_averaging=bool(a.delay_grads), grad_compression=codec,
         state_averaging_compression=codec, verbose=True)
@@ -276,13 +304,15 @@ def _peer(a: argparse.Namespace) -> None:
                 compute_s += dt
             epoch, now = opt.local_epoch, time.monotonic()
             if t_start is None and epoch >= first:
-                t_start, wall_start = now, time.time()
+                t_start, wall_start, link_start = now, time.time(), _link_bytes()
             if t_end is None and epoch >= last:
                 t_end = now
+                sent, received = (b - b0 for b, b0 in zip(_link_bytes(), link_start))
                 (work / f"peer{a.peer}.json.tmp").write_text(json.dumps(
                     {"t_start": t_start, "t_end": t_end, "samples": samples, "compute_s": compute_s,
                      "epoch": epoch, "wall_start": wall_start, "wall_end": time.time(),
-                     "year": time.localtime().tm_year}))
+                     "year": time.localtime().tm_year, "net_sent": sent, "net_recv": received,
+                     "n_params": sum(p.numel() for p in model.parameters())}))
                 (work / f"peer{a.peer}.json.tmp").rename(work / f"peer{a.peer}.json")
     finally:
         opt.shutdown()
@@ -295,6 +325,10 @@ def main() -> None:
     for name, default in (("peers", 4), ("micro-batch", 8), ("target", 256), ("warmup", 2), ("rounds", 5)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--initial", default="")
+    p.add_argument("--host", default="127.0.0.1", help="internal: the address this peer listens on")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--averaging-timeout", type=float, default=AVERAGING_TIMEOUT_S)
+    p.add_argument("--next-chunk-timeout", type=float, default=None, help="default: hivemind's (matchmaking time)")
     p.add_argument("--work", default="")
     p.add_argument("--delay-step", type=int, default=int(DELAY_OPTIMIZER_STEP))
     p.add_argument("--delay-grads", type=int, default=int(DELAY_GRAD_AVERAGING))
@@ -304,7 +338,9 @@ def main() -> None:
         _peer(a)
     else:
         print(json.dumps(_run(a.peers, a.micro_batch, a.target, a.warmup, a.rounds, a.timeout,
-                              bool(a.delay_step), bool(a.delay_grads)), indent=2))
+                              bool(a.delay_step), bool(a.delay_grads), a.preset,
+                              averaging_timeout=a.averaging_timeout, next_chunk_timeout=a.next_chunk_timeout),
+                         indent=2))
 
 
 if __name__ == "__main__":

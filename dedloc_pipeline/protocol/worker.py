@@ -365,7 +365,8 @@ class Worker:
         self._compute(r + 1 if full else r)
         acc = self.acc
         self._report(force=False)
-        if acc.round == r and self._should_upload(v, acc.samples, target, first=r not in self._uploaded):
+        sending = any(x.round == r for x in self._sending)  # a second part waits for the first to land
+        if acc.round == r and not sending and self._should_upload(v, acc.samples, target, first=r not in self._uploaded):
             self._upload(acc)
         return True
 

@@ -30,8 +30,9 @@ def _gated_upload(monkeypatch) -> tuple[threading.Event, threading.Event]:
 def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     """Alone in a round of 24 (micro-batch 4, no delayed updates) a worker uploads after 6
     micro-batches. While that upload is held it computes on (delayed updates: toward the next
-    round), counting the shard as its own, and no manifest exists; released, the shard lands
-    whole, is counted once, and round 0's heartbeat withdraws its pending samples."""
+    round), its heartbeat for round 0 says the shard's samples are on their way ('sending'),
+    and no manifest exists; released, the shard lands whole, is counted once, and round 0's
+    heartbeat withdraws its pending samples."""
     run = make_run(delayed_updates=True)
     started, release = _gated_upload(monkeypatch)
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
@@ -42,7 +43,9 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     for _ in range(3):
         assert w.step()  # computing, the upload still held
     assert w.computed_samples == computed + 12 and w.acc.round == 1
-    assert w._alone(0).manifest_samples == 24  # its own count has the shard on the way
+    assert w._alone(0).manifest_samples == 24  # its own count has the shard on the way ...
+    beat = run.bucket.read_json(run.keys.progress(0, "a"))  # ... and so do the others'
+    assert beat["sending"] == beat["samples"] == 24
     release.set()
     w.flush()
     (manifest,) = run.bucket.find(run.keys.manifests_dir(0))

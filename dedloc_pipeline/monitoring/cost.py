@@ -446,7 +446,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     optim_writes = len(OPTIM_STATE) + int(lay.lossy_delta)
     sched_up = polls * view_b + close_b + (2 + optim_writes) * dense + delta_b + lay.commit_bytes(peers)
 
-    # per round and volunteer; after its upload a volunteer heartbeats and reads the view at once.
+    # per round and volunteer; a volunteer heartbeats when its upload starts and when it lands,
+    # and reads the view at once.
     # A view read is a conditional GET: it carries a body only when the scheduler wrote one since.
     reads_open = _count(poll, open_s) + upload_s / poll(0.0) + 1
     def while_reduced(interval: float) -> float:
@@ -456,7 +457,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # reading a closed view, a volunteer polls at a share of what the last reduction took
     closed_reads = _count(lambda eta: while_reduced(cad.poll_s(eta)), reduce_s)
     fallbacks = max(0.0, reduce_s - timeout) / cad.poll_max_s  # the view unchanged: LATEST and STOP
-    beats = beats_open + reduce_s / while_reduced(cad.heartbeat_s(0.0, timeout)) + 1
+    beats = beats_open + reduce_s / while_reduced(cad.heartbeat_s(0.0, timeout)) + 2  # upload sent, landed
     volunteer = (Requests(get=reads_open + closed_reads, put=beats)
                  + Requests(get=1, head=2) * fallbacks + lay.shard_upload() + lay.state_download())
     vol_up = shard_b + lay.manifest_bytes() + beats * HEARTBEAT_BYTES

@@ -421,6 +421,7 @@ class Worker:
                                           data, acc.stale_samples, sent)
         self._sending.append(sent)
         self._drop()
+        self._report(force=True, round_=sent.round)  # the others count these samples as on their way
 
     def _send(self, grad, r: int, samples: int, loss: float, data: shard.DataRef, stale: int, sent: "_Sent") -> str:
         """On the transfer thread: encode (the error feedback is this thread's alone, in

@@ -416,6 +416,8 @@ class Worker:
         sent = _Sent(acc.round, acc.samples)
         self._uploaded.add(acc.round)
         self._sent.append(sent)
+        if self._view is not None:  # the view in hand counts it until the next read does
+            self._view = dataclasses.replace(self._view, manifest_samples=self._view.manifest_samples + sent.samples)
         data = shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges])
         sent.job = self._transfer(self._send, grad, acc.round, acc.samples, acc.loss_sum / acc.samples,
                                           data, acc.stale_samples, sent)

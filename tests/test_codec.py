@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.codec import CorruptShard, VectorFormat
 
 
@@ -125,3 +126,22 @@ def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
         else:
             assert np.abs(committed - p_new).max() <= 2e-3 / 127 * (1.01 if name == "int8" else 1) + 1e-6
         p_old = committed
+
+
+def test_a_vector_written_whole_reads_any_chunk_range_the_same_on_s3(s3_bucket, tmp_path):
+    """A shard is one object per array (zarr's sharding codec): read whole, or a range of its
+    chunks as a partitioned aggregator does (the shard's index, then the chunks), on S3 and on a
+    local folder alike, and checked against the chunk hashes."""
+    fmt = codec.VectorFormat("int8", 3000, 1024, 256, whole=True)
+    arrays = codec.encode(np.random.default_rng(0).standard_normal(3000).astype(np.float32), "int8", 256)
+    local = Bucket(str(tmp_path / "local"))
+    sums = [codec.write_vector(b, "s", fmt, arrays) for b in (local, s3_bucket)]
+    assert sums[0] == sums[1] and sorted(local.find("s")) == ["s/codes/c/0", "s/codes/zarr.json",
+                                                               "s/scales/c/0", "s/scales/zarr.json"]
+    for chunks in (range(0, 3), range(0, 1), range(1, 2), range(2, 3), range(1, 3)):
+        here, there = (codec.read_vector(b, "s", fmt, chunks, checksums=sums[0], raw=True) for b in (local, s3_bucket))
+        lo, hi = fmt.bounds("codes", chunks)
+        assert np.array_equal(here["codes"], arrays["codes"][lo:hi]) and np.array_equal(there["codes"], here["codes"])
+        assert np.array_equal(there["scales"], here["scales"])
+    with pytest.raises(ValueError, match="at once"):
+        codec.write_vector(local, "t", fmt, {k: v[:1024] for k, v in arrays.items()}, range(0, 1))

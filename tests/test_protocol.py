@@ -85,6 +85,7 @@ def test_shard_without_manifest_is_never_read(make_run):
     ("corrupt_chunk", "checksum"),
     ("garbage_chunk", "undecodable chunk"),
     ("missing_chunk", "checksum"),
+    ("flipped_byte", "chunk"),
     ("zero_samples", "malformed manifest"),
 ])
 def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
@@ -106,13 +107,17 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         run.bucket.write_bytes(mkey, run.bucket.read_bytes(mkey)[:40])
     if fault == "corrupt_chunk":
         other = put_shard(run, 0, "other", grad=np.full(run.flat.n, 2e-4, np.float32), part="0002")
-        shutil.copy(run.bucket.path(f"{other}/values/c/1"), run.bucket.path(f"{key}/values/c/1"))
+        shutil.copy(run.bucket.path(f"{other}/values/c/0"), run.bucket.path(f"{key}/values/c/0"))
         run.bucket.delete(other)
         run.bucket.delete(run.keys.manifest(other))
     if fault == "garbage_chunk":
-        run.bucket.write_bytes(f"{key}/values/c/1", np.random.default_rng(0).bytes(5000))
+        run.bucket.write_bytes(f"{key}/values/c/0", np.random.default_rng(0).bytes(5000))
+    if fault == "flipped_byte":  # one chunk inside the shard's single object
+        stored = bytearray(run.bucket.read_bytes(f"{key}/values/c/0"))
+        stored[len(stored) // 3] ^= 0xFF
+        run.bucket.write_bytes(f"{key}/values/c/0", bytes(stored))
     if fault == "missing_chunk":  # zarr reads a missing chunk as zeros: the checksum catches it
-        run.bucket.delete(f"{key}/values/c/1")
+        run.bucket.delete(f"{key}/values/c/0")
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert [s["peer"] for s in close["accepted"]] == ["honest"]

@@ -4,6 +4,7 @@ volunteer's poll costs the same whatever the number of peers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ def test_the_view_is_what_the_scheduler_validated(make_run):
     put_shard(run, 0, "liar", grad=_noise(run, 8), samples=4, manifest={"samples": 10 ** 9})
     torn = put_shard(run, 0, "torn", grad=_noise(run, 9), samples=4,
                      manifest={"samples": 10 ** 9, "data": {"stream": "torn", "ranges": [[0, 10 ** 9]]}})
-    b.delete(f"{torn}/codes/c/1")
+    b.delete(f"{torn}/codes/c/0")  # its one object of chunks
     now = time.time()
     _beat(run, 0, "p1", 5, speed=2.0)
     _beat(run, 0, "p2", 10 ** 9, speed=1e12)  # clamped: target, MAX_PEER_SPEED
@@ -106,9 +107,23 @@ def test_a_view_out_of_bounds_is_no_view(make_run):
     assert view.parse(good.replace(b'"pending_samples":0', b'"pending_samples":-5')) is None
     assert view.heartbeat(b'{"round": 0, "samples": 1e400, "time": 1.0}', 0, 1.0, 10, 24) is None
     assert view.heartbeat(b'{"round": 0, "samples": 30, "time": 1.0, "samples_per_s": NaN}', 0, 1.0, 10, 24) \
-        == (24, 0.0)
+        == (24, 0.0, 0.0)
     assert view.heartbeat(b"[1, 2]", 0, 1.0, 10, 24) is None
     assert view.heartbeat(b"[" * 100000, 0, 1.0, 10, 24) is None
+
+
+def test_a_heartbeat_is_projected_until_its_next_one_is_due():
+    """5 s after a heartbeat of 10 samples at 4 samples/s: projected for its own next_s, at most
+    the scheduler's bound; a peer that heartbeats every step is never projected."""
+    def beat(**extra):
+        fields = {"round": 0, "samples": 10, "time": 100.0, "samples_per_s": 4.0, **extra}
+        return view.heartbeat(json.dumps(fields).encode(), 0, 105.0, 30, 1000, ahead_s=6.0)
+
+    assert beat(next_s=2.0) == (18, 4.0, 2.0)
+    assert beat() == (30, 4.0, 6.0)  # an older worker's heartbeat: the scheduler's bound
+    assert beat(next_s=60.0) == (30, 4.0, 6.0)  # a claim is bounded
+    assert beat(next_s=0.0) == (10, 4.0, 0.0)
+    assert beat(next_s=-3.0)[0] == 10 and beat(next_s=float("nan"))[0] == 10
 
 
 def test_the_view_module_needs_no_torch():

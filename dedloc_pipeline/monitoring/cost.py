@@ -201,8 +201,19 @@ def _chunks(fmt: VectorFormat) -> list[int]:
 
 
 def _objects(fmt: VectorFormat) -> int:
-    """Objects a whole vector is stored as: each array's chunks and its ``zarr.json``."""
-    return sum(c + 1 for c in _chunks(fmt))
+    """Objects a whole vector is stored as: each array's chunks (one object for a vector
+    written whole) and its ``zarr.json``."""
+    return sum((1 if fmt.whole else c) + 1 for c in _chunks(fmt))
+
+
+def _reads(fmt: VectorFormat, chunks: int | None = None) -> int:
+    """GETs of a checksummed read (no metadata) of ``chunks`` chunks of each array (default
+    all): a chunk each, or for a vector written whole one object, and for a range of it the
+    shard's index and then the range's chunks."""
+    arrays = len(fmt.arrays())
+    if chunks is None or chunks >= fmt.n_chunks:
+        return arrays if fmt.whole else sum(_chunks(fmt))
+    return arrays * (chunks + int(fmt.whole))
 
 
 class Layout:
@@ -212,10 +223,11 @@ class Layout:
         self.config = config
         self.n = n_params(config.preset, config.seq_len) if n is None else n
 
-        def fmt(codec_name: str) -> VectorFormat:
-            return VectorFormat(codec_name, self.n, config.chunk_size, config.block_size)
+        def fmt(codec_name: str, whole: bool = False) -> VectorFormat:
+            return VectorFormat(codec_name, self.n, config.chunk_size, config.block_size, whole)
 
-        self.grad, self.delta, self.dense = fmt(config.codec), fmt(config.param_codec), fmt("none")
+        self.grad = fmt(config.codec, whole=True)
+        self.delta, self.dense = fmt(config.param_codec), fmt("none")
         chunks, k = self.dense.n_chunks, config.chunks_per_part
         self.parts = [min(k, chunks - lo) for lo in range(0, chunks, k)]
         self.lossy_delta = config.param_codec != "none"  # the organizer's residual is written
@@ -241,10 +253,9 @@ class Layout:
 
     # requests, as botocore sends them to S3 (R2 speaks the same API through the same client)
     def shard_upload(self) -> Requests:
-        """``shard.upload``: each array's metadata looked for (it may exist: a restarted writer)
-        and written, its chunks, then the manifest. zarr skips a chunk that is all zeros, so
-        this is at most."""
-        return Requests(get=len(self.grad.arrays()), put=_objects(self.grad) + 1)
+        """``shard.upload``: each array's metadata and its one object of chunks, then the
+        manifest; nothing read."""
+        return Requests(put=_objects(self.grad) + 1)
 
     def state_download(self) -> Requests:
         """A synced peer moving one state on: the COMMIT, then each chunk of the delta (checksummed
@@ -266,17 +277,17 @@ class Layout:
     def closing(self, shards: int) -> Requests:
         """What closing adds to its poll: each new shard validated (its objects listed, every
         chunk read and checksummed), CLOSE created and read back."""
-        return Requests(list=shards, get=shards * sum(_chunks(self.grad))) + Requests(put=1, get=1)
+        return Requests(list=shards, get=shards * _reads(self.grad)) + Requests(put=1, get=1)
 
     def finish(self, shards: int) -> Requests:
         """``Scheduler.finish`` of a closed round: prepare, reduce and apply every part, commit
         (``prune`` apart: ``prune_steady``)."""
         dense_arrays = 1 + 1 + len(OPTIM_STATE) + 1  # reduced gradient, params, state, residual
-        delta_arrays, grad_arrays = len(self.delta.arrays()), len(self.grad.arrays())
+        delta_arrays = len(self.delta.arrays())
         total = Requests(get=dense_arrays + delta_arrays, put=dense_arrays + delta_arrays)  # prepare
         whole = len(self.parts) == 1  # a part that writes every chunk also makes (finds) the arrays
         for c in self.parts:
-            reduce = Requests(head=1, get=1 + shards * grad_arrays * c + 1 + whole, put=c + 1)
+            reduce = Requests(head=1, get=1 + shards * _reads(self.grad, c) + 1 + whole, put=c + 1)
             if self.lamb:  # partial norms need the range's params and state
                 reduce += Requests(get=(1 + len(OPTIM_STATE)) * (1 + c))
             written = 1 + delta_arrays + len(OPTIM_STATE) + int(self.lossy_delta)

@@ -59,8 +59,8 @@ class Cadence(BaseModel):
                               json_schema_extra={"flag": "--poll-min"})
     poll_max_s: float = Field(10.0, gt=0, description="slowest round-view read (far from it, or no view)",
                               json_schema_extra={"flag": "--poll-max"})
-    heartbeat_min_s: float = Field(3.0, gt=0, description="most frequent heartbeat")
-    heartbeat_max_s: float = Field(6.0, gt=0, description="least frequent heartbeat (never above a third "
+    heartbeat_min_s: float = Field(5.0, gt=0, description="most frequent heartbeat")
+    heartbeat_max_s: float = Field(10.0, gt=0, description="least frequent heartbeat (never above a third "
                                    "of peer_timeout_s)", json_schema_extra={"flag": "--heartbeat-max"})
     poll_share: float = Field(0.5, gt=0, le=1, description="a poll every this share of the ETA")
     scheduler_poll_s: float = Field(1.0, gt=0, description="the scheduler's slowest poll: its view is "
@@ -130,7 +130,7 @@ class RunConfig(BaseModel):
                                "unigram frequencies, so training need not pass through the unigram phase")
     keep_states: int = Field(3, ge=2, description="recent states kept whole; older ones are pruned")
     checkpoint_every: int = Field(100, gt=0, description="states whose params and optimizer stay")
-    peer_timeout_s: float = Field(20.0, gt=0, description="seconds before a silent peer counts as gone",
+    peer_timeout_s: float = Field(30.0, gt=0, description="seconds before a silent peer counts as gone",
                                   json_schema_extra={"flag": "--peer-timeout"})
     cadence: Cadence = Cadence()
     optimizer: OptimizerConfig = OptimizerConfig()

@@ -58,13 +58,14 @@ class Run:
         from ..model.albert import FlatLayout
         return FlatLayout(self.build_model())
 
-    def _fmt(self, codec_name: str) -> VectorFormat:
+    def _fmt(self, codec_name: str, whole: bool = False) -> VectorFormat:
         c = self.config
-        return VectorFormat(codec_name, self.flat.n, c.chunk_size, c.block_size)
+        return VectorFormat(codec_name, self.flat.n, c.chunk_size, c.block_size, whole)
 
     @cached_property
     def grad_format(self) -> VectorFormat:
-        return self._fmt(self.config.codec)
+        """A peer's shard: written whole, one object per array."""
+        return self._fmt(self.config.codec, whole=True)
 
     @cached_property
     def dense_format(self) -> VectorFormat:

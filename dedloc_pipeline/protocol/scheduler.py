@@ -227,7 +227,7 @@ class Scheduler:
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
-                          closed=close is not None, stopped=self._stopped, eta_s=self._eta, at=at,
+                          horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped, eta_s=self._eta, at=at,
                           written_at=max(at, time.time()))
             view.write(bucket, keys, v)
         except Exception as exc:

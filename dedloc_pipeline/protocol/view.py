@@ -57,6 +57,8 @@ class View(BaseModel):
     closed: bool = False
     stopped: bool = False
     eta_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    horizon_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="how long past ``at`` the pending "
+                             "samples may be projected: until the counted peers' next heartbeats are due")
     at: float = Field(allow_inf_nan=False, description="when the scheduler started this poll (its clock): "
                       "heartbeats and manifests were listed after it")
     written_at: float = Field(allow_inf_nan=False, description="when it was written: no heartbeat written "
@@ -126,11 +128,13 @@ def write(bucket: Bucket, keys: RunLayout, view: View) -> None:
 # heartbeats, as the scheduler counts them
 
 def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int,
-              ahead_s: float = 0.0) -> tuple[int, float] | None:
-    """One heartbeat's (pending samples, samples/s) for round r at ``now``, bounded; None if it
-    does not count: unreadable, another round, or older (or further ahead) than ``timeout``.
-    The pending samples are projected to ``now`` at the peer's speed, for at most ``ahead_s``
-    seconds: heartbeats can then be seldom without the count lagging behind the work."""
+              ahead_s: float = 0.0) -> tuple[int, float, float] | None:
+    """One heartbeat's (pending samples, samples/s, horizon) for round r at ``now``, bounded;
+    None if it does not count: unreadable, another round, or older (or further ahead) than
+    ``timeout``. The pending samples are projected to ``now`` at the peer's speed until its next
+    heartbeat is due (its ``next_s``, at most ``ahead_s`` seconds): heartbeats can then be seldom
+    without the count lagging behind the work, and a peer that heartbeats every step (lock-step
+    tests) is never projected, so what it counts does not depend on the machine's load."""
     if raw is None or len(raw) > MAX_HEARTBEAT_BYTES:
         return None
     try:
@@ -145,10 +149,12 @@ def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int
             return None
         samples = int(samples)
         speed = float(p.get("samples_per_s", 0.0))
+        horizon = float(p.get("next_s", ahead_s))
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
         return None
     speed = min(max(speed, 0.0), MAX_PEER_SPEED) if math.isfinite(speed) else 0.0
-    return project(samples, speed, now - t, ahead_s, target), speed
+    horizon = min(max(horizon, 0.0), ahead_s) if math.isfinite(horizon) else 0.0
+    return project(samples, speed, now - t, horizon, target), speed, horizon
 
 
 def project(samples: int, speed: float, since_s: float, ahead_s: float, target: int) -> int:
@@ -163,6 +169,7 @@ class Pending:
     samples_per_s: float = 0.0
     peers: int = 0
     ignored: int = 0
+    horizon_s: float = 0.0  # the longest of the counted heartbeats' horizons
 
 
 class Heartbeats:
@@ -184,12 +191,13 @@ class Heartbeats:
         for k, raw in bucket.read_many(changed).items():
             known[k] = (small[k], raw)
         self._raw = known
-        samples, speed, peers = 0, 0.0, 0
+        samples, speed, peers, horizon = 0, 0.0, 0, 0.0
         for _, raw in known.values():
             got = heartbeat(raw, r, now, timeout, target, ahead_s)
             if got is not None:
-                samples, speed, peers = samples + got[0], speed + got[1], peers + 1
-        return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small))
+                samples, speed, peers, horizon = samples + got[0], speed + got[1], peers + 1, max(horizon, got[2])
+        return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small),
+                       horizon_s=horizon)
 
 
 def eta(target: int, validated: int, pending: int, samples_per_s: float, closed: bool) -> float | None:
@@ -214,6 +222,7 @@ class RoundView:
     closed: bool = False
     at: float = 0.0
     eta_s: float | None = None  # the scheduler's, as of ``at``
+    horizon_s: float = 0.0  # how long past ``at`` fresh_samples may grow at samples_per_s
 
 
 def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int) -> RoundView:
@@ -224,4 +233,4 @@ def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, o
                      fresh_samples=max(0, v.pending_samples - own_pending),
                      peers=max(0, v.peers - int(own_counted)),
                      samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, at=v.at,
-                     eta_s=v.eta_s)
+                     eta_s=v.eta_s, horizon_s=v.horizon_s)

@@ -132,7 +132,7 @@ class Worker:
         self.cursor = 0
         self._view: RoundView | None = None  # round ``state`` as the last fresh round view showed it
         self._looked = float("-inf")  # time.monotonic() of the last round-view read
-        self._beats: deque[tuple[float, int, int, float]] = deque(maxlen=64)  # (time, round, samples, rate)
+        self._beats: deque[tuple[float, int, int, float, float]] = deque(maxlen=64)  # (time, round, samples, rate, next_s)
         self._sent: deque[_Sent] = deque(maxlen=64)  # this peer's recent uploads
         self._sending: list[_Sent] = []  # those under way
         self._fetching: tuple[int, Future] | None = None  # (state, its download) under way
@@ -315,7 +315,8 @@ class Worker:
         maybe = [b for b in live if b[0] <= v.at][-1:] + [b for b in live if v.at < b[0] <= v.written_at]
         if maybe and not v.closed:  # as the scheduler counted it: projected to v.at
             ahead, target = cfg.cadence.heartbeat_max_s, cfg.target_batch_size
-            pending, counted = max(published.project(b[2], b[3], v.at - b[0], ahead, target) for b in maybe), True
+            pending, counted = max(published.project(b[2], b[3], v.at - b[0], min(ahead, b[4]), target)
+                                   for b in maybe), True
             speed = min(max(maybe[-1][3], 0.0), published.MAX_PEER_SPEED)
         unseen = sum(x.samples for x in self._sent if x.round == r and x.at > v.at)
         return published.for_worker(v, pending, speed, counted, unseen)
@@ -326,10 +327,11 @@ class Worker:
 
     def _projected(self, v: RoundView) -> RoundView:
         """The others' pending samples grow at their speed since the scheduler counted them
-        (``v.at``, for at most ``heartbeat_max_s``, so a skewed clock costs little): between
-        reads, and with a view a scheduler poll old, a worker still sees the round fill."""
+        (``v.at``, until their next heartbeats are due: at most ``heartbeat_max_s``, so a skewed
+        clock costs little): between reads, and with a view a scheduler poll old, a worker still
+        sees the round fill."""
         grown = published.project(v.fresh_samples, v.samples_per_s, time.time() - v.at,
-                                  self.cadence.heartbeat_max_s, self.run.config.target_batch_size)
+                                  v.horizon_s, self.run.config.target_batch_size)
         return dataclasses.replace(v, fresh_samples=grown)
 
     def _note_speed(self, n: int) -> None:
@@ -485,10 +487,11 @@ class Worker:
         io = self.run.bucket.stats
         sending = sum(x.samples for x in self._sending if x.round == r)  # pending until their manifests land
         samples = (acc.samples if acc and acc.round == r else 0) + sending
-        self._beats.append((now, r, samples, rate))
+        next_s = self.heartbeat_every()
+        self._beats.append((now, r, samples, rate, next_s))
         self.run.bucket.write_json(self.run.keys.progress(r, self.peer), {
             "peer": self.peer, "round": r, "samples": samples, "sending": sending,
-            "samples_per_s": rate, "time": now, "uploaded_samples": self.uploaded_samples,
+            "samples_per_s": rate, "next_s": next_s, "time": now, "uploaded_samples": self.uploaded_samples,
             "compute_s": self.compute_s, "wall_s": time.monotonic() - self.started,
             "bytes_up": io.bytes_written, "bytes_down": io.bytes_read})
         self._last_progress = now

@@ -3,7 +3,10 @@
 ``none`` stores fp32 (exact), ``fp16`` halves, ``int8`` and ``int4`` keep one absmax scale per
 block of ``block`` elements and 127 or 7 levels each side of zero. Every vector is stored as zarr
 arrays chunked like the flat parameter vector, compressed with Blosc-lz4, so aggregators can read
-any chunk range on its own. Each chunk's decoded bytes are hashed into the manifest, so a
+any chunk range on its own. A vector one writer makes at once (a peer's gradient shard) keeps its
+chunks in one object per array (zarr's sharding codec): a request per array, not per chunk, to
+write it and to read it whole. Vectors that aggregators write in chunk ranges (parameters, state,
+deltas) keep an object per chunk. Each chunk's decoded bytes are hashed into the manifest, so a
 corrupted or forged chunk is caught on read.
 """
 
@@ -45,6 +48,7 @@ class VectorFormat:
     n: int
     chunk_size: int
     block: int
+    whole: bool = False  # written at once by one writer: one object per array
 
     @property
     def n_chunks(self) -> int:
@@ -192,21 +196,57 @@ def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4
     """
     created = {}
     for name, (dtype, length, clen) in fmt.arrays().items():
-        shuffle = _SHUFFLE.get(name, "bitshuffle")
         try:
             created[name] = zarr.create_array(
-                bucket.zarr_store(f"{key}/{name}"), shape=(length,), chunks=(clen,), dtype=dtype, fill_value=0,
-                zarr_format=3, overwrite=False, compressors=BloscCodec(cname=cname, clevel=9, shuffle=shuffle))
+                bucket.zarr_store(f"{key}/{name}"), shape=(length,), dtype=dtype, fill_value=0, zarr_format=3,
+                overwrite=False, **_layout(name, clen, fmt.n_chunks if fmt.whole else 0, cname))
         except ContainsArrayError:
             pass
     return created
+
+
+def _layout(name: str, clen: int, whole: int, cname: str = "lz4") -> dict:
+    """Chunking and compression of an array: ``whole`` chunks in one object, or (0) an object each."""
+    compressor = BloscCodec(cname=cname, clevel=9, shuffle=_SHUFFLE.get(name, "bitshuffle"))
+    if whole:
+        return {"chunks": (clen,), "shards": (whole * clen,), "compressors": compressor}
+    return {"chunks": (clen,), "compressors": compressor}
+
+
+def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray]) -> None:
+    """A whole vector as one metadata and one data object per array, nothing read first: a
+    shard's key is new (its part name is unique), so there is nothing to keep. zarr encodes
+    each array in memory (it reads a shard before writing one), and its objects are put as they are."""
+    objects = {}
+    for name, (dtype, length, clen) in fmt.arrays().items():
+        encoded: dict = {}
+        z = zarr.create_array(zarr.storage.MemoryStore(encoded), shape=(length,), dtype=dtype, fill_value=0,
+                              zarr_format=3, **_layout(name, clen, fmt.n_chunks))
+        z[:] = arrays[name]
+        objects.update({f"{name}/{file}": buf for file, buf in encoded.items()})
+
+    async def put():
+        store = bucket.zarr_store(key)
+        for file, buf in objects.items():
+            await store.set(file, buf)
+
+    zarr.core.sync.sync(put())
 
 
 def write_vector(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray],
                  chunks: range | None = None) -> dict[str, list[str]]:
     """Write ``arrays`` (the elements of ``chunks``, default all) and return their chunk hashes."""
     chunks = chunks or range(fmt.n_chunks)
-    created = create_vector(bucket, key, fmt) if chunks.start == 0 and chunks.stop == fmt.n_chunks else {}
+    complete = chunks.start == 0 and chunks.stop == fmt.n_chunks
+    if fmt.whole:
+        if not complete:
+            raise ValueError(f"{key}: a whole vector is written at once, not chunks {chunks}")
+        for name, (_, length, _) in fmt.arrays().items():
+            if len(arrays[name]) != length:
+                raise ValueError(f"{key}/{name}: {len(arrays[name])} elements for {length}")
+        _write_whole(bucket, key, fmt, arrays)
+        return chunk_checksums(fmt, arrays, chunks)
+    created = create_vector(bucket, key, fmt) if complete else {}
     for name in fmt.arrays():
         lo, hi = fmt.bounds(name, chunks)
         if len(arrays[name]) != hi - lo:
@@ -232,7 +272,8 @@ def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: ran
     not match its checksums comes back as its CorruptShard instead."""
     chunks = chunks or range(fmt.n_chunks)
     checksums = checksums or [None] * len(keys)
-    implied = {name: _metadata(*spec) for name, spec in fmt.arrays().items()}
+    implied = {name: _metadata(*spec, name=name, whole=fmt.n_chunks if fmt.whole else 0)
+               for name, spec in fmt.arrays().items()}
 
     async def gather():
         return await asyncio.gather(*(_read(bucket, k, fmt, chunks, implied if s is not None else None)
@@ -276,9 +317,9 @@ async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range,
 
 
 @functools.lru_cache(maxsize=64)
-def _metadata(dtype: str, length: int, clen: int):
-    """What create_vector writes for such an array (the compressor's settings do not matter to
-    a reader: a Blosc frame describes itself)."""
-    z = zarr.create_array(zarr.storage.MemoryStore(), shape=(length,), chunks=(clen,), dtype=dtype,
-                          fill_value=0, zarr_format=3, compressors=BloscCodec(cname="lz4", clevel=9))
+def _metadata(dtype: str, length: int, clen: int, name: str = "values", whole: int = 0):
+    """What create_vector writes for such an array (a reader need not match the compressor's
+    settings: a Blosc frame describes itself)."""
+    z = zarr.create_array(zarr.storage.MemoryStore(), shape=(length,), dtype=dtype, fill_value=0,
+                          zarr_format=3, **_layout(name, clen, whole))
     return z.metadata

@@ -115,8 +115,10 @@ class Scheduler:
                 self._seen[k] = (tag or ("size", n), self._reject(r, keys.shard_of(k), f"manifest of {n} bytes, above {limit}"))
         new = [k for k, v in raw.items() if not known(k, listed[k][1] or v)]
         if new:
+            stored = self._stored(r)
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-                for mkey, verdict in zip(new, pool.map(lambda k: self._check(r, k, raw[k], roster), new)):
+                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), 0))  # noqa: E731
+                for mkey, verdict in zip(new, pool.map(check, new)):
                     self._seen[mkey] = (listed[mkey][1] or raw[mkey], verdict)
         accepted, rejected = [], []
         for mkey in sorted(k for k in listed if k in self._seen):
@@ -127,11 +129,21 @@ class Scheduler:
                 accepted.append(verdict)
         return accepted, rejected
 
-    def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None) -> dict | str:
+    def _stored(self, r: int) -> dict[str, int]:
+        """Bytes each shard of round r stores, from one listing of them all (a LIST per 1000
+        objects, not one per shard)."""
+        top = self.run.keys.shards_dir(r)
+        stored: dict[str, int] = {}
+        for k, (n, _) in self.run.bucket.listing(top).items():
+            shard = "/".join([top] + k.removeprefix(top + "/").split("/")[:2])  # rounds/R/shards/PEER/PART
+            stored[shard] = stored.get(shard, 0) + n
+        return stored
+
+    def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None, stored: int) -> dict | str:
         """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
         try:
-            return validate(self.run, r, shard, data, roster)
+            return validate(self.run, r, shard, data, roster, stored)
         except Rejected as exc:
             return self._reject(r, shard, str(exc))
 

@@ -92,9 +92,11 @@ def stored_limit(fmt: codec.VectorFormat) -> int:
     return raw + 64 * fmt.n_chunks * len(fmt.arrays()) + 4096 * len(fmt.arrays())
 
 
-def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None) -> dict:
+def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
+             stored: int | None = None) -> dict:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
-    that needs only the manifest."""
+    that needs only the manifest and the shard's stored bytes (``stored``: from a listing the
+    caller made of many shards at once; listed here if not given)."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:
@@ -116,7 +118,7 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
         raise Rejected("non-finite loss")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
-    stored = sum(run.bucket.sizes(key).values())
+    stored = sum(run.bucket.sizes(key).values()) if stored is None else stored
     if stored > stored_limit(fmt):
         raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
     try:

@@ -219,16 +219,16 @@ def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, 
     each array in memory (it reads a shard before writing one), and its objects are put as they are."""
     objects = {}
     for name, (dtype, length, clen) in fmt.arrays().items():
-        encoded: dict = {}
-        z = zarr.create_array(zarr.storage.MemoryStore(encoded), shape=(length,), dtype=dtype, fill_value=0,
+        objects[name] = {}
+        z = zarr.create_array(zarr.storage.MemoryStore(objects[name]), shape=(length,), dtype=dtype, fill_value=0,
                               zarr_format=3, **_layout(name, clen, fmt.n_chunks))
         z[:] = arrays[name]
-        objects.update({f"{name}/{file}": buf for file, buf in encoded.items()})
 
     async def put():
-        store = bucket.zarr_store(key)
-        for file, buf in objects.items():
-            await store.set(file, buf)
+        for name, encoded in objects.items():
+            store = bucket.zarr_store(f"{key}/{name}")
+            for file, buf in encoded.items():
+                await store.set(file, buf)
 
     zarr.core.sync.sync(put())
 

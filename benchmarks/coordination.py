@@ -15,6 +15,7 @@ Measured between the warm-up's COMMIT and the last one:
   the server's count: tests/test_requests.py); and the scheduler's per second;
 - close latency: when the samples each round's CLOSE accepted, taken in the order they were
   computed, reached the target, and how long after that the CLOSE was written; median, worst;
+  split at the moment the shards making the target had all landed (uploading, then closing);
 - the bill of those requests per volunteer-day (monitoring/cost.py).
 """
 
@@ -112,15 +113,21 @@ def volunteers_main(url: str, endpoint: str, run_name: str, names: list[str], st
             computed.append((time.time(), self.peer, cursor, n))
             return 2.0 * n
 
+        def _send(self, *args, **kw):  # when each shard's manifest landed (observed, not changed)
+            key = super()._send(*args, **kw)
+            landed[key] = time.time()
+            return key
+
     torch.set_num_threads(1)
     computed: list[tuple[float, str, int, int]] = []  # (when, peer, stream position, samples)
+    landed: dict[str, float] = {}  # shard -> when its upload finished
     workers = [Simulated(Run(_bucket(url, endpoint), run_name), name, micro_batch=MICRO_BATCH) for name in names]
     threads = [threading.Thread(target=w.serve, args=(until,), name=w.peer) for w in workers]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    Path(out).write_text(json.dumps({"computed": computed,
+    Path(out).write_text(json.dumps({"computed": computed, "landed": landed,
                                      "requests": [w.run.bucket.stats.snapshot() for w in workers]}))
 
 
@@ -199,17 +206,20 @@ def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, r
     volunteer = served - mine
     # close latency: the samples a round's CLOSE accepted (their stream ranges), in the order they
     # were computed; the target was reached when they add up to it, and CLOSE came that long after
+    # (split: until the shards that make the target had landed, and from then to CLOSE)
     when = {(peer, cursor): (t, n) for h in hosts_out for t, peer, cursor, n in h["computed"]}
-    latency = []
+    landed = {k: t for h in hosts_out for k, t in h["landed"].items()}
+    latency, uploading, closing = [], [], []
     for r in range(warmup, max(at)):
         batches = sorted(when[s["data"]["stream"], c] for s in closes[r]["accepted"]
                          for a, k in s["data"]["ranges"] for c in range(a, a + k, MICRO_BATCH) if (s["data"]["stream"], c) in when)
-        total = 0
-        for t, n in batches:
-            total += n
-            if total >= target:
-                latency.append(closes[r]["closed_at"] - t)
-                break
+        reached = _reached(batches, target)
+        full = _reached(sorted((landed[s["key"]], s["samples"]) for s in closes[r]["accepted"] if s["key"] in landed), target)
+        if reached is not None:
+            latency.append(closes[r]["closed_at"] - reached)
+        if reached is not None and full is not None:
+            uploading.append(full - reached)
+            closing.append(closes[r]["closed_at"] - full)
     per_vol_s = {k: v / peers / window for k, v in sorted(volunteer.items())}
     billed = cost.measured({"requests": dict(volunteer), "bytes_read": 0, "bytes_written": 0}, window, peers)
     client = Counter()
@@ -223,8 +233,20 @@ def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, r
             "scheduler_requests_s": sum(mine.values()) / window,
             "requests_per_volunteer_day_usd": {p: c.volunteer_day.total for p, c in billed.cost.items()},
             "close_latency_s": {"median": statistics.median(latency) if latency else None,
-                                "worst": max(latency) if latency else None, "rounds": latency},
+                                "worst": max(latency) if latency else None, "rounds": latency,
+                                "uploading_median": statistics.median(uploading) if uploading else None,
+                                "closing_median": statistics.median(closing) if closing else None},
             "client_counted_total": sum(client.values()), "server_counted_total": len(requests)}
+
+
+def _reached(events: list[tuple[float, int]], target: int) -> float | None:
+    """When samples arriving as (time, count), in time order, first add up to ``target``."""
+    total = 0
+    for t, n in events:
+        total += n
+        if total >= target:
+            return t
+    return None
 
 
 def run(peers: tuple[int, ...] = (4, 16, 64), **kw) -> dict:
@@ -237,7 +259,8 @@ def table(res: dict):
     t = Table(title="7. coordination at scale: simulated volunteers on moto's S3 (requests counted by the server)",
               title_justify="left")
     for c in ("volunteers", "s/round", "req/s per volunteer", "get", "put", "head", "list",
-              "scheduler req/s", "$/volunteer-day S3", "R2", "close after target: median s", "worst s"):
+              "scheduler req/s", "$/volunteer-day S3", "R2", "close after target: median s", "worst s",
+              "of which uploading", "closing"):
         t.add_column(c, justify="right")
     for c in res["cases"]:
         k, lat, usd = c["by_class_per_volunteer_s"], c["close_latency_s"], c["requests_per_volunteer_day_usd"]
@@ -245,7 +268,8 @@ def table(res: dict):
                   *(f"{k.get(x, 0):.3f}" for x in ("get", "put", "head", "list")),
                   f"{c['scheduler_requests_s']:.2f}", f"{usd['s3']:.4f}", f"{usd['r2']:.4f}",
                   f"{lat['median']:.2f}" if lat["median"] is not None else "-",
-                  f"{lat['worst']:.2f}" if lat["worst"] is not None else "-")
+                  f"{lat['worst']:.2f}" if lat["worst"] is not None else "-",
+                  *(f"{lat[x]:.2f}" if lat.get(x) is not None else "-" for x in ("uploading_median", "closing_median")))
     return t
 
 

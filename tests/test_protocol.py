@@ -86,6 +86,7 @@ def test_shard_without_manifest_is_never_read(make_run):
     ("garbage_chunk", "undecodable chunk"),
     ("missing_chunk", "checksum"),
     ("flipped_byte", "chunk"),
+    ("blosc_bomb", "2147483647 decoded"),
     ("zero_samples", "malformed manifest"),
 ])
 def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
@@ -116,6 +117,10 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         stored = bytearray(run.bucket.read_bytes(f"{key}/values/c/0"))
         stored[len(stored) // 3] ^= 0xFF
         run.bucket.write_bytes(f"{key}/values/c/0", bytes(stored))
+    if fault == "blosc_bomb":  # a frame whose header claims 2 GiB decoded: refused before Blosc allocates it
+        stored = bytearray(run.bucket.read_bytes(f"{key}/values/c/0"))
+        stored[4:8] = (2**31 - 1).to_bytes(4, "little")  # the first chunk's frame starts the shard
+        run.bucket.write_bytes(f"{key}/values/c/0", bytes(stored))
     if fault == "missing_chunk":  # zarr reads a missing chunk as zeros: the checksum catches it
         run.bucket.delete(f"{key}/values/c/0")
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
@@ -125,6 +130,27 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
     assert any("rejected shard" in r.message and key in r.message for r in caplog.records)
     commit = finish(run, 0)  # the round goes on without it
     assert commit["contributors"] == ["honest"] and commit["rejected"] == close["rejected"]
+
+
+def test_a_shard_that_breaks_the_judge_is_rejected_and_the_round_goes_on(make_run, monkeypatch, caplog):
+    """Any exception while one shard is judged (here a MemoryError out of its norm) rejects that
+    shard, logged with the reason; the scheduler and the round go on."""
+    run = make_run(max_grad_norm=100.0)
+    put_shard(run, 0, "honest", samples=24)
+    put_shard(run, 0, "odd", grad=np.full(run.flat.n, 3e-4, np.float32))
+    norm = codec.squared_norm
+
+    def squared_norm(arrays, *a):
+        if np.allclose(codec.decode(arrays, run.config.codec, run.config.block_size)[:4], 3e-4):
+            raise MemoryError("out of memory")
+        return norm(arrays, *a)
+
+    monkeypatch.setattr(codec, "squared_norm", squared_norm)
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
+        close = Scheduler(run, 1, 0).try_close(0)
+    assert [s["peer"] for s in close["accepted"]] == ["honest"]
+    assert close["rejected"][0]["reason"] == "could not be judged: MemoryError: out of memory"
+    assert any("could not be judged" in r.message for r in caplog.records)
 
 
 def test_round_waits_for_the_target_then_closes(make_run):

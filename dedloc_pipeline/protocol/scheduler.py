@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..storage.bucket import StorageError
 from ..trust import identity
 from . import aggregator, view
 from .run import Run
@@ -132,10 +133,9 @@ class Scheduler:
     def _stored(self, r: int) -> dict[str, int]:
         """Bytes each shard of round r stores, from one listing of them all (a LIST per 1000
         objects, not one per shard)."""
-        top = self.run.keys.shards_dir(r)
-        stored: dict[str, int] = {}
-        for k, (n, _) in self.run.bucket.listing(top).items():
-            shard = "/".join([top] + k.removeprefix(top + "/").split("/")[:2])  # rounds/R/shards/PEER/PART
+        keys, stored = self.run.keys, {}
+        for k, (n, _) in self.run.bucket.listing(keys.shards_dir(r)).items():
+            shard = keys.shard_holding(r, k)
             stored[shard] = stored.get(shard, 0) + n
         return stored
 
@@ -146,6 +146,11 @@ class Scheduler:
             return validate(self.run, r, shard, data, roster, stored)
         except Rejected as exc:
             return self._reject(r, shard, str(exc))
+        except StorageError:
+            raise  # the bucket's fault, not the shard's: a clear error, as everywhere
+        except Exception as exc:  # whatever else one input makes happen rejects that input
+            log.exception("round %d: shard %s could not be judged", r, shard)
+            return self._reject(r, shard, f"could not be judged: {type(exc).__name__}: {exc}")
 
     @staticmethod
     def _reject(r: int, shard: str, reason: str) -> str:

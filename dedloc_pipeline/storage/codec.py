@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +40,28 @@ _SHUFFLE = {"scales": "shuffle"}
 
 class CorruptShard(ValueError):
     """Stored bytes do not match what the manifest promised."""
+
+
+class BoundedBlosc(BloscCodec):
+    """Blosc that reads a frame's 16-byte header before decoding it: a frame must decode to
+    exactly its chunk's bytes and be as long as it says. A few kilobytes stored can otherwise
+    claim gigabytes decoded (a Blosc bomb), and Blosc allocates what the header claims first.
+    zarr uses it for every array this package opens (the ``blosc`` codec's implementation)."""
+
+    def _decode_sync(self, chunk_bytes, chunk_spec):
+        raw = chunk_bytes.as_numpy_array()
+        want = math.prod(chunk_spec.shape) * chunk_spec.dtype.to_native_dtype().itemsize
+        if raw.nbytes < 16:
+            raise ValueError(f"a Blosc frame of {raw.nbytes} bytes, shorter than its header")
+        nbytes, _, cbytes = struct.unpack_from("<3I", raw, 4)
+        if nbytes != want or cbytes != raw.nbytes:
+            raise ValueError(f"a Blosc frame of {raw.nbytes} bytes claims {cbytes} stored and {nbytes} "
+                             f"decoded; its chunk holds {want}")
+        return super()._decode_sync(chunk_bytes, chunk_spec)
+
+
+zarr.registry.register_codec("blosc", BoundedBlosc)
+zarr.config.set({"codecs.blosc": f"{BoundedBlosc.__module__}.{BoundedBlosc.__qualname__}"})
 
 
 @dataclass(frozen=True)
@@ -207,7 +231,7 @@ def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4
 
 def _layout(name: str, clen: int, whole: int, cname: str = "lz4") -> dict:
     """Chunking and compression of an array: ``whole`` chunks in one object, or (0) an object each."""
-    compressor = BloscCodec(cname=cname, clevel=9, shuffle=_SHUFFLE.get(name, "bitshuffle"))
+    compressor = BoundedBlosc(cname=cname, clevel=9, shuffle=_SHUFFLE.get(name, "bitshuffle"))
     if whole:
         return {"chunks": (clen,), "shards": (whole * clen,), "compressors": compressor}
     return {"chunks": (clen,), "compressors": compressor}

@@ -125,6 +125,12 @@ class RunLayout:
     def shard(self, r: int, peer: str, part: str) -> str:
         return f"{self.shards_dir(r)}/{peer}/{part}"
 
+    def shard_holding(self, r: int, key: str) -> str:
+        """The shard key ``rounds/R/shards/PEER/PART`` an object listed under round r's shards
+        belongs to (a stray object nearer the top counts as its own)."""
+        top = self.shards_dir(r)
+        return "/".join([top] + key.removeprefix(top + "/").split("/")[:2])
+
     def shard_parts(self, shard: str) -> tuple[int, str, str]:
         """(round, peer, part) of a shard key ``rounds/R/shards/PEER/PART``."""
         head, peer, part = shard.rsplit("/", 2)

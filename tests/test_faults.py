@@ -285,3 +285,64 @@ def test_the_norm_screen_spares_honest_small_shards(make_run):
                                  shard.DataRef(stream=f"p{i}", ranges=[(0, n)])))
     close = Scheduler(run, 1, 0).try_close(0)
     assert close["rejected"] == [] and sorted(s["key"] for s in close["accepted"]) == keys
+
+
+# case 13: one volunteer, many parts (influence is bounded per volunteer, not per shard)
+
+def _part(run, peer, part, grad, samples, start=0):
+    return shard.upload(run, 0, peer, part, codec.encode(grad, run.config.codec, run.config.block_size),
+                        samples, 5.0, shard.DataRef(stream=peer, ranges=[(start, samples)]))
+
+
+def test_many_tiny_parts_from_one_volunteer_do_not_move_the_norm_screen(make_run):
+    """Four tiny-norm parts from mallory beside three honest volunteers: the screen's medians are
+    over volunteers, so the honest shards stay in. Control: over shards, the median would be
+    mallory's and every honest shard would be above 10x it."""
+    run = make_run(codec="int8", target_batch_size=8)
+    honest = [_part(run, p, "0001", _noise(run, i), 8) for i, p in enumerate("abc")]
+    tiny = [_part(run, "mallory", f"000{j}", _noise(run, 10 + j, 1e-7), 8, 8 * j) for j in range(1, 5)]
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert close["rejected"] == [] and sorted(s["key"] for s in close["accepted"]) == sorted(honest + tiny)
+    norms = {s["key"]: s["norm"] for s in close["accepted"]}
+    per_shard_bound = run.config.norm_screen * float(np.median(list(norms.values())))
+    assert all(norms[k] > per_shard_bound for k in honest)  # what the old screen did to them
+
+
+def test_a_volunteers_parts_beyond_max_parts_are_rejected(make_run):
+    run = make_run(close={"max_parts": 2})
+    first = [_part(run, "mallory", f"000{j}", _noise(run, j), 4, 4 * j) for j in range(1, 4)]
+    honest = _part(run, "a", "0001", _noise(run, 9), 16)  # 4 + 4 + 16: the target
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert sorted(s["key"] for s in close["accepted"]) == sorted(first[:2] + [honest])
+    assert [s["key"] for s in close["rejected"]] == [first[2]]
+    assert "above close.max_parts=2" in close["rejected"][0]["reason"]
+
+
+@pytest.mark.parametrize("aggregation", ["trimmed_mean", "centered_clip"])
+def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregation):
+    """Mallory sends the honest direction reversed in 4 parts, each claiming 10,000 samples.
+    Robust weights are capped at the median volunteer's samples and a volunteer's parts are one
+    row, so the reduced gradient still points the honest way. Control: with a row per shard, and
+    the cap at the median shard (mallory's 10,000), it points mallory's way."""
+    run = make_run(aggregation=aggregation, norm_screen=None, max_grad_norm=1e12, target_batch_size=24)
+    base = _noise(run, 0)
+    honest = [base + _noise(run, 1 + i, 2e-4) for i in range(3)]
+    for p, g in zip("abc", honest):
+        _part(run, p, "0001", g, 8)
+    for j in range(1, 5):
+        _part(run, "mallory", f"000{j}", -base, 10_000, 10_000 * j)
+    with ThreadPoolExecutor(2) as pool:
+        sched = Scheduler(run, 2, 0)
+        close = sched.try_close(0)
+        assert len(close["accepted"]) == 7
+        sched.finish(0, pool)
+    reduced = codec.read_vector(run.bucket, run.keys.reduced(0), run.dense_format)
+
+    def cos(x):
+        return float(x @ base / np.linalg.norm(x) / np.linalg.norm(base))
+
+    assert cos(reduced) > 0.3
+    from dedloc_pipeline.protocol import robust
+    rows = np.stack(honest + [codec.decode(codec.encode(-base, run.config.codec, run.config.block_size),
+                                           run.config.codec, run.config.block_size)] * 4)
+    assert cos(robust.aggregate(rows, [8, 8, 8] + [10_000] * 4, run.config)) < 0

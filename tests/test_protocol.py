@@ -84,7 +84,7 @@ def test_shard_without_manifest_is_never_read(make_run):
     ("huge", "gradient norm"),
     ("corrupt_chunk", "checksum"),
     ("garbage_chunk", "undecodable chunk"),
-    ("missing_chunk", "checksum"),
+    ("missing_chunk", "missing chunk objects"),
     ("flipped_byte", "chunk"),
     ("blosc_bomb", "2147483647 decoded"),
     ("zero_samples", "malformed manifest"),

@@ -40,21 +40,27 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
     fmt, accepted = run.grad_format, close["accepted"]
-    robust_mode = run.config.aggregation != "mean" and len(accepted) > 2
+    peers = sorted({s["peer"] for s in accepted})
+    robust_mode = run.config.aggregation != "mean" and len(peers) > 2
+    row = {p: i for i, p in enumerate(peers)}
+    samples = np.zeros(len(peers), np.float64)
+    for s in accepted:
+        samples[row[s["peer"]]] += s["samples"]
     total = np.zeros(hi - lo, np.float64)
-    stacked = np.empty((len(accepted) if robust_mode else 0, hi - lo), np.float32)
+    stacked = np.zeros((len(peers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
         found = codec.read_vectors(bucket, [s["key"] for s in batch], fmt, chunks, [s["checksums"] for s in batch])
-        for j, (shard, arrays) in enumerate(zip(batch, found)):
+        for shard, arrays in zip(batch, found):
             if isinstance(arrays, codec.CorruptShard):  # changed after CLOSE: refuse, never skip
                 raise arrays
-            if robust_mode:
-                stacked[i + j] = codec.decode(arrays, fmt.codec, fmt.block)
+            if robust_mode:  # the volunteer's parts, sample-weighted
+                k = row[shard["peer"]]
+                codec.accumulate(stacked[k], arrays, fmt.codec, fmt.block, shard["samples"] / samples[k])
             else:
                 codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
     if robust_mode:
-        grad = robust.aggregate(stacked, [s["samples"] for s in accepted], run.config)
+        grad = robust.aggregate(stacked, samples.tolist(), run.config)
     else:
         grad = (total / close["samples"]).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)

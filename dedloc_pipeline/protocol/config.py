@@ -43,6 +43,8 @@ class CloseRule(BaseModel):
     late_shards: Literal["reject", "fold"] = Field(
         "reject", description="a shard that misses its round: dropped, or counted in the next one"
     )
+    max_parts: int = Field(8, gt=0, description="shards one volunteer may count in a round (an honest one "
+                           "sends a second only when a peer vanished); later parts are rejected")
 
 
 class Cadence(BaseModel):

@@ -2,8 +2,10 @@
 
 The plain sample-weighted mean is what makes N peers equal to one process, and one shard scaled
 ×1000 or sign-flipped moves it anywhere. Both estimators here work on one aggregator part at a
-time, as in BTARD (Gorbunov et al., 2022), and weight each shard by its samples capped at the
-median shard's, so claiming a large batch buys no extra influence:
+time, as in BTARD (Gorbunov et al., 2022), over volunteers, not shards: a volunteer's parts of
+the round are combined first (their sample-weighted mean), so uploading many parts buys no extra
+rows, and each volunteer is weighted by its samples capped at the median volunteer's, so claiming
+a large batch buys no extra influence:
 
 - ``trimmed_mean``: per coordinate, drop the ``trim_fraction`` largest and smallest values, then
   take the weighted mean of the rest;
@@ -42,7 +44,8 @@ def centered_clip(x: np.ndarray, w: np.ndarray, iters: int) -> np.ndarray:
 
 
 def aggregate(x: np.ndarray, samples: list[int], config) -> np.ndarray:
-    """The robust estimate of the mean gradient over one part: ``x`` has a row per shard."""
+    """The robust estimate of the mean gradient over one part: ``x`` has a row per volunteer
+    (its parts combined), ``samples`` its samples."""
     w = weights(samples)
     if config.aggregation == "trimmed_mean":
         return trimmed_mean(x, w, config.trim_fraction)

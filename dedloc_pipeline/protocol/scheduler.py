@@ -118,7 +118,7 @@ class Scheduler:
         if new:
             stored = self._stored(r)
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), 0))  # noqa: E731
+                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}))  # noqa: E731
                 for mkey, verdict in zip(new, pool.map(check, new)):
                     self._seen[mkey] = (listed[mkey][1] or raw[mkey], verdict)
         accepted, rejected = [], []
@@ -130,16 +130,17 @@ class Scheduler:
                 accepted.append(verdict)
         return accepted, rejected
 
-    def _stored(self, r: int) -> dict[str, int]:
-        """Bytes each shard of round r stores, from one listing of them all (a LIST per 1000
-        objects, not one per shard)."""
+    def _stored(self, r: int) -> dict[str, dict[str, int]]:
+        """The objects each shard of round r stores and their sizes, from one listing of them
+        all (a LIST per 1000 objects, not one per shard)."""
         keys, stored = self.run.keys, {}
         for k, (n, _) in self.run.bucket.listing(keys.shards_dir(r)).items():
             shard = keys.shard_holding(r, k)
-            stored[shard] = stored.get(shard, 0) + n
+            stored.setdefault(shard, {})[k.removeprefix(shard + "/")] = n
         return stored
 
-    def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None, stored: int) -> dict | str:
+    def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
+               stored: dict[str, int]) -> dict | str:
         """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
         try:
@@ -157,25 +158,48 @@ class Scheduler:
         log.warning("round %d: rejected shard %s: %s", r, shard, reason)
         return reason
 
+    def _bound_parts(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
+        """At most ``close.max_parts`` shards of a volunteer count in a round, its first ones
+        (part names start with their time): many small parts would otherwise buy a volunteer
+        rows in every median and a reduction that grows without bound."""
+        limit, seen, kept, out = self.run.config.close.max_parts, {}, [], []
+        for s in sorted(accepted, key=lambda s: (s["peer"], s["part"])):
+            seen[s["peer"]] = seen.get(s["peer"], 0) + 1
+            if seen[s["peer"]] <= limit:
+                kept.append(s)
+            else:
+                out.append({"key": s["key"], "reason": self._reject(
+                    r, s["key"], f"part {seen[s['peer']]} of {s['peer']} this round, above close.max_parts={limit}")})
+        return kept, out
+
     def _screen(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
         """Shards far above the round's median norm, rejected: a gradient scaled up is the
         cheapest attack on a mean, and no absolute bound fits every stage of training. A mean
         over fewer samples is noisier (its norm grows like 1/sqrt(samples)), so norms are
-        compared as if each shard had the median shard's samples (never more)."""
+        compared as if each shard had the typical shard's samples (never more). Both medians
+        are over volunteers (each its shards' median), so one volunteer's many parts move them
+        no more than one part would."""
         factor = self.run.config.norm_screen
-        if factor is None or len(accepted) < 3:
+        by_peer: dict[str, list[dict]] = {}
+        for s in accepted:
+            by_peer.setdefault(s["peer"], []).append(s)
+        if factor is None or len(by_peer) < 3:
             return accepted, []
-        typical = float(np.median([s["samples"] for s in accepted]))
-        scaled = [s["norm"] * math.sqrt(min(s["samples"], typical) / typical) for s in accepted]
-        bound = factor * float(np.median(scaled))
+        typical = float(np.median([np.median([s["samples"] for s in mine]) for mine in by_peer.values()]))
+
+        def scaled(s: dict) -> float:
+            return s["norm"] * math.sqrt(min(s["samples"], typical) / typical)
+
+        bound = factor * float(np.median([np.median([scaled(s) for s in mine]) for mine in by_peer.values()]))
         kept, out = [], []
-        for s, z in zip(accepted, scaled):
+        for s in accepted:
+            z = scaled(s)
             if z <= bound:
                 kept.append(s)
                 continue
             out.append({"key": s["key"], "reason": self._reject(
-                r, s["key"], f"gradient norm {s['norm']:.3g} ({z:.3g} at the median shard's samples) "
-                f"above {factor:g}x the round's median ({bound:.3g})")})
+                r, s["key"], f"gradient norm {s['norm']:.3g} ({z:.3g} at the typical shard's samples) "
+                f"above {factor:g}x the round's median volunteer ({bound:.3g})")})
         return kept, out
 
     def _late(self, r: int) -> list[dict]:
@@ -203,8 +227,9 @@ class Scheduler:
         pending = self._beats.pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s)
         accepted, rejected = self._verdicts(r)
-        accepted, screened = self._screen(r, accepted + self._late(r))
-        rejected += screened
+        accepted, extra = self._bound_parts(r, accepted + self._late(r))
+        accepted, screened = self._screen(r, accepted)
+        rejected += extra + screened
         samples = sum(s["samples"] for s in accepted)
         target = self.run.config.target_batch_size
         if self._opened[0] != r:

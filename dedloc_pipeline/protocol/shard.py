@@ -93,10 +93,11 @@ def stored_limit(fmt: codec.VectorFormat) -> int:
 
 
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
-             stored: int | None = None) -> dict:
+             stored: dict[str, int] | None = None) -> dict:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
-    that needs only the manifest and the shard's stored bytes (``stored``: from a listing the
-    caller made of many shards at once; listed here if not given)."""
+    that needs only the manifest and the shard's stored objects (``stored``: their sizes by
+    name under the shard, from a listing the caller made of many shards at once; listed here
+    if not given)."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:
@@ -118,7 +119,12 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
         raise Rejected("non-finite loss")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
-    stored = sum(run.bucket.sizes(key).values()) if stored is None else stored
+    if stored is None:
+        stored = {k.removeprefix(key + "/"): n for k, n in run.bucket.sizes(key).items()}
+    missing = sorted(codec.chunk_objects(fmt) - set(stored))
+    if missing:  # zarr would read them as zeros: a shard of no data that checksums could still match
+        raise Rejected(f"missing chunk objects: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    stored = sum(stored.values())
     if stored > stored_limit(fmt):
         raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
     try:

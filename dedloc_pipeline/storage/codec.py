@@ -237,15 +237,22 @@ def _layout(name: str, clen: int, whole: int, cname: str = "lz4") -> dict:
     return {"chunks": (clen,), "compressors": compressor}
 
 
+def chunk_objects(fmt: VectorFormat) -> set[str]:
+    """The chunk objects a whole vector stores, by name under its key (zarr's ``c/`` keys)."""
+    per_array = 1 if fmt.whole else fmt.n_chunks
+    return {f"{name}/c/{i}" for name in fmt.arrays() for i in range(per_array)}
+
+
 def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray]) -> None:
     """A whole vector as one metadata and one data object per array, nothing read first: a
     shard's key is new (its part name is unique), so there is nothing to keep. zarr encodes
-    each array in memory (it reads a shard before writing one), and its objects are put as they are."""
+    each array in memory (it reads a shard before writing one), and its objects are put as they
+    are; chunks of zeros are stored too, so an honest shard has every object (chunk_objects)."""
     objects = {}
     for name, (dtype, length, clen) in fmt.arrays().items():
         objects[name] = {}
         z = zarr.create_array(zarr.storage.MemoryStore(objects[name]), shape=(length,), dtype=dtype, fill_value=0,
-                              zarr_format=3, **_layout(name, clen, fmt.n_chunks))
+                              zarr_format=3, config={"write_empty_chunks": True}, **_layout(name, clen, fmt.n_chunks))
         z[:] = arrays[name]
 
     async def put():

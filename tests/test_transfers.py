@@ -5,6 +5,7 @@ a shard is whole or absent."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dedloc_pipeline.protocol import shard
@@ -96,3 +97,35 @@ def test_leaving_waits_for_the_upload_under_way(make_run, monkeypatch):
     assert len(run.bucket.find(run.keys.manifests_dir(0))) == 1 and w.uploaded_samples == 24
     assert run.bucket.read_json(run.keys.progress(0, "a"))["samples"] == 0
     assert not any(t.name.startswith("a-transfers") for t in threading.enumerate())
+
+
+def test_a_second_part_waits_for_the_others_uploads_to_land(make_run):
+    """Round 0 of 24: b heartbeats 12 pending (its shard on the way), a uploads its first 12.
+    With b's shard not in yet a's next 12 samples alone would fill the round, but a second part
+    goes only once that has held for twice a's own upload time (b's shard lands meanwhile, as a
+    real one would); in lock-step (poll_s 0) it goes at once."""
+    run = make_run()
+    sched = Scheduler(run, 1, 0)
+    run.bucket.write_json(run.keys.progress(0, "b"), {"peer": "b", "round": 0, "samples": 12,
+                                                      "samples_per_s": 0.0, "next_s": 0.0, "time": time.time()})
+    sched.try_close(0)
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0.01)
+    while 0 not in w._uploaded:
+        w.step()
+    w.flush()
+    assert [n for _, _, n in w.uploads] == [12]
+    sched.try_close(0)  # 12 validated, b's 12 still pending
+    w._upload_s = 3600.0  # as if a's upload had taken an hour: b's is surely still under way
+    for _ in range(6):
+        w.step()
+        w.flush()
+    assert len(w.uploads) == 1 and w.acc.samples >= 12  # needed by the count, held back
+    w._upload_s = 0.0
+    w.step()
+    w.flush()
+    assert len(w.uploads) == 2
+
+    lockstep = Worker(run, "c", micro_batch=4, threads=1, poll_s=0)
+    lockstep._uploaded.add(0)  # as if its first part were in: the second is not held
+    lockstep._upload_s = 3600.0
+    assert lockstep._still_short(0)

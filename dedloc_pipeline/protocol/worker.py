@@ -56,6 +56,7 @@ class _Sent:
     samples: int
     at: float = math.inf
     job: Future | None = None
+    started: float = field(default_factory=time.time)
 
 
 @dataclass
@@ -141,6 +142,8 @@ class Worker:
         self._transfers: ThreadPoolExecutor | None = None
         self._abandon = threading.Event()
         self._uploaded: set[int] = set()  # rounds this worker sent a part to
+        self._upload_s = 0.0  # how long this peer's last upload took
+        self._short_since: tuple[int, float] | None = None  # (round, since when) a second part looked needed
         self._last_progress = 0.0
         self._last_sync = 0.0
         self._rate = (time.monotonic(), 0)
@@ -368,9 +371,25 @@ class Worker:
         acc = self.acc
         self._report(force=False)
         sending = any(x.round == r for x in self._sending)  # a second part waits for the first to land
-        if acc.round == r and not sending and self._should_upload(v, acc.samples, target, first=r not in self._uploaded):
+        wanted = acc.round == r and not sending and self._should_upload(v, acc.samples, target,
+                                                                         first=r not in self._uploaded)
+        if not wanted:
+            self._short_since = None
+        elif self._still_short(r):
             self._upload(acc)
         return True
+
+    def _still_short(self, r: int) -> bool:
+        """A second part of round r goes only once it has looked needed for twice this peer's
+        last upload time: the others' shards under way (as long to send as this peer's, about)
+        land first, and the samples are carried to the next round instead of arriving after
+        CLOSE. A first part goes at once; so does any part in lock-step (``poll_s`` 0)."""
+        if r not in self._uploaded or self.poll_s == 0:
+            return True
+        now = time.monotonic()
+        if self._short_since is None or self._short_since[0] != r:
+            self._short_since = (r, now)
+        return now - self._short_since[1] >= 2 * self._upload_s
 
     @staticmethod
     def _should_upload(v: RoundView, mine: int, target: int, first: bool) -> bool:
@@ -417,6 +436,7 @@ class Worker:
         grad = self.flat.grad()
         sent = _Sent(acc.round, acc.samples)
         self._uploaded.add(acc.round)
+        self._short_since = None
         self._sent.append(sent)
         if self._view is not None:  # the view in hand counts it until the next read does
             self._view = dataclasses.replace(self._view, manifest_samples=self._view.manifest_samples + sent.samples)
@@ -451,6 +471,7 @@ class Worker:
             finally:
                 self.activity = activity
             self._sending.remove(sent)
+            self._upload_s = max(0.0, sent.at - sent.started) if key is not None else self._upload_s
             self.uploads.append((sent.round, key, sent.samples))
             self.uploaded_samples += sent.samples
             log.info("%s: uploaded %d samples to round %d (%s)", self.peer, sent.samples, sent.round, key)

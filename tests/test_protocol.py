@@ -88,6 +88,8 @@ def test_shard_without_manifest_is_never_read(make_run):
     ("flipped_byte", "chunk"),
     ("blosc_bomb", "2147483647 decoded"),
     ("zero_samples", "malformed manifest"),
+    ("made_ahead", "state_hash"),  # computed before state 0's COMMIT existed: it cannot name its hash
+    ("others_stream", "only its own stream"),
 ])
 def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
     run = make_run(max_grad_norm=100.0)
@@ -99,7 +101,9 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
     if fault == "huge":
         grad = np.full(run.flat.n, 1.0, np.float32)
     forced = {"wrong_codec": {"codec": "fp16"}, "wrong_round": {"round": 3},
-              "wrong_peer": {"peer": "someone-else"}, "zero_samples": {"samples": 0}}.get(fault, {})
+              "wrong_peer": {"peer": "someone-else"}, "zero_samples": {"samples": 0},
+              "made_ahead": {"state_hash": shard.commit_hash({"round": -1})},
+              "others_stream": {"data": {"stream": "honest", "ranges": [[10**9, 4]]}}}.get(fault, {})
     key = put_shard(run, 0, "bad", grad=grad, manifest=forced)
     mkey = run.keys.manifest(key)
     if fault == "bad_json":

@@ -244,7 +244,7 @@ class Layout:
                      part="1" * 13 + "-abcdef", codec=g.codec, n=g.n, chunk_size=g.chunk_size, block=g.block,
                      samples=64, loss=1.0, data=DataRef(stream="p" * 16, ranges=[(10**6, 64)]),
                      checksums={name: ["0" * 32] * c for name, c in zip(g.arrays(), _chunks(g))},
-                     created_at=1.8e9)
+                     state_hash="0" * 64, created_at=1.8e9)
         return len(json.dumps(m.model_dump(mode="json"), indent=1, sort_keys=True))
 
     def commit_bytes(self, shards: int) -> int:

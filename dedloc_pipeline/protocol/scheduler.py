@@ -27,7 +27,7 @@ from ..storage.bucket import StorageError
 from ..trust import identity
 from . import aggregator, view
 from .run import Run
-from .shard import Rejected, manifest_limit, validate
+from .shard import Rejected, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Scheduler:
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self._seen: dict[str, tuple[object, dict | str]] = {}  # manifest key -> (version, verdict)
         self._beats = view.Heartbeats()
-        self._opened: tuple[int, float] = (-1, 0.0)  # (round, when its state was committed)
+        self._opened: dict[int, tuple[float, str]] = {}  # round -> its COMMIT's committed_at and commit_hash
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
@@ -116,9 +116,9 @@ class Scheduler:
                 self._seen[k] = (tag or ("size", n), self._reject(r, keys.shard_of(k), f"manifest of {n} bytes, above {limit}"))
         new = [k for k, v in raw.items() if not known(k, listed[k][1] or v)]
         if new:
-            stored = self._stored(r)
+            stored, (_, state_hash) = self._stored(r), self._opening(r)
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}))  # noqa: E731
+                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), state_hash)  # noqa: E731
                 for mkey, verdict in zip(new, pool.map(check, new)):
                     self._seen[mkey] = (listed[mkey][1] or raw[mkey], verdict)
         accepted, rejected = [], []
@@ -139,12 +139,21 @@ class Scheduler:
             stored.setdefault(shard, {})[k.removeprefix(shard + "/")] = n
         return stored
 
+    def _opening(self, r: int) -> tuple[float, str]:
+        """When round r opened (its state committed) and the commit_hash of that COMMIT, which
+        every shard of round r must name: read once per round."""
+        if r not in self._opened:
+            commit = self.run.commit_of(r)
+            self._opened = {k: v for k, v in self._opened.items() if k >= r - 1}
+            self._opened[r] = (commit["committed_at"], commit_hash(commit))
+        return self._opened[r]
+
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
-               stored: dict[str, int]) -> dict | str:
+               stored: dict[str, int], state_hash: str) -> dict | str:
         """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
         try:
-            return validate(self.run, r, shard, data, roster, stored)
+            return validate(self.run, r, shard, data, roster, stored, state_hash)
         except Rejected as exc:
             return self._reject(r, shard, str(exc))
         except StorageError:
@@ -232,9 +241,7 @@ class Scheduler:
         rejected += extra + screened
         samples = sum(s["samples"] for s in accepted)
         target = self.run.config.target_batch_size
-        if self._opened[0] != r:
-            self._opened = (r, self.run.commit_of(r)["committed_at"])
-        opened = self._opened[1]
+        opened = self._opening(r)[0]
         now = time.time() if now is None else now
         timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
         if samples < target and not (timed_out and samples >= rule.min_fraction * target):

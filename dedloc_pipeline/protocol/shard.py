@@ -1,8 +1,10 @@
 """Gradient shards: what a peer uploads for a round, and the checks that admit one.
 
 A shard is the codec's zarr arrays followed by its manifest (data first, marker last). The
-manifest says who computed it, on how many samples (and which), with what codec, and the hash of
-every chunk, so the scheduler can reject anything torn, corrupted, forged or malformed. In a run
+manifest says who computed it, on how many samples (and which: the peer's own data stream), with
+what codec, the hash of every chunk, and the hash of the COMMIT of the state it was computed on
+(unknowable before that state exists, so no shard can be made ahead for a future round), so the
+scheduler can reject anything torn, corrupted, forged, premature or malformed. In a run
 with an organizer key the manifest is signed by its volunteer (identity.py), which makes the
 chunk hashes, round and peer in it unforgeable.
 """
@@ -52,6 +54,7 @@ class Manifest(BaseModel):
     stale_samples: int = Field(0, ge=0, description="computed on the state before this round's")
     data: DataRef
     checksums: dict[str, list[str]]
+    state_hash: str = Field(pattern=r"^[0-9a-f]{64}$", description="commit_hash of COMMIT round")
     created_at: float
     signature: str | None = None  # Ed25519 over every other field (identity.canonical)
 
@@ -59,11 +62,17 @@ class Manifest(BaseModel):
         return self.model_dump(mode="json", exclude={"signature"})
 
 
+def commit_hash(commit: dict) -> str:
+    """What binds a shard to state r: the SHA-256 of COMMIT r (its JSON, keys sorted)."""
+    return hashlib.sha256(json.dumps(commit, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, loss: float,
            data: DataRef, stale_samples: int = 0, signer: identity.Ed25519PrivateKey | None = None,
-           abandoned: Callable[[], bool] = lambda: False) -> str | None:
+           abandoned: Callable[[], bool] = lambda: False, state_hash: str | None = None) -> str | None:
     """Write a shard: chunks first, then the manifest (signed if given a key). Returns its key;
-    None if ``abandoned()`` said so once the chunks were written (no manifest: no shard)."""
+    None if ``abandoned()`` said so once the chunks were written (no manifest: no shard).
+    ``state_hash``: commit_hash of COMMIT r, read here if not given."""
     key = run.keys.shard(r, peer, part)
     sums = codec.write_vector(run.bucket, key, run.grad_format, arrays)
     if abandoned():
@@ -71,8 +80,8 @@ def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, l
     fmt = run.grad_format
     m = Manifest(layout_version=LAYOUT_VERSION, run=run.name, round=r, peer=peer, part=part,
                  codec=fmt.codec, n=fmt.n, chunk_size=fmt.chunk_size, block=fmt.block,
-                 samples=samples, loss=loss, stale_samples=stale_samples, data=data,
-                 checksums=sums, created_at=time.time())
+                 samples=samples, loss=loss, stale_samples=stale_samples, data=data, checksums=sums,
+                 state_hash=state_hash or commit_hash(run.commit_of(r)), created_at=time.time())
     if signer is not None:
         m.signature = identity.sign(signer, m.payload())
     run.bucket.write_json(run.keys.manifest(key), m.model_dump(mode="json"))
@@ -93,7 +102,7 @@ def stored_limit(fmt: codec.VectorFormat) -> int:
 
 
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
-             stored: dict[str, int] | None = None) -> dict:
+             stored: dict[str, int] | None = None, state_hash: str | None = None) -> dict:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
     that needs only the manifest and the shard's stored objects (``stored``: their sizes by
     name under the shard, from a listing the caller made of many shards at once; listed here
@@ -106,7 +115,7 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     _, peer, part = run.keys.shard_parts(key)
     expect = {"layout_version": LAYOUT_VERSION, "run": run.name, "round": r, "peer": peer,
               "part": part, "codec": fmt.codec, "n": fmt.n, "chunk_size": fmt.chunk_size,
-              "block": fmt.block}
+              "block": fmt.block, "state_hash": state_hash or commit_hash(run.commit_of(r))}
     for field, want in expect.items():
         if getattr(m, field) != want:
             raise Rejected(f"manifest {field}={getattr(m, field)!r}, expected {want!r}")
@@ -117,6 +126,8 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
         _check_signature(m, roster)
     if not math.isfinite(m.loss):
         raise Rejected("non-finite loss")
+    if m.data.stream != m.peer:
+        raise Rejected(f"data of stream {m.data.stream!r}: a volunteer counts only its own stream")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
     if stored is None:

@@ -57,6 +57,7 @@ class _Sent:
     at: float = math.inf
     job: Future | None = None
     started: float = field(default_factory=time.time)
+    state_hash: str = ""  # the COMMIT of the state it was computed on (round ``round``'s)
 
 
 @dataclass
@@ -127,6 +128,7 @@ class Worker:
         self.source = make_source(run, owner=self.peer)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
         self.state: int | None = None
+        self._state_hash = ""  # shard.commit_hash of state's COMMIT
         self.stopped = False  # the organizer wrote the run's STOP marker
         self.params = None
         self.acc: Accumulator | None = None
@@ -167,17 +169,17 @@ class Worker:
         if self.state is not None and latest <= self.state:
             return False
         try:
-            params = self._load(latest, self.state, self.params)
+            loaded = self._load(latest, self.state, self.params)
         except CorruptShard:
             if self.run.latest() == latest:
                 raise
             return self.sync()  # pruned under our feet by newer commits: take the newest
-        return params is not None and self._install(latest, params)
+        return loaded is not None and self._install(latest, *loaded)
 
-    def _load(self, latest: int, state: int | None, base) -> object | None:
-        """The parameters of committed state ``latest``: from ``base`` (those of ``state``) and
-        the delta when it is the next state, else the snapshot; None if it is not committed.
-        Touches nothing of the worker's, so it runs on the transfer thread too."""
+    def _load(self, latest: int, state: int | None, base) -> tuple[object, dict] | None:
+        """The parameters of committed state ``latest`` and its COMMIT: from ``base`` (those of
+        ``state``) and the delta when it is the next state, else the snapshot; None if it is not
+        committed. Touches nothing of the worker's, so it runs on the transfer thread too."""
         try:
             commit = self.run.commit_of(latest)
         except RunError:  # the view named a state whose COMMIT is not there: only COMMITs count
@@ -185,13 +187,14 @@ class Worker:
             return None
         if state is not None and latest == state + 1:
             try:
-                return self.run.apply_delta(latest, base, commit)
+                return self.run.apply_delta(latest, base, commit), commit
             except Exception as exc:  # any mismatch: the snapshot is the truth
                 log.warning("%s: delta of state %d unusable (%s); reading the snapshot", self.peer, latest, exc)
-        return self.run.load_params(latest, commit)
+        return self.run.load_params(latest, commit), commit
 
-    def _install(self, latest: int, params) -> bool:
-        """Make state ``latest`` the one computed on (between micro-batches)."""
+    def _install(self, latest: int, params, commit: dict) -> bool:
+        """Make state ``latest`` the one computed on (between micro-batches); its shards will
+        name its COMMIT's hash."""
         if self.state is None:
             self.cursor = self._resume_cursor(latest)
         elif latest <= self.state:
@@ -200,7 +203,7 @@ class Worker:
             self._drop()  # more than one step behind: those gradients are too stale to use
         if self._closed_seen is not None:
             self._reduce_s, self._closed_seen = time.monotonic() - self._closed_seen, None
-        self.params, self.state = params, latest
+        self.params, self.state, self._state_hash = params, latest, shard.commit_hash(commit)
         self.flat.set(params)
         self._view = None
         self._looked = float("-inf")  # the view read before this was of the old state
@@ -434,7 +437,7 @@ class Worker:
         manifest lands its samples count as this peer's pending (heartbeat) and unseen shards
         (round view), so nobody reads them as missing."""
         grad = self.flat.grad()
-        sent = _Sent(acc.round, acc.samples)
+        sent = _Sent(acc.round, acc.samples, state_hash=self._state_hash)  # acc.round is self.state
         self._uploaded.add(acc.round)
         self._short_since = None
         self._sent.append(sent)
@@ -453,8 +456,8 @@ class Worker:
         grad /= samples
         arrays = self.feedback.encode(grad)
         part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
-        key = shard.upload(self.run, r, self.peer, part, arrays, samples, loss, data,
-                           stale_samples=stale, signer=self.signer, abandoned=self._abandon.is_set)
+        key = shard.upload(self.run, r, self.peer, part, arrays, samples, loss, data, stale_samples=stale,
+                           signer=self.signer, abandoned=self._abandon.is_set, state_hash=sent.state_hash)
         sent.at = time.time()
         return key
 
@@ -480,12 +483,12 @@ class Worker:
         if self._fetching is not None and (wait or self._fetching[1].done()):
             (latest, job), self._fetching = self._fetching, None
             try:
-                params = job.result()
+                loaded = job.result()
             except CorruptShard:
                 self.sync()  # pruned under our feet by newer commits: take the newest
                 return
-            if params is not None:
-                self._install(latest, params)
+            if loaded is not None:
+                self._install(latest, *loaded)
 
     def flush(self) -> None:
         """Wait for every transfer under way and account for it (lock-step drivers, leaving)."""

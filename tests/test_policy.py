@@ -210,12 +210,26 @@ def test_the_r2_request_body():
     (("s3://collab-bucket/x", RUN, "~heldout", "aws"), "peer id '~heldout'"),
     (("s3://collab-bucket/x", RUN, "a*", "aws"), "peer id 'a\\*'"),
     (("s3://collab-bucket/x", RUN, "x" * 65, "aws"), "peer id"),
+    (("s3://collab-bucket/x", RUN, "bob\n", "aws"), "peer id 'bob.n' must match"),  # one full-match rule
+    (("s3://collab-bucket/x", "run\n", ME, "aws"), "run 'run.n' must match"),
+    (("s3://collab-bucket\n/x", RUN, ME, "aws"), "S3 bucket name"),
+    (("s3://collab-bucket/x\n", RUN, ME, "aws"), "segment"),
     (("s3://collab-bucket/x", RUN, "manifests", "aws"), "reserved"),
     (("s3://collab-bucket/x", RUN, ME, "gcs"), "format 'gcs'"),
 ])
 def test_inputs_are_validated(args, match):
     with pytest.raises(ValueError, match=match):
         policy.policy_for(*args)
+
+
+def test_names_are_checked_with_one_full_match_rule_everywhere(tmp_path):
+    from dedloc_pipeline.storage.layout import is_name
+    from dedloc_pipeline.trust import identity
+    assert is_name("bob") and is_name("bob.laptop-2") and not is_name("bob\n") and not is_name(None)
+    org = identity.generate(tmp_path / "org.key")
+    with pytest.raises(identity.IdentityError, match="must match"):
+        identity.update_roster(Bucket(str(tmp_path / "b")), RUN, org,
+                               enroll={"bob\n": identity.public(identity.generate(tmp_path / "bob.key"))})
 
 
 def test_options_are_validated():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-import re
 import signal
 import threading
 import time
@@ -338,10 +337,10 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
     from ..protocol.run import Run
     from ..protocol.worker import Worker
     from ..storage.bucket import Bucket
-    from ..storage.layout import PEER_ID
+    from ..storage.layout import PEER_ID, is_name
     from ..trust import identity
 
-    if peer_id is not None and not re.match(PEER_ID, peer_id):
+    if peer_id is not None and not is_name(peer_id):
         raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
     import torch
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

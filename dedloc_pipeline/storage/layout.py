@@ -11,6 +11,12 @@ import re
 
 LAYOUT_VERSION = 2  # 2: quantized codes stored zigzag-folded as uint8
 PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # peer ids and shard parts: one key segment each
+
+
+def is_name(value: object) -> bool:
+    """The one rule for peer ids, volunteer names and shard parts: the whole string matches
+    PEER_ID (``re.match`` would let ``bob\n`` through: ``$`` matches before a final newline)."""
+    return isinstance(value, str) and re.fullmatch(PEER_ID, value) is not None
 ROUND_FOLDERS = ("shards", "manifests", "progress")  # what volunteers write in a round (policy.py)
 _NUMBER = re.compile(r"\d{8}")
 _CLAIM = re.compile(r"(\d{8})\.json")

@@ -141,7 +141,7 @@ def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll
     roster = read_roster(bucket, run, org) or Roster(run=run)
     volunteers, revoked = dict(roster.volunteers), list(roster.revoked)
     for name, key in (enroll or {}).items():
-        if not re.match(NAME, name):
+        if not re.fullmatch(NAME, name):
             raise IdentityError(f"volunteer name {name!r} must match {NAME}")
         if check_public(key) in revoked:
             raise IdentityError(f"that key was revoked: {name!r} needs a new one (`dedloc keygen`)")

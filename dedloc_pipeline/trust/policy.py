@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..storage.layout import PEER_ID, ROUND_FOLDERS, DataLayout, RunLayout
+from ..storage.layout import PEER_ID, ROUND_FOLDERS, DataLayout, RunLayout, is_name
 
 FORMATS = ("aws", "minio", "r2")
 
@@ -50,7 +50,7 @@ def parse_bucket_url(url: str) -> tuple[str, str]:
 
 def _check_bucket(bucket: str, r2: bool = False) -> None:
     ok = _R2_BUCKET if r2 else _BUCKET
-    if not isinstance(bucket, str) or not ok.match(bucket) or ".." in bucket:
+    if not isinstance(bucket, str) or not ok.fullmatch(bucket) or ".." in bucket:
         kind = "an R2 bucket name: 3-63 of a-z, 0-9, '-'" if r2 else \
             "an S3 bucket name: 3-63 of a-z, 0-9, '.', '-', starting and ending with a letter or digit"
         raise ValueError(f"bucket {bucket!r} is not {kind}")
@@ -62,13 +62,13 @@ def _check_prefix(prefix: str) -> None:
     if prefix == "":
         return
     for seg in prefix.split("/"):
-        if not _SEGMENT.match(seg):
+        if not _SEGMENT.fullmatch(seg):
             raise ValueError(f"bucket prefix {prefix!r}: segment {seg!r} must be non-empty and use only "
                              "A-Z a-z 0-9 . _ = + - (no wildcards, no '$', no '.' or '..' segments)")
 
 
 def _check_name(what: str, value: str) -> None:
-    if not isinstance(value, str) or not re.match(NAME, value):
+    if not is_name(value):
         raise ValueError(f"{what} {value!r} must match {NAME}")
 
 

@@ -109,11 +109,12 @@ def best_of(fn, repeats: int, reset=None, bucket: Bucket | None = None) -> dict:
 
 
 def numpy_reduce(root: str, run: Run, accepted: list[dict]) -> np.ndarray:
-    """The lower bound: the round's mean gradient straight from the shards' chunk files.
+    """The lower bound: the round's mean gradient straight from the shards' files.
 
     Chunk by chunk (a 1M-element float64 accumulator stays small), every shard's codes and
-    scales are read with plain file reads, Blosc-decompressed, dequantized as codes times their
-    block's scale, weighted by its samples and summed in float64.
+    scales are read with plain file reads (a shard keeps an array's chunks in one file, their
+    offsets in its index), Blosc-decompressed, dequantized as codes times their block's scale,
+    weighted by its samples and summed in float64.
     """
     fmt = run.grad_format
     codes_dtype = np.dtype(fmt.arrays()["codes"][0])
@@ -121,20 +122,34 @@ def numpy_reduce(root: str, run: Run, accepted: list[dict]) -> np.ndarray:
     total_samples = sum(s["samples"] for s in accepted)
     out = np.empty(fmt.n, np.float32)
     weighted = np.empty(fmt.chunk_size, np.float64)
+    index = {(s["key"], name): _shard_index(f"{root}/{s['key']}/{name}/c/0", fmt.n_chunks)
+             for s in accepted for name in ("codes", "scales")}
     for c in range(fmt.n_chunks):
         lo, hi = fmt.bounds("codes", range(c, c + 1))
         acc = np.zeros(hi - lo, np.float64)
         for s in accepted:
-            with open(f"{root}/{s['key']}/codes/c/{c}", "rb") as f:
-                g = code_values(blosc.decode(f.read()), codes_dtype)
-            with open(f"{root}/{s['key']}/scales/c/{c}", "rb") as f:
-                scales = np.frombuffer(blosc.decode(f.read()), np.float32)
+            g = code_values(blosc.decode(_read_chunk(root, s["key"], "codes", index, c)), codes_dtype)
+            scales = np.frombuffer(blosc.decode(_read_chunk(root, s["key"], "scales", index, c)), np.float32)
             blocks = g.reshape(len(scales), fmt.block)  # a view: scaled in place
             blocks *= scales[:, None]
             np.multiply(g[: hi - lo], np.float64(s["samples"]), out=weighted[: hi - lo])
             acc += weighted[: hi - lo]
         out[lo:hi] = acc / total_samples
     return out
+
+
+def _shard_index(path: str, chunks: int) -> np.ndarray:
+    """(offset, bytes) of each chunk in a zarr shard file: its last 16 bytes a chunk and a CRC32C."""
+    with open(path, "rb") as f:
+        f.seek(-(16 * chunks + 4), 2)
+        return np.frombuffer(f.read(16 * chunks), "<u8").reshape(chunks, 2)
+
+
+def _read_chunk(root: str, key: str, name: str, index: dict, c: int) -> bytes:
+    offset, size = index[key, name][c]
+    with open(f"{root}/{key}/{name}/c/0", "rb") as f:
+        f.seek(int(offset))
+        return f.read(int(size))
 
 
 def code_values(raw: bytes, dtype: np.dtype) -> np.ndarray:

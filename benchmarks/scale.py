@@ -74,14 +74,18 @@ class ShardTarget:
     keys: RunLayout
     name: str
     grad_format: VectorFormat
+    state_hash: str  # of the COMMIT round ROUND is computed on
 
 
 @functools.lru_cache(maxsize=None)
 def _target(url: str, run_name: str, n: int) -> ShardTarget:
+    from dedloc_pipeline.protocol.shard import commit_hash
+
     bucket, keys = Bucket(url), RunLayout(run_name)
     cfg = bucket.read_json(keys.config)
     return ShardTarget(bucket, keys, run_name,
-                       VectorFormat(cfg["codec"], n, cfg["chunk_size"], cfg["block_size"]))
+                       VectorFormat(cfg["codec"], n, cfg["chunk_size"], cfg["block_size"], whole=True),
+                       commit_hash(bucket.read_json(keys.commit(ROUND))))
 
 
 def _write_shard(job: tuple[str, str, int, int]) -> None:
@@ -93,7 +97,8 @@ def _write_shard(job: tuple[str, str, int, int]) -> None:
     fmt = target.grad_format
     peer, samples = f"peer{i:04d}", peer_samples(i)
     upload(target, ROUND, peer, "p0", encode(synthetic_gradient(n, seed=i), fmt.codec, fmt.block),
-           samples, loss=5.0 + 1e-3 * i, data=DataRef(stream=peer, ranges=[(0, samples)]))
+           samples, loss=5.0 + 1e-3 * i, data=DataRef(stream=peer, ranges=[(0, samples)]),
+           state_hash=target.state_hash)
 
 
 def _torch_loaded(_: int) -> bool:

@@ -71,7 +71,7 @@ def _may_write(k: policy.VolunteerKeys, key: str) -> bool:
 
 
 # RunLayout's methods that take a key apart rather than make one
-PARSERS = {"round_of", "shard_parts", "peer_of_progress", "state_number", "block_of"}
+PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "block_of"}
 
 
 def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:

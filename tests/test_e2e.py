@@ -172,8 +172,10 @@ def cluster(tmp_path):
 
 def collaborate(c: Cluster, rounds: int, *init: str, status_process: bool = False) -> dict:
     """Three workers and the scheduler until state ``rounds``; `dedloc status --json` after
-    (in its own process too if ``status_process``)."""
-    c.init(*init)
+    (in its own process too if ``status_process``). Late shards are folded into the next round:
+    rounds this small often close on one peer's carried samples alone, and a peer slowed by the
+    machine's load could otherwise see every shard it sends arrive after its round closed."""
+    c.init("--late-shards", "fold", *init)
     c.scheduler(rounds)
     peers = ["w0", "w1", "w2"]
     for p in peers:

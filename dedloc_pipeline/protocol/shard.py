@@ -115,7 +115,7 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     _, peer, part = run.keys.shard_parts(key)
     expect = {"layout_version": LAYOUT_VERSION, "run": run.name, "round": r, "peer": peer,
               "part": part, "codec": fmt.codec, "n": fmt.n, "chunk_size": fmt.chunk_size,
-              "block": fmt.block, "state_hash": state_hash or commit_hash(run.commit_of(r))}
+              "block": fmt.block}
     for field, want in expect.items():
         if getattr(m, field) != want:
             raise Rejected(f"manifest {field}={getattr(m, field)!r}, expected {want!r}")
@@ -124,6 +124,8 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
             raise Rejected(f"manifest lists {len(m.checksums.get(name, []))} chunks of {name}")
     if run.config.organizer_key is not None:
         _check_signature(m, roster)
+    if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
+        raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
     if not math.isfinite(m.loss):
         raise Rejected("non-finite loss")
     if m.data.stream != m.peer:

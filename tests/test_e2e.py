@@ -213,7 +213,7 @@ def test_three_workers_on_s3(cluster, s3_bucket):
     """The same against a real S3 protocol server (moto on loopback); credentials and endpoint
     reach the processes through the usual AWS variables (set by the s3_bucket fixture)."""
     assert os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://127.0.0.1:")
-    rounds = 3  # two rounds are too few for the loss to fall reliably (one step of noise)
+    rounds = 5  # fewer are too few for the loss to fall reliably under load (a step is mostly noise)
     c = cluster(s3_bucket.url)
     s = collaborate(c, rounds)
     check_history(c, s, rounds)

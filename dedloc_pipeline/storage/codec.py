@@ -78,6 +78,11 @@ class VectorFormat:
     def n_chunks(self) -> int:
         return -(-self.n // self.chunk_size)
 
+    @property
+    def per_object(self) -> int:
+        """Chunks an array keeps in one object: all of them if written whole, else 0 (one each)."""
+        return self.n_chunks if self.whole else 0
+
     def arrays(self) -> dict[str, tuple[str, int, int]]:
         """name -> (dtype, length, chunk length)."""
         if self.codec == "none":
@@ -223,7 +228,7 @@ def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4
         try:
             created[name] = zarr.create_array(
                 bucket.zarr_store(f"{key}/{name}"), shape=(length,), dtype=dtype, fill_value=0, zarr_format=3,
-                overwrite=False, **_layout(name, clen, fmt.n_chunks if fmt.whole else 0, cname))
+                overwrite=False, **_layout(name, clen, fmt.per_object, cname))
         except ContainsArrayError:
             pass
     return created
@@ -252,7 +257,7 @@ def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, 
     for name, (dtype, length, clen) in fmt.arrays().items():
         objects[name] = {}
         z = zarr.create_array(zarr.storage.MemoryStore(objects[name]), shape=(length,), dtype=dtype, fill_value=0,
-                              zarr_format=3, config={"write_empty_chunks": True}, **_layout(name, clen, fmt.n_chunks))
+                              zarr_format=3, config={"write_empty_chunks": True}, **_layout(name, clen, fmt.per_object))
         z[:] = arrays[name]
 
     async def put():
@@ -303,8 +308,7 @@ def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: ran
     not match its checksums comes back as its CorruptShard instead."""
     chunks = chunks or range(fmt.n_chunks)
     checksums = checksums or [None] * len(keys)
-    implied = {name: _metadata(*spec, name=name, whole=fmt.n_chunks if fmt.whole else 0)
-               for name, spec in fmt.arrays().items()}
+    implied = {name: _metadata(*spec, name=name, whole=fmt.per_object) for name, spec in fmt.arrays().items()}
 
     async def gather():
         return await asyncio.gather(*(_read(bucket, k, fmt, chunks, implied if s is not None else None)

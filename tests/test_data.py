@@ -1,4 +1,4 @@
-"""Sentence-order pairs, data shards in the bucket, and the disjoint shares peers stream."""
+"""Sentence-order pairs, data shards in the bucket, and the streams peers train on."""
 
 from __future__ import annotations
 
@@ -39,41 +39,42 @@ def _all_pairs(source: PairSource) -> int:
     return sum(s["pairs"] for s in source.train)
 
 
-def test_peers_stream_disjoint_deterministic_shares(bengali):
+def test_a_stream_is_its_own_deterministic_order_that_nobody_can_steer(bengali):
+    """Each stream visits every pair once per epoch, in an order only (seed, stream) decides:
+    nothing in the bucket changes it (the claim markers this replaced could be created in bulk
+    and overwritten), and anyone replays it from nothing but the data set."""
     url, name = bengali
     run = init_run(Bucket(url), small_config("shares", data=name))
-    a, b = PairSource(run.bucket, name, "shares", 0, owner="a"), PairSource(run.bucket, name, "shares", 0, owner="b")
+    a = PairSource(run.bucket, name, 0)
     total = _all_pairs(a)
-    seen = {}
-    i = j = 0
-    while i + j < total:  # interleaved, as live peers would: one epoch in all
-        seen.setdefault(a.locate("a", i), []).append("a")
-        i += 1
-        if i % 3 == 0:
-            seen.setdefault(b.locate("b", j), []).append("b")
-            j += 1
-    assert all(len(v) == 1 for v in seen.values()), "a sample reached two peers, or one twice"
-    claimed = sorted(a.blocks("a") + b.blocks("b"))
-    assert claimed == list(range(len(claimed))), "blocks are claimed once each, lowest free first"
-    n_shards = len(a.train)
-    assert len(claimed) > n_shards and sorted(a._block(g)[1] for g in claimed[:n_shards]) == list(range(n_shards))
-    # anyone can replay a peer's samples from the claims in the bucket
-    replay = PairSource(Bucket(url), name, "shares", 0)
-    for k in (0, 5, i - 1):
+    epoch0 = [a.locate("a", i) for i in range(total)]
+    assert {e for e, _, _ in epoch0} == {0}
+    pairs = {(d, p) for _, d, p in epoch0}
+    assert len(pairs) == total == sum(s["pairs"] for s in a.train), "an epoch is every pair once"
+    assert [d for _, d, _ in epoch0[:3]] == [epoch0[0][1]] * 3, "a stream reads one shard at a time"
+    epoch1 = [a.locate("a", total + i)[1:] for i in range(total)]
+    assert set(epoch1) == pairs and epoch1 != [x[1:] for x in epoch0], "every epoch reshuffles"
+    b_order = [a.locate("b", i)[1:] for i in range(total)]
+    assert b_order != [x[1:] for x in epoch0], "streams are independent orders"
+    # debris and forged markers in the run change nothing; a fresh reader replays every stream
+    for key in ("runs/shares/claims/00000000.json", "runs/shares/claims/00000001.json"):
+        run.bucket.write_json(key, {"peer": "a"})
+    replay = PairSource(Bucket(url), name, 0)
+    assert [replay.locate("a", i) for i in range(total)] == epoch0
+    for k in (0, 5, total - 1, 10 * total + 3):
         ra, rb = replay.batch("a", k, 1), a.batch("a", k, 1)
         assert all(np.array_equal(ra[key], rb[key]) for key in ra)
-    with pytest.raises(DataError, match="claimed blocks end"):
-        replay.locate("a", i + total)
+    reseeded = PairSource(Bucket(url), name, 1)
+    assert [reseeded.locate("a", i) for i in range(8)] != epoch0[:8], "the seed decides too"
+    with pytest.raises(DataError, match="no sample -1"):
+        a.locate("a", -1)
 
 
 def test_samples_are_masked_pairs_and_heldout_is_apart(bengali):
     url, name = bengali
     run = init_run(Bucket(url), small_config("masks", data=name))
-    run.bucket.write_bytes("runs/masks/claims/notes.txt", b"not a claim")
-    run.bucket.write_bytes("runs/masks/claims/00000000.json", b"{torn")  # a malformed claim keeps its block
-    src = PairSource(run.bucket, name, "masks", 0, owner="p")
+    src = PairSource(run.bucket, name, 0)
     batch = src.batch("p", 0, 16)
-    assert src.blocks("p") == [1]
     ids, labels = batch["input_ids"], batch["labels"]
     assert ids.shape == (16, 32) and set(batch) >= {"token_type_ids", "sentence_order_label", "attention_mask"}
     assert (ids[:, 0] == CLS).all() and ((labels != -100).sum(1) >= 1).all()
@@ -84,7 +85,6 @@ def test_samples_are_masked_pairs_and_heldout_is_apart(bengali):
     assert 3.0 < card["unigram_entropy"] < np.log(card["vocab_size"])
     held = src.batch(HELDOUT, 0, 4)
     assert held["input_ids"].shape == (4, 32)
-    assert not src.blocks(HELDOUT)  # the held-out split is read without claims
 
 
 def test_bad_data_is_a_clear_error(bengali, tmp_path):
@@ -103,7 +103,7 @@ def test_bad_data_is_a_clear_error(bengali, tmp_path):
     raw = bytearray(copy.read_bytes(shard0))
     raw[len(raw) // 2] ^= 0xFF
     copy.write_bytes(shard0, bytes(raw))
-    src = PairSource(copy, name, "x", 0, owner="p")
+    src = PairSource(copy, name, 0)
     with pytest.raises(DataError, match="does not match its hash"):
         for k in range(_all_pairs(src)):
             src.sample("p", k)
@@ -124,9 +124,9 @@ def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
     closes = [run.bucket.read_json(run.keys.close(r)) for r in range(6)]
     used = {(s["peer"], i) for c in closes for s in c["accepted"] for a, n in s["data"]["ranges"]
             for i in range(a, a + n)}
-    src = PairSource(run.bucket, name, "learn", 0)
-    located = [src.locate(p, i) for p, i in used]
-    assert len(set(located)) == len(located)  # no pair was trained on twice
+    src = PairSource(run.bucket, name, 0)
+    located = {p: [src.locate(p, i) for q, i in used if q == p] for p in ("a", "b")}
+    assert all(len(set(v)) == len(v) for v in located.values())  # no peer trained on a pair twice
 
 
 def test_unigram_bias_starts_the_run_at_the_unigram_loss(bengali, tmp_path):

@@ -26,7 +26,7 @@ def test_export_loads_back_with_transformers(bengali, tmp_path):
     tok = AutoTokenizer.from_pretrained(out)
     enc = tok("আমি বাংলায় গান গাই।", return_tensors="pt")
     assert enc["input_ids"][0, 0] == tok.cls_token_id and tok.unk_token_id not in enc["input_ids"][0, 1:-1]
-    batch = PairSource(run.bucket, name, "export", 0).batch("~heldout", 0, 2)
+    batch = PairSource(run.bucket, name, 0).batch("~heldout", 0, 2)
     ours = model_at(run, 2)
     with torch.no_grad():
         want = ours(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],

@@ -15,7 +15,6 @@ def test_every_parsed_key_round_trips():
     assert keys.shard_of(keys.manifest(shard)) == shard
     assert keys.manifest(shard).startswith(keys.manifests_dir(12, "alice.gpu") + "/")
     assert keys.peer_of_progress(keys.progress(3, "bob")) == "bob"
-    assert keys.block_of(keys.claim(41)) == 41 and keys.block_of("00000041.json") == 41
     assert keys.state(7).startswith(keys.states + "/")
     assert keys.state_number(keys.state(7).rsplit("/", 1)[1]) == 7
     assert all(keys.round(5) in d for d in keys.round_scratch(5))
@@ -30,9 +29,8 @@ def test_a_key_of_no_round_is_refused(bad):
         RunLayout("demo").round_of(bad)
 
 
-def test_listing_debris_is_no_state_and_no_claim():
+def test_listing_debris_is_no_state():
     keys = RunLayout("demo")
     assert keys.state_number("LATEST.json") is None and keys.state_number("123") is None
-    assert keys.block_of("notes.txt") is None and keys.block_of("00000001.json.tmp") is None
     with pytest.raises(ValueError, match="not a shard key"):
         keys.shard_parts(keys.progress(1, "p"))

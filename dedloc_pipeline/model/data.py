@@ -1,12 +1,11 @@
 """Training samples, addressed as (stream, index) so every sample a round used can be named.
 
-Each peer reads its own stream (its peer id), so peers never share samples, and a manifest can
-list exactly which samples a shard was computed from.
+Each peer reads its own stream (its peer id), and a manifest can list exactly which samples a
+shard was computed from.
 
-- ``PairSource``: a tokenized data set in the bucket (``packing``). A stream is the list of data
-  blocks its peer claimed, one create-once marker per block under ``runs/{run}/claims/``; blocks
-  are the data set's shards in a seeded order per epoch, so every peer gets a disjoint,
-  deterministic share, and a joining peer takes the next free block.
+- ``PairSource``: a tokenized data set in the bucket (``packing``). A stream visits the data
+  set's shards epoch after epoch in an order seeded by the run's seed and the stream's name, so
+  no other volunteer can steer what it trains on and nobody needs to read anything to replay it.
 - ``SyntheticSource``: a fixed sparse Markov chain over a Zipf-skewed vocabulary, generated on the
   fly; learnable, so protocol tests see the loss fall without any text.
 """
@@ -16,13 +15,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
-import json
-import time
 
 import numpy as np
 
 from ..storage.bucket import Bucket
-from ..storage.layout import DataLayout, RunLayout
+from ..storage.layout import DataLayout
 from .presets import PRESETS, SPECIAL_TOKENS
 
 SYNTHETIC = "synthetic"
@@ -92,67 +89,45 @@ def _mask(ids: np.ndarray, rng: np.random.Generator, vocab: int, n_special: int)
 
 
 class PairSource:
-    """Sentence pairs of a tokenized data set; stream ``~heldout`` reads its held-out split."""
+    """Sentence pairs of a tokenized data set; stream ``~heldout`` reads its held-out split.
+
+    A stream's order is a function of the run's seed and the stream's name alone: each epoch
+    visits every training shard once, in an order seeded by (seed, stream, epoch), and a shard's
+    pairs in an order seeded by that and the shard. Nothing another volunteer writes can steer
+    it (the claim markers this replaced could be created in bulk and overwritten), a joiner reads
+    nothing to find its share, any sample of any stream is located in O(log shards), and anyone
+    can replay which samples a shard was computed from. Streams are independent samples of the
+    data set, not disjoint shares of it: two volunteers meet the same pair in an epoch as often
+    as two independent shuffles would (for a corpus much larger than a run, rarely)."""
 
     n_special = len(SPECIAL_TOKENS)
 
-    def __init__(self, bucket: Bucket, name: str, run: str, seed: int, owner: str | None = None):
-        self.bucket, self.name, self.seed, self.owner = bucket, name, seed, owner
+    def __init__(self, bucket: Bucket, name: str, seed: int):
+        self.bucket, self.name, self.seed = bucket, name, seed
         self.card = read_card(bucket, name)
         self.seq_len, self.vocab_size = self.card["seq_len"], self.card["vocab_size"]
         self.train = self.card["splits"]["train"]["shards"]
         self.heldout = self.card["splits"]["heldout"]["shards"]
-        self.keys = RunLayout(run)
-        self._claims: dict[int, str] = {}  # block -> peer; markers are create-once, so never stale
+        self.pairs = sum(s["pairs"] for s in self.train)
         self._shard = functools.lru_cache(maxsize=8)(self._read_shard)
+        self._epoch = functools.lru_cache(maxsize=64)(self._epoch_order)
 
-    # blocks and claims
-    def _block(self, g: int) -> tuple[int, int]:
-        """(epoch, shard) of block g: each epoch visits every training shard once, seeded order."""
-        epoch, k = divmod(g, len(self.train))
-        return epoch, int(np.random.default_rng([self.seed, epoch]).permutation(len(self.train))[k])
-
-    def _refresh(self) -> None:
-        blocks = {self.keys.block_of(n) for n in self.bucket.list(self.keys.claims_dir)} - {None}
-        new = {self.keys.claim(g): g for g in blocks if g not in self._claims}  # anything else is no claim
-        for key, raw in self.bucket.read_many(list(new)).items():
-            if raw is not None:
-                try:
-                    peer = str(json.loads(raw)["peer"])
-                except (ValueError, KeyError, TypeError):
-                    peer = "?"  # a malformed claim still takes its block: nobody streams it
-                self._claims[new[key]] = peer
-
-    def blocks(self, stream: str) -> list[int]:
-        return sorted(g for g, p in self._claims.items() if p == stream)
-
-    def claim(self) -> int:
-        """Take the lowest free block for this source's owner (create-once: one winner per block)."""
-        while True:
-            self._refresh()
-            g = min(set(range(len(self._claims) + 1)) - set(self._claims))
-            if self.bucket.create_json(self.keys.claim(g), {"peer": self.owner, "time": time.time()}):
-                self._claims[g] = self.owner
-                return g
+    def _epoch_order(self, stream: str, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(training shards in the order ``stream`` visits them in ``epoch``, where each starts)."""
+        order = np.random.default_rng([self.seed, _stream_seed(stream), epoch]).permutation(len(self.train))
+        return order, np.cumsum([0] + [self.train[d]["pairs"] for d in order])
 
     def locate(self, stream: str, index: int) -> tuple[int, int, int]:
         """(epoch, shard, position) of sample ``index`` of ``stream``."""
-        refreshed = False
-        while True:
-            pos = index
-            for g in self.blocks(stream):
-                epoch, d = self._block(g)
-                if pos < self.train[d]["pairs"]:
-                    order = np.random.default_rng([self.seed, epoch, d]).permutation(self.train[d]["pairs"])
-                    return epoch, d, int(order[pos])
-                pos -= self.train[d]["pairs"]
-            if stream == self.owner:
-                self.claim()
-            elif not refreshed:
-                self._refresh()
-                refreshed = True
-            else:
-                raise DataError(f"stream {stream!r} has no sample {index}: its claimed blocks end before it")
+        if index < 0:
+            raise DataError(f"stream {stream!r} has no sample {index}")
+        epoch, k = divmod(index, self.pairs)
+        order, starts = self._epoch(stream, epoch)
+        i = int(np.searchsorted(starts, k, side="right") - 1)
+        d = int(order[i])
+        pairs = self.train[d]["pairs"]
+        within = np.random.default_rng([self.seed, _stream_seed(stream), epoch, d]).permutation(pairs)
+        return epoch, d, int(within[k - int(starts[i])])
 
     def _read_shard(self, split: str, d: int) -> dict[str, np.ndarray]:
         meta = (self.train if split == "train" else self.heldout)[d]
@@ -176,7 +151,7 @@ class PairSource:
         ids = z["input_ids"][pos].astype(np.int64)
         types = np.zeros_like(ids)
         types[int(z["b_start"][pos]):n] = 1
-        masked, labels = _mask(ids, np.random.default_rng([self.seed, epoch + 1, d, pos]), self.vocab_size,
+        masked, labels = _mask(ids, np.random.default_rng([self.seed, _stream_seed(stream), epoch + 1, d, pos]), self.vocab_size,
                                self.n_special)
         return {"input_ids": masked, "labels": labels, "token_type_ids": types,
                 "attention_mask": (np.arange(len(ids)) < n).astype(np.int64),
@@ -218,12 +193,12 @@ def check_data(bucket: Bucket, data: str, preset: str, seq_len: int) -> None:
                         f"embeds only {PRESETS[preset]['vocab_size']}")
 
 
-def make_source(run, owner: str | None = None):
-    """The run's data: ``owner`` is the peer whose stream may claim new blocks."""
+def make_source(run):
+    """The run's data: every stream of it, for training, replay and verification alike."""
     c = run.config
     if c.data == SYNTHETIC:
         return SyntheticSource(PRESETS[c.preset]["vocab_size"], run.seq_len, c.seed)
-    return PairSource(run.bucket, c.data, run.name, c.seed, owner)
+    return PairSource(run.bucket, c.data, c.seed)
 
 
 def data_card(vocab_size: int, seq_len: int, seed: int) -> dict:

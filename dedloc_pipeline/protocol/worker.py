@@ -125,7 +125,7 @@ class Worker:
         self.model = run.build_model().to(self.device)
         self.flat = FlatLayout(self.model)
         cfg = run.config
-        self.source = make_source(run, owner=self.peer)
+        self.source = make_source(run)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
         self.state: int | None = None
         self._state_hash = ""  # shard.commit_hash of state's COMMIT

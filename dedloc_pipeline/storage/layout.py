@@ -19,7 +19,6 @@ def is_name(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch(PEER_ID, value) is not None
 ROUND_FOLDERS = ("shards", "manifests", "progress")  # what volunteers write in a round (policy.py)
 _NUMBER = re.compile(r"\d{8}")
-_CLAIM = re.compile(r"(\d{8})\.json")
 
 
 def _n(i: int) -> str:
@@ -187,20 +186,6 @@ class RunLayout:
     def export(self, s: int) -> str:
         """State s as a Hugging Face model directory."""
         return f"{self.root}/export/{_n(s)}"
-
-    def claim(self, block: int) -> str:
-        """Marker: one peer streams this block of the data set (its number counts across epochs)."""
-        return f"{self.claims_dir}/{_n(block)}.json"
-
-    @property
-    def claims_dir(self) -> str:
-        return f"{self.root}/claims"
-
-    @staticmethod
-    def block_of(claim: str) -> int | None:
-        """The block a claim key (or a ``claims_dir`` listing's name) is for; None if not a claim."""
-        m = _CLAIM.fullmatch(claim.rsplit("/", 1)[-1])
-        return int(m.group(1)) if m else None
 
 
 class DataLayout:

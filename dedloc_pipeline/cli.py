@@ -330,3 +330,20 @@ def report(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     typer.echo(f"report written to {out}")
     if upload:
         typer.echo(f"uploaded to {publish(r, page)}")
+
+
+@app.command()
+def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           fraction: float = typer.Option(0.05, help="share of each round's accepted shards recomputed (at least one)"),
+           until_round: Optional[int] = typer.Option(None, help="exit once round R is verified"),
+           revoke: Optional[str] = typer.Option(None, help="the organizer's private key: revoke flagged volunteers' keys"),
+           device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
+           poll: float = typer.Option(5.0, help="seconds between looks for a newly committed round"),
+           verbose: bool = True):
+    """Validate a run: recompute a random share of each committed round's shards, flag the
+    volunteers whose shards do not match their data or copy another's (docs/verification.md)."""
+    _setup(verbose)
+    from .protocol.verify import Verifier
+    org = identity.load(revoke) if revoke else None
+    v = Verifier(_open(bucket, run, endpoint_url), fraction=fraction, device=device, poll_s=poll, organizer=org)
+    typer.echo(f"verified up to round {v.serve(until_round) - 1}")

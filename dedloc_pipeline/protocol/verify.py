@@ -1,0 +1,436 @@
+"""Verified work: a trusted validator recomputes a random share of the accepted shards and compares.
+
+A shard is a claim: "on state r, over samples ``data`` of my own stream, the mean gradient is
+this". Validation at close (shard.py) checks everything a claim says about itself; only
+recomputing it checks the gradient. A validator (any trusted machine: it needs the run's reads and
+the right to write its records) follows the committed rounds and, for each:
+
+- chooses shards with randomness no volunteer can predict before its upload and anyone can
+  recompute afterwards: COMMIT r+1's hash, which depends on every accepted shard of round r
+  (``chosen``). A volunteer cannot know whether its shard will be checked, so a cheater is
+  caught, in expectation, after ``1 / (fraction * detection)`` of its shards;
+- recomputes each chosen shard's mean gradient on the samples it names (its first
+  ``stale_samples`` on state r-1, the rest on state r, as the worker computed them) and compares
+  cosine and norm ratio with the decoded shard (``compare``);
+- screens every pair of accepted shards of different volunteers for near-identical gradients
+  (``similarities``: dot products chunk by chunk, memory bounded) and recomputes both of a
+  suspicious pair: the copy is the one whose claimed data does not give its gradient. Time stamps
+  would not do: ``created_at`` is the volunteer's own claim, and a copier could back-date it to
+  have the original flagged;
+- writes one record per round (``records.round``) and a flag per volunteer caught
+  (``records.flag``), which ``flagged`` reads for the scheduler, and optionally revokes the
+  volunteer's key (``revoke``).
+
+The tolerances and the detection rates behind them are measured by ``benchmarks/verify.py``
+(docs/verification.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..model.data import make_source
+from ..storage import codec
+from ..storage.bucket import Bucket, StorageError
+from ..storage.layout import RunLayout
+from ..trust import identity
+from .run import Run, RunError
+from .shard import commit_hash
+
+log = logging.getLogger(__name__)
+
+FRACTION = 0.05  # of a round's accepted shards (and at least AT_LEAST of them): docs/verification.md
+AT_LEAST = 1
+COPY_COSINE = 0.99  # a pair above it is recomputed; honest pairs measured up to 0.82
+MAX_SAMPLES_FACTOR = 4  # a shard claiming above this many target batches is not recomputed
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far an honest shard may be from its recomputation: the codec's rounding (with error
+    feedback, the residual the volunteer carried in and the one it keeps), and float differences
+    between machines (micro-batch sizes, CPU and GPU kernels)."""
+
+    min_cosine: float
+    max_norm_error: float  # |(|shard| / |recomputed|) - 1|
+
+
+# Worst honest shard measured (benchmarks/verify.py, docs/verification.md): 1 - cosine and
+# |norm ratio - 1| of none 1e-14 / 1e-7, fp16 1e-7 / 1e-4, int8 1.4e-3 / 1.8e-3, int4 0.12 / 0.08;
+# each tolerance is some ten times the measured error, float32 on other hardware included.
+TOLERANCES = {"none": Tolerance(0.99999, 0.001), "fp16": Tolerance(0.9999, 0.005),
+              "int8": Tolerance(0.98, 0.05), "int4": Tolerance(0.7, 0.3)}
+
+
+class VerifyLayout:
+    """Keys of the validator's records (to move into storage/layout.py's RunLayout)."""
+
+    def __init__(self, run: str):
+        self.root = RunLayout(run).root
+
+    @property
+    def rounds_dir(self) -> str:
+        return f"{self.root}/verify"
+
+    @staticmethod
+    def round_of(name: str) -> int | None:
+        """The round a ``rounds_dir`` listing's name is a record of; None for anything else."""
+        return int(name[:8]) if len(name) == 13 and name[:8].isdigit() and name[8:] == ".json" else None
+
+    def round(self, r: int) -> str:
+        """The verdicts on round r's chosen shards: written once, after every verdict."""
+        return f"{self.root}/verify/{r:08d}.json"
+
+    @property
+    def flags_dir(self) -> str:
+        return f"{self.root}/flags"
+
+    def flag(self, volunteer: str) -> str:
+        """Why a volunteer's shards are no longer trusted: its first caught shard."""
+        return f"{self.root}/flags/{volunteer}.json"
+
+
+def volunteer_of(peer: str) -> str:
+    """A volunteer's name: its peer id before the first '.' (``alice.laptop`` is alice)."""
+    return peer.split(".", 1)[0]
+
+
+def draw(state_hash: str, shard_key: str) -> float:
+    """The shard's number in [0, 1): blake2b of COMMIT r+1's hash and the shard's key."""
+    digest = hashlib.blake2b(f"{state_hash}/{shard_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+def chosen(accepted: list[dict], state_hash: str, fraction: float = FRACTION, at_least: int = AT_LEAST) -> list[dict]:
+    """The accepted shards to recompute: each whose draw is below ``fraction``, and at least the
+    ``at_least`` lowest draws (with few shards a round, ``fraction`` alone would leave most rounds
+    unchecked; one shard costs about one average volunteer's work). ``state_hash``: commit_hash
+    of COMMIT r+1."""
+    ranked = sorted(accepted, key=lambda s: draw(state_hash, s["key"]))
+    return [s for i, s in enumerate(ranked) if i < at_least or draw(state_hash, s["key"]) < fraction]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    cosine: float
+    norm_ratio: float  # |shard| / |recomputed|
+
+    def matches(self, tol: Tolerance) -> bool:
+        return self.cosine >= tol.min_cosine and abs(self.norm_ratio - 1) <= tol.max_norm_error
+
+
+def compare(shard: np.ndarray, recomputed: np.ndarray) -> Comparison:
+    """Cosine and norm ratio, in float64 (a zero vector's cosine is 0: it matches nothing else)."""
+    a, b = shard.astype(np.float64), recomputed.astype(np.float64)
+    na, nb = math.sqrt(a @ a), math.sqrt(b @ b)
+    if na == 0 or nb == 0:
+        same = na == nb
+        return Comparison(cosine=1.0 if same else 0.0, norm_ratio=1.0 if same else math.inf if nb == 0 else 0.0)
+    return Comparison(cosine=float(a @ b) / (na * nb), norm_ratio=na / nb)
+
+
+class Unverifiable(RuntimeError):
+    """A shard that cannot be recomputed; ``fault``: its claim is why (data it does not have)."""
+
+    def __init__(self, reason: str, fault: bool):
+        super().__init__(reason)
+        self.fault = fault
+
+
+class Recomputer:
+    """The run's model on this machine, and the states it has loaded (kept in memory: a state
+    loaded before it is pruned stays usable)."""
+
+    def __init__(self, run: Run, device: str | None = None, micro_batch: int | None = None, keep: int = 3):
+        import torch
+
+        from ..model.albert import FlatLayout
+
+        self.run, self.keep = run, keep
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model = run.build_model().to(self.device)
+        self.flat = FlatLayout(self.model)
+        self.micro_batch = micro_batch or run.config.micro_batch
+        self.source = make_source(run)  # no owner: it never claims data blocks
+        self._states: dict[int, np.ndarray] = {}
+
+    def params(self, s: int) -> np.ndarray:
+        """State s's parameters; Unverifiable (not the volunteer's fault) once it is pruned."""
+        if s not in self._states:
+            try:
+                self._states[s] = self.run.load_params(s)
+            except (codec.CorruptShard, RunError) as exc:
+                raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}", fault=False) from exc
+            for old in sorted(self._states)[:-self.keep]:
+                del self._states[old]
+        return self._states[s]
+
+    def check_claim(self, entry: dict) -> None:
+        """What a shard says of its samples must be possible (validation at close bounds its
+        ranges; these are the claims only a recomputation reads). A claim too large to recompute
+        is not held against the volunteer: an honest worker left waiting long for a state keeps
+        computing on the old one."""
+        cap = MAX_SAMPLES_FACTOR * self.run.config.target_batch_size
+        if entry["samples"] > cap:
+            raise Unverifiable(f"claims {entry['samples']} samples, above the validator's cap of {cap}", fault=False)
+        if entry["stale_samples"] > entry["samples"]:
+            raise Unverifiable(f"claims {entry['stale_samples']} stale samples of {entry['samples']}", fault=True)
+        if entry["stale_samples"] and entry["round"] == 0:
+            raise Unverifiable("claims stale samples in round 0: there is no earlier state", fault=True)
+
+    def gradient(self, entry: dict) -> np.ndarray:
+        """The shard's mean gradient recomputed: its first ``stale_samples`` samples on the state
+        before its round's, the rest on its round's state, gradients summed over both as the
+        worker sums them, then divided by the samples."""
+        from ..model.albert import pretraining_loss_sum
+
+        self.check_claim(entry)
+        r, stream, stale = entry["round"], entry["data"]["stream"], entry["stale_samples"]
+        indices = [i for start, count in entry["data"]["ranges"] for i in range(start, start + count)]
+        parts = [(r - 1, indices[:stale]), (r, indices[stale:])]
+        states = {s: self.params(s) for s, idx in parts if idx}  # both loaded before any compute
+        self.model.zero_grad(set_to_none=False)
+        for s, idx in parts:
+            if not idx:
+                continue
+            self.flat.set(states[s])
+            for lo in range(0, len(idx), self.micro_batch):
+                run_ = _runs(idx[lo:lo + self.micro_batch])
+                batches = [self.source.batch(stream, a, n) for a, n in run_]
+                for batch in batches:
+                    loss = pretraining_loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
+                    loss.backward()
+        grad = self.flat.grad()
+        grad /= entry["samples"]
+        return grad
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Consecutive indices as (first, count) runs."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1][1] += 1
+        else:
+            out.append([i, 1])
+    return [(a, n) for a, n in out]
+
+
+def read_shard(run: Run, entry: dict) -> np.ndarray:
+    """A shard's gradient as the round's mean used it, checked against its CLOSE entry."""
+    fmt = run.grad_format
+    try:
+        arrays = codec.read_vector(run.bucket, entry["key"], fmt, checksums=entry["checksums"], raw=True)
+    except codec.CorruptShard as exc:
+        raise Unverifiable(f"the shard is no longer in the bucket (pruned): {exc}", fault=False) from exc
+    return codec.decode(arrays, fmt.codec, fmt.block)
+
+
+def similarities(run: Run, entries: list[dict]) -> np.ndarray:
+    """The cosine of every pair of shards, from dot products summed chunk by chunk: one chunk of
+    every shard in memory at a time, never all shards whole. Raises Unverifiable if one is pruned."""
+    fmt, k = run.grad_format, len(entries)
+    gram = np.zeros((k, k))
+    for c in range(fmt.n_chunks):
+        found = codec.read_vectors(run.bucket, [e["key"] for e in entries], fmt, range(c, c + 1),
+                                   [e["checksums"] for e in entries])
+        bad = next((x for x in found if isinstance(x, codec.CorruptShard)), None)
+        if bad is not None:
+            raise Unverifiable(f"a shard is no longer in the bucket (pruned): {bad}", fault=False)
+        x = np.stack([codec.decode(a, fmt.codec, fmt.block) for a in found]).astype(np.float64)
+        gram += x @ x.T
+    norms = np.sqrt(np.clip(np.diag(gram), 1e-300, None))
+    return gram / np.outer(norms, norms)
+
+
+def copy_suspects(entries: list[dict], cosines: np.ndarray, threshold: float = COPY_COSINE) -> list[tuple[int, int]]:
+    """Pairs (i, j) of shards of different volunteers whose gradients are nearly identical."""
+    out = []
+    for i in range(len(entries)):
+        for j in range(i + 1, len(entries)):
+            if volunteer_of(entries[i]["peer"]) != volunteer_of(entries[j]["peer"]) and cosines[i, j] >= threshold:
+                out.append((i, j))
+    return out
+
+
+class Verifier:
+    """Follows a run: each newly committed round is verified once (its record exists: skipped),
+    so it can be killed and started again at any moment; a restart redoes only a round whose
+    record it had not written, with the same choice (the same COMMIT)."""
+
+    def __init__(self, run: Run, fraction: float = FRACTION, at_least: int = AT_LEAST, device: str | None = None,
+                 micro_batch: int | None = None, poll_s: float = 5.0, organizer: identity.Ed25519PrivateKey | None = None,
+                 tolerance: Tolerance | None = None, copy_cosine: float = COPY_COSINE):
+        """``organizer``: the run's organizer key, to revoke a flagged volunteer's key at once
+        (without it, flags only: the scheduler rejects a flagged volunteer's later shards).
+        ``tolerance``: default the run's codec's (TOLERANCES)."""
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"fraction {fraction} is not in [0, 1]")
+        self.run, self.fraction, self.at_least, self.poll_s = run, fraction, at_least, poll_s
+        self.tolerance, self.copy_cosine = tolerance or TOLERANCES[run.config.codec], copy_cosine
+        self.organizer = organizer
+        self.keys = VerifyLayout(run.name)
+        self.recompute = Recomputer(run, device, micro_batch)
+
+    def done(self, r: int) -> bool:
+        return self.run.bucket.exists(self.keys.round(r))
+
+    def next_round(self) -> int:
+        """The round after the newest one recorded (0 without records)."""
+        rounds = {self.keys.round_of(n) for n in self.run.bucket.list(self.keys.rounds_dir)} - {None}
+        return max(rounds, default=-1) + 1
+
+    def verify_round(self, r: int) -> dict | None:
+        """Verify committed round r and write its record; the existing record if there is one;
+        None while state r+1 is not committed."""
+        bucket, keys = self.run.bucket, self.run.keys
+        existing = bucket.read_json(self.keys.round(r))
+        if existing is not None:
+            return existing
+        commit = bucket.read_json(keys.commit(r + 1))
+        close = bucket.read_json(keys.close(r))
+        if commit is None or close is None:
+            return None
+        t0 = time.perf_counter()
+        state_hash = commit_hash(commit)
+        accepted = close["accepted"]
+        picks = {s["key"]: "chosen" for s in chosen(accepted, state_hash, self.fraction, self.at_least)}
+        verdicts: dict[str, dict] = {}
+        for entry in accepted:  # states first: loaded before later commits prune them
+            if entry["key"] in picks:
+                verdicts[entry["key"]] = self._judge(entry)
+        screen = self._screen(accepted, verdicts, picks)
+        record = {"round": r, "state_hash": state_hash, "fraction": self.fraction, "at_least": self.at_least,
+                  "accepted": len(accepted), "codec": self.run.config.codec, "copy_cosine": self.copy_cosine,
+                  "tolerance": asdict(self.tolerance),
+                  "copy_screen": screen, "shards": [dict(verdicts[k], why=picks[k]) for k in sorted(verdicts)],
+                  "seconds": time.perf_counter() - t0, "verified_at": time.time()}
+        for v in record["shards"]:
+            if v["flag"]:
+                self._flag(r, v)
+        bucket.create_json(self.keys.round(r), record)  # last: a crash before it redoes the round
+        bad = [v for v in record["shards"] if v["flag"]]
+        log.info("round %d verified: %d shards recomputed, %d flagged", r, len(record["shards"]), len(bad))
+        return bucket.read_json(self.keys.round(r))
+
+    def _judge(self, entry: dict) -> dict:
+        """One shard's verdict; any failure of one shard is that shard's verdict, never the loop's."""
+        t0 = time.perf_counter()
+        out = {"key": entry["key"], "peer": entry["peer"], "volunteer": volunteer_of(entry["peer"]),
+               "samples": entry["samples"], "stale_samples": entry["stale_samples"], "cosine": None,
+               "norm_ratio": None, "flag": False}
+        try:
+            recomputed = self.recompute.gradient(entry)
+            c = compare(read_shard(self.run, entry), recomputed)
+            tol = self.tolerance
+            ok = c.matches(tol)
+            out.update(cosine=c.cosine, norm_ratio=c.norm_ratio, verdict="ok" if ok else "mismatch", flag=not ok,
+                       reason="" if ok else f"the gradient recomputed on its data differs: cosine {c.cosine:.6f} "
+                       f"(at least {tol.min_cosine}), norm ratio {c.norm_ratio:.4f} (1 +- {tol.max_norm_error})")
+        except Unverifiable as exc:
+            pruned = "pruned" in str(exc)
+            out.update(verdict="mismatch" if exc.fault else ("skipped" if pruned else "unverified"), flag=exc.fault,
+                       reason=f"could not be verified: {exc}")
+        except StorageError:
+            raise  # the bucket's fault: the loop retries the round later
+        except Exception as exc:  # one input never stops the validator
+            log.exception("shard %s could not be verified", entry["key"])
+            out.update(verdict="unverified", reason=f"could not be verified: {type(exc).__name__}: {exc}")
+        out["seconds"] = time.perf_counter() - t0
+        return out
+
+    def _screen(self, accepted: list[dict], verdicts: dict[str, dict], picks: dict[str, str]) -> dict:
+        """Pairwise cosines of the round's shards (different volunteers); both shards of a
+        near-identical pair are recomputed, and the one whose data does not give its gradient is
+        the copy."""
+        if len({volunteer_of(s["peer"]) for s in accepted}) < 2:
+            return {"pairs": [], "max_cosine": None}
+        t0 = time.perf_counter()
+        try:
+            cos = similarities(self.run, accepted)
+        except Unverifiable as exc:
+            return {"pairs": [], "max_cosine": None, "skipped": str(exc)}
+        cross = [cos[i, j] for i in range(len(accepted)) for j in range(i + 1, len(accepted))
+                 if volunteer_of(accepted[i]["peer"]) != volunteer_of(accepted[j]["peer"])]
+        pairs = []
+        for i, j in copy_suspects(accepted, cos, self.copy_cosine):
+            a, b = accepted[i], accepted[j]
+            for e in (a, b):
+                if e["key"] not in verdicts:
+                    picks[e["key"]] = "copy screen"
+                    verdicts[e["key"]] = self._judge(e)
+            pairs.append({"shards": [a["key"], b["key"]], "cosine": float(cos[i, j])})
+            for e, other in ((a, b), (b, a)):
+                v = verdicts[e["key"]]
+                if v["verdict"] == "mismatch":
+                    v.update(verdict="copy", flag=True, copy_of=other["key"],
+                             reason=f"copy of {other['key']} (cosine {cos[i, j]:.4f}); {v['reason']}")
+        return {"pairs": pairs, "max_cosine": float(max(cross)) if cross else None, "seconds": time.perf_counter() - t0}
+
+    def _flag(self, r: int, v: dict) -> None:
+        """The volunteer's flag (its first caught shard is kept), then its key revoked if the
+        organizer's key was given."""
+        flag = {"volunteer": v["volunteer"], "peer": v["peer"], "round": r, "shard": v["key"],
+                "verdict": v["verdict"], "reason": v["reason"], "cosine": v["cosine"], "norm_ratio": v["norm_ratio"],
+                "flagged_at": time.time()}
+        self.run.bucket.create_json(self.keys.flag(v["volunteer"]), flag)
+        log.warning("round %d: volunteer %s flagged: %s", r, v["volunteer"], v["reason"])
+        if self.organizer is not None:
+            revoke(self.run, self.organizer, v["volunteer"])
+
+    def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
+        """Verify every round from the one after the newest record as it is committed, until
+        round ``until_round`` is verified (or ``stop()``); returns the next round to verify."""
+        r = self.next_round()
+        while until_round is None or r <= until_round:
+            if stop is not None and stop():
+                break
+            try:
+                record = self.verify_round(r)
+            except StorageError as exc:
+                log.warning("round %d: the bucket failed (%s); trying again", r, exc)
+                record = None
+            if record is not None:
+                r += 1
+                continue
+            if self.run.bucket.exists(self.run.keys.stop()) and not self.run.bucket.exists(self.run.keys.close(r)):
+                break
+            time.sleep(self.poll_s)
+        return r
+
+
+def flagged(bucket: Bucket, run_name: str) -> dict[str, dict]:
+    """Volunteer name -> its flag record: whose shards the scheduler should refuse."""
+    keys = VerifyLayout(run_name)
+    out = {}
+    for raw in bucket.read_many(bucket.find(keys.flags_dir)).values():
+        try:
+            flag = json.loads(raw)
+            out[str(flag["volunteer"])] = flag
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def revoke(run: Run, organizer: identity.Ed25519PrivateKey, volunteer: str) -> bool:
+    """Revoke a flagged volunteer's key in the signed roster; False if there is nothing to revoke
+    (an unsigned run, a volunteer not enrolled or already revoked)."""
+    if run.config.organizer_key is None:
+        return False
+    if identity.public(organizer) != run.config.organizer_key:
+        raise identity.IdentityError(f"that key is not the organizer key of run {run.name!r}")
+    roster = identity.read_roster(run.bucket, run.name, run.config.organizer_key)
+    key = roster.volunteers.get(volunteer) if roster is not None else None
+    if key is None or key in roster.revoked:
+        return False
+    identity.update_roster(run.bucket, run.name, organizer, revoke=[volunteer])
+    log.warning("volunteer %s revoked", volunteer)
+    return True

@@ -1,0 +1,237 @@
+"""Verified work: recomputed shards on a tiny run in a local bucket, honest ones and attacks."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from dedloc_pipeline.cli import app
+from dedloc_pipeline.protocol import shard, verify
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.trust import identity
+
+from .protocol_driver import collaborate
+
+PEERS = [("a", 4), ("b", 3), ("c", 5)]
+
+
+def finish(run, r):
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(r) is not None
+    with ThreadPoolExecutor(2) as pool:
+        return sched.finish(r, pool)
+
+
+def honest_upload(run, peer, signer=None):
+    """A real worker alone (no scheduler yet): it computes until its own samples fill the round,
+    then uploads one shard."""
+    w = Worker(run, peer, micro_batch=4, threads=1, delayed=False, poll_s=0, signer=signer)
+    while not w.uploads:
+        w.step()
+        w.flush()
+    w.leave()
+    return w.uploads[0][1]
+
+
+def gradient_of(run, stream, start, count, r=0):
+    """The mean gradient of samples [start, start+count) of ``stream`` on state r."""
+    entry = {"round": r, "samples": count, "stale_samples": 0, "data": {"stream": stream, "ranges": [[start, count]]}}
+    return verify.Recomputer(run, "cpu").gradient(entry)
+
+
+def forged(run, peer, grad, samples, ranges, r=0, signer=None, arrays=None):
+    """A shard whose manifest claims ``ranges`` of ``peer``'s stream, whatever ``grad`` is."""
+    arrays = arrays or codec.encode(grad, run.config.codec, run.config.block_size)
+    return shard.upload(run, r, peer, "0001", arrays, samples, 5.0, shard.DataRef(stream=peer, ranges=ranges),
+                        signer=signer)
+
+
+def verdicts(record):
+    return {v["peer"]: v for v in record["shards"]}
+
+
+@pytest.mark.parametrize("codec_name,delayed", [("int8", True), ("none", False)])
+def test_honest_shards_verify(make_run, codec_name, delayed):
+    """Every shard of a real collaboration, recomputed: int8 with the workers' error feedback and
+    one-step-stale samples (computed on the state before), and exact fp32 to a far tighter bound."""
+    run = make_run(codec=codec_name, delayed_updates=delayed, keep_states=10)
+    collaborate(run, PEERS, rounds=3)
+    v = verify.Verifier(run, fraction=1.0, device="cpu")
+    assert v.serve(until_round=2) == 3
+    records = [run.bucket.read_json(v.keys.round(r)) for r in range(3)]
+    shards = [s for rec in records for s in rec["shards"]]
+    assert len(shards) == sum(rec["accepted"] for rec in records) >= 9
+    assert all(s["verdict"] == "ok" and not s["flag"] for s in shards), shards
+    if delayed:
+        assert any(s["stale_samples"] for s in shards)  # the stale part was recomputed on state r-1
+    worst = min(s["cosine"] for s in shards)
+    assert worst > (1 - 1e-9 if codec_name == "none" else verify.TOLERANCES["int8"].min_cosine)
+    assert verify.flagged(run.bucket, run.name) == {}
+
+
+def test_stale_samples_are_recomputed_on_the_previous_state(make_run):
+    """The control of the stale split: claiming the stale part was computed on the shard's own
+    state (stale_samples 0) makes the same gradient a mismatch at fp32's tolerance."""
+    run = make_run(codec="none", delayed_updates=True, keep_states=10)
+    collaborate(run, PEERS, rounds=2)
+    rec = verify.Recomputer(run, "cpu")
+    entry = next(s for s in run.bucket.read_json(run.keys.close(1))["accepted"] if s["stale_samples"])
+    grad = verify.read_shard(run, entry)
+    assert verify.compare(grad, rec.gradient(entry)).matches(verify.TOLERANCES["none"])
+    assert not verify.compare(grad, rec.gradient(dict(entry, stale_samples=0))).matches(verify.TOLERANCES["none"])
+
+
+ATTACKS = {
+    # name: (the gradient uploaded, the samples and ranges its manifest claims); control: honest
+    "inflated": (lambda run: gradient_of(run, "mallory", 0, 8), 64, [(0, 64)]),
+    "wrong_data": (lambda run: gradient_of(run, "mallory", 100, 8), 8, [(0, 8)]),
+    "scaled": (lambda run: 2.0 * gradient_of(run, "mallory", 0, 8), 8, [(0, 8)]),
+    "noise": (lambda run: np.random.default_rng(0).normal(0, 1e-3, run.flat.n).astype(np.float32), 8, [(0, 8)]),
+    "honest": (lambda run: gradient_of(run, "mallory", 0, 8), 8, [(0, 8)]),
+}
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged(make_run, attack):
+    run = make_run(codec="int8", target_batch_size=24, keep_states=10)
+    make, samples, ranges = ATTACKS[attack]
+    forged(run, "mallory", make(run), samples, ranges)
+    honest_upload(run, "alice")
+    honest_upload(run, "bob")  # three volunteers: each counts a third of the round
+    finish(run, 0)
+    record = verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0)
+    got = verdicts(record)
+    assert got["alice"]["verdict"] == got["bob"]["verdict"] == "ok"
+    flags = verify.flagged(run.bucket, run.name)
+    if attack == "honest":
+        assert got["mallory"]["verdict"] == "ok" and flags == {}
+        return
+    assert got["mallory"]["verdict"] == "mismatch" and got["mallory"]["flag"], got["mallory"]
+    assert list(flags) == ["mallory"] and flags["mallory"]["round"] == 0
+    assert flags["mallory"]["shard"] == got["mallory"]["key"] and "differs" in flags["mallory"]["reason"]
+    if attack == "scaled":
+        assert got["mallory"]["cosine"] > 0.99 and got["mallory"]["norm_ratio"] == pytest.approx(2, rel=0.01)
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_run, copied):
+    """mallory uploads alice's very codes as its own (claiming its own stream): the pairwise
+    screen finds the pair with nothing drawn (fraction 0), recomputes both, and flags the one
+    whose data does not give its gradient, whichever was uploaded first. Control: mallory's own
+    honest shard, no pair."""
+    run = make_run(codec="int8", target_batch_size=48, keep_states=10)
+    alice = honest_upload(run, "alice")
+    entry = shard.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
+    if copied:
+        arrays = codec.read_vector(run.bucket, alice, run.grad_format, checksums=entry["checksums"], raw=True)
+        forged(run, "mallory", None, entry["samples"], [(0, entry["samples"])], arrays=arrays)
+    else:
+        honest_upload(run, "mallory")
+    finish(run, 0)
+    record = verify.Verifier(run, fraction=0.0, at_least=0, device="cpu").verify_round(0)
+    got = verdicts(record)
+    if not copied:
+        assert got == {} and record["copy_screen"]["pairs"] == []
+        assert record["copy_screen"]["max_cosine"] < verify.COPY_COSINE
+        return
+    assert record["copy_screen"]["pairs"][0]["cosine"] > 0.9999
+    assert got["alice"]["verdict"] == "ok" and got["alice"]["why"] == "copy screen"
+    assert got["mallory"]["verdict"] == "copy" and got["mallory"]["copy_of"] == alice
+    assert list(verify.flagged(run.bucket, run.name)) == ["mallory"]
+
+
+def test_the_choice_follows_the_next_commit(make_run):
+    """Recomputable by anyone from COMMIT r+1; another COMMIT draws other shards."""
+    run = make_run(keep_states=10)
+    collaborate(run, PEERS, rounds=1)
+    close, commit = run.bucket.read_json(run.keys.close(0)), run.commit_of(1)
+    h = shard.commit_hash(commit)
+    record = verify.Verifier(run, fraction=0.3, device="cpu").verify_round(0)
+    assert [s["key"] for s in record["shards"]] == sorted(s["key"] for s in verify.chosen(close["accepted"], h, 0.3))
+    assert record["state_hash"] == h
+    many = [{"key": f"{s['key']}-{i}"} for s in close["accepted"] for i in range(100)]
+    picked = {s["key"] for s in verify.chosen(many, h, 0.05)}
+    assert picked == {s["key"] for s in verify.chosen(many, h, 0.05)}
+    assert 0 < len(picked) < 0.15 * len(many)
+    other = shard.commit_hash(dict(commit, committed_at=commit["committed_at"] + 1))
+    assert picked != {s["key"] for s in verify.chosen(many, other, 0.05)}
+    assert len(verify.chosen(many[:3], h, 0.0)) == 1  # at least one a round
+
+
+def test_a_restarted_verifier_does_not_redo_a_round(make_run):
+    run = make_run(keep_states=10)
+    collaborate(run, PEERS, rounds=2)
+    first = verify.Verifier(run, fraction=1.0, device="cpu")
+    assert first.serve(until_round=0) == 1
+    again = verify.Verifier(run, fraction=1.0, device="cpu")
+    calls = []
+    recompute = again.recompute.gradient
+    again.recompute.gradient = lambda entry: calls.append(entry["key"]) or recompute(entry)
+    assert again.next_round() == 1
+    assert again.serve(until_round=1) == 2
+    assert calls and all(run.keys.shard_parts(k)[0] == 1 for k in calls)  # round 1 only
+    assert again.verify_round(0) == run.bucket.read_json(first.keys.round(0))
+
+
+def test_a_round_whose_state_was_pruned_is_skipped(make_run):
+    """keep_states 2: after state 4, states 1 and 2 and rounds 0 and 1 are gone. Round 1 is
+    recorded as skipped, never a crash; round 3, still whole, verifies (the control)."""
+    run = make_run(keep_states=2, delayed_updates=False)
+    collaborate(run, PEERS, rounds=4)
+    v = verify.Verifier(run, fraction=1.0, device="cpu")
+    pruned, whole = v.verify_round(1), v.verify_round(3)
+    assert pruned["shards"] and all(s["verdict"] == "skipped" and not s["flag"] for s in pruned["shards"])
+    assert "pruned" in pruned["shards"][0]["reason"] and "skipped" in pruned["copy_screen"]
+    assert whole["shards"] and all(s["verdict"] == "ok" for s in whole["shards"])
+
+
+def test_claims_the_validator_cannot_recompute(make_run):
+    """Stale samples in round 0 (there is no earlier state) are the volunteer's fault; more
+    samples than the validator's cap are not (unverified, no flag)."""
+    run = make_run(codec="none", target_batch_size=24, keep_states=10)
+    grad = gradient_of(run, "mallory", 0, 8)
+    key = forged(run, "mallory", grad, 8, [(0, 8)])
+    m = run.bucket.read_json(run.keys.manifest(key))
+    run.bucket.write_json(run.keys.manifest(key), dict(m, stale_samples=4))
+    forged(run, "bob", np.zeros(run.flat.n, np.float32) + 1e-6, 100, [(0, 100)])
+    honest_upload(run, "alice")
+    finish(run, 0)
+    got = verdicts(verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0))
+    assert got["mallory"]["verdict"] == "mismatch" and "round 0" in got["mallory"]["reason"]
+    assert got["bob"]["verdict"] == "unverified" and not got["bob"]["flag"] and "cap" in got["bob"]["reason"]
+    assert list(verify.flagged(run.bucket, run.name)) == ["mallory"]
+
+
+def test_a_flagged_volunteer_is_revoked_with_the_organizers_key(tmp_path, bucket):
+    from .conftest import small_config
+    from dedloc_pipeline.protocol.run import init_run
+    org = identity.generate(tmp_path / "org.pem")
+    run = init_run(bucket, small_config(organizer_key=identity.public(org), codec="int8", keep_states=10))
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("alice", "bob", "mallory")}
+    identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()})
+    forged(run, "mallory", gradient_of(run, "mallory", 100, 8), 8, [(0, 8)], signer=keys["mallory"])
+    honest_upload(run, "alice", signer=keys["alice"])
+    honest_upload(run, "bob", signer=keys["bob"])
+    finish(run, 0)
+    verify.Verifier(run, fraction=1.0, device="cpu", organizer=org).verify_round(0)
+    roster = identity.read_roster(bucket, run.name, run.config.organizer_key)
+    assert roster.revoked == [identity.public(keys["mallory"])]
+    with pytest.raises(identity.IdentityError, match="revoked"):
+        roster.key_of("mallory")
+    assert roster.key_of("alice") == identity.public(keys["alice"])
+
+
+def test_the_verify_command(make_run):
+    run = make_run(keep_states=10)
+    collaborate(run, PEERS, rounds=2)
+    res = CliRunner().invoke(app, ["verify", "--bucket", run.bucket.url, "--run", run.name, "--fraction", "1",
+                                   "--until-round", "1", "--device", "cpu", "--poll", "0"])
+    assert res.exit_code == 0, res.output
+    assert "verified up to round 1" in res.output
+    keys = verify.VerifyLayout(run.name)
+    assert all(s["verdict"] == "ok" for r in range(2) for s in run.bucket.read_json(keys.round(r))["shards"])

@@ -191,13 +191,16 @@ def policy(bucket: str = typer.Option(..., "--bucket", help="s3://bucket/prefix 
            data: Optional[str] = typer.Option(None, help="narrow reads to this data set"),
            ttl: int = typer.Option(86400, help="r2: seconds the temporary credentials live"),
            parent_access_key_id: Optional[str] = typer.Option(None, help="r2: the organizer's access key id")):
-    """Print least-privilege rights for one volunteer: write its own prefixes, read the run (docs/security.md)."""
-    from .trust.policy import policy_for
+    """Print least-privilege rights for one volunteer: write its own keys, read the run (docs/security.md).
+    For r2, stderr says what the credential still allows and what the protocol catches of it."""
+    from .trust.policy import policy_for, r2_notice
     options = {"data": data}
     if format == "r2":
         options.update(ttl_seconds=ttl, **({"parent_access_key_id": parent_access_key_id}
                                            if parent_access_key_id else {}))
     typer.echo(json.dumps(policy_for(bucket, run, peer, format, **options), indent=2))
+    if format == "r2":
+        typer.echo(r2_notice(bucket, run, peer, data, ttl), err=True, nl=False)
 
 
 def _change_roster(bucket: str, run: str, endpoint: str | None, organizer_key: str, **change):

@@ -63,11 +63,12 @@ class Tolerance:
     max_norm_error: float  # |(|shard| / |recomputed|) - 1|
 
 
-# Worst honest shard measured (benchmarks/verify.py, docs/verification.md): 1 - cosine and
-# |norm ratio - 1| of none 1e-14 / 1e-7, fp16 1e-7 / 1e-4, int8 1.4e-3 / 1.8e-3, int4 0.12 / 0.08;
-# each tolerance is some ten times the measured error, float32 on other hardware included.
+# Worst honest shard measured (benchmarks/verify.py, docs/verification.md), 1 - cosine and
+# |norm ratio - 1|: none 1e-14 / 1e-8, fp16 1e-7 / 4e-5, int8 1.4e-3 / 1.8e-3, int4 0.12 / 0.17.
+# Each bound is 10x or more the measured error (int4: about 2.5x; its rounding is as large as
+# the differences between honest shards, so int4 shards are verified only coarsely).
 TOLERANCES = {"none": Tolerance(0.99999, 0.001), "fp16": Tolerance(0.9999, 0.005),
-              "int8": Tolerance(0.98, 0.05), "int4": Tolerance(0.7, 0.3)}
+              "int8": Tolerance(0.98, 0.05), "int4": Tolerance(0.7, 0.4)}
 
 
 class VerifyLayout:
@@ -164,13 +165,15 @@ class Recomputer:
 
     def params(self, s: int) -> np.ndarray:
         """State s's parameters; Unverifiable (not the volunteer's fault) once it is pruned."""
-        if s not in self._states:
+        if s in self._states:
+            self._states[s] = self._states.pop(s)  # the most recently used last
+        else:
             try:
                 self._states[s] = self.run.load_params(s)
             except (codec.CorruptShard, RunError) as exc:
                 raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}", fault=False) from exc
-            for old in sorted(self._states)[:-self.keep]:
-                del self._states[old]
+            while len(self._states) > self.keep:
+                del self._states[next(iter(self._states))]
         return self._states[s]
 
     def check_claim(self, entry: dict) -> None:

@@ -139,11 +139,12 @@ def compare(shard: np.ndarray, recomputed: np.ndarray) -> Comparison:
 
 
 class Unverifiable(RuntimeError):
-    """A shard that cannot be recomputed; ``fault``: its claim is why (data it does not have)."""
+    """A shard that cannot be recomputed; ``fault``: its claim is why; ``pruned``: what it needs
+    is no longer in the bucket (the round is skipped, not held against anyone)."""
 
-    def __init__(self, reason: str, fault: bool):
+    def __init__(self, reason: str, fault: bool, pruned: bool = False):
         super().__init__(reason)
-        self.fault = fault
+        self.fault, self.pruned = fault, pruned
 
 
 class Recomputer:
@@ -171,7 +172,7 @@ class Recomputer:
             try:
                 self._states[s] = self.run.load_params(s)
             except (codec.CorruptShard, RunError) as exc:
-                raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}", fault=False) from exc
+                raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
             while len(self._states) > self.keep:
                 del self._states[next(iter(self._states))]
         return self._states[s]
@@ -233,7 +234,7 @@ def read_shard(run: Run, entry: dict) -> np.ndarray:
     try:
         arrays = codec.read_vector(run.bucket, entry["key"], fmt, checksums=entry["checksums"], raw=True)
     except codec.CorruptShard as exc:
-        raise Unverifiable(f"the shard is no longer in the bucket (pruned): {exc}", fault=False) from exc
+        raise Unverifiable(f"the shard is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
     return codec.decode(arrays, fmt.codec, fmt.block)
 
 
@@ -247,7 +248,7 @@ def similarities(run: Run, entries: list[dict]) -> np.ndarray:
                                    [e["checksums"] for e in entries])
         bad = next((x for x in found if isinstance(x, codec.CorruptShard)), None)
         if bad is not None:
-            raise Unverifiable(f"a shard is no longer in the bucket (pruned): {bad}", fault=False)
+            raise Unverifiable(f"a shard is no longer in the bucket (pruned): {bad}", fault=False, pruned=True)
         x = np.stack([codec.decode(a, fmt.codec, fmt.block) for a in found]).astype(np.float64)
         gram += x @ x.T
     norms = np.sqrt(np.clip(np.diag(gram), 1e-300, None))
@@ -339,8 +340,7 @@ class Verifier:
                        reason="" if ok else f"the gradient recomputed on its data differs: cosine {c.cosine:.6f} "
                        f"(at least {tol.min_cosine}), norm ratio {c.norm_ratio:.4f} (1 +- {tol.max_norm_error})")
         except Unverifiable as exc:
-            pruned = "pruned" in str(exc)
-            out.update(verdict="mismatch" if exc.fault else ("skipped" if pruned else "unverified"), flag=exc.fault,
+            out.update(verdict="mismatch" if exc.fault else "skipped" if exc.pruned else "unverified", flag=exc.fault,
                        reason=f"could not be verified: {exc}")
         except StorageError:
             raise  # the bucket's fault: the loop retries the round later

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 
@@ -32,3 +33,12 @@ def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | 
             if i % scheduler_every == 0:
                 sched.step(pool)
     raise AssertionError(f"state {rounds} not reached in {max_steps} steps")
+
+
+def stream_next(run, r, peer):
+    """Where an honest ``peer``'s next shard of round r starts: after its counted samples and
+    its other parts of the round."""
+    ends = [int((run.bucket.read_json(run.keys.streams(r)) or {}).get(peer, 0))]
+    for raw in run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r, peer))).values():
+        ends.append(shard.Manifest.model_validate_json(raw).data.end())
+    return max(ends)

@@ -108,6 +108,7 @@ def test_n_peers_equal_one_process(make_run, peers, optimizer, delayed):
         assert np.abs(got - thetas[0]).max() > 1e-4  # and training did move the weights
     shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
     assert {s["peer"] for s in shards} == {name for name, _ in peers}
+    assert all(s["weight"] == s["samples"] for s in shards), "an honest volunteer's samples were capped"
     if delayed:
         assert any(s["stale_samples"] for s in shards), "delayed updates never produced a stale sample"
 

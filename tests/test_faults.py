@@ -19,7 +19,7 @@ from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
 from .faults import Faults, inject
-from .protocol_driver import collaborate
+from .protocol_driver import collaborate, stream_next
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 
@@ -66,7 +66,7 @@ def _upload(run, r, peer, signer=None, part="0001", samples=24, scale=1e-4):
     grad = np.full(run.flat.n, scale, np.float32)
     arrays = codec.encode(grad, run.config.codec, run.config.block_size)
     return shard.upload(run, r, peer, part, arrays, samples, 5.0,
-                        shard.DataRef(stream=peer, ranges=[(0, samples)]), signer=signer)
+                        shard.DataRef(stream=peer, ranges=[(stream_next(run, r, peer), samples)]), signer=signer)
 
 
 @pytest.fixture
@@ -320,17 +320,18 @@ def test_a_volunteers_parts_beyond_max_parts_are_rejected(make_run):
 
 @pytest.mark.parametrize("aggregation", ["trimmed_mean", "centered_clip"])
 def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregation):
-    """Mallory sends the honest direction reversed in 4 parts, each claiming 10,000 samples.
-    Robust weights are capped at the median volunteer's samples and a volunteer's parts are one
-    row, so the reduced gradient still points the honest way. Control: with a row per shard, and
-    the cap at the median shard (mallory's 10,000), it points mallory's way."""
+    """Mallory sends the honest direction reversed in 4 parts, each claiming 50 samples (more
+    would start past its stream's window). Robust weights are capped at the median volunteer's
+    samples and a volunteer's parts are one row, so the reduced gradient still points the honest
+    way. Control: with a row per shard, and the cap at the median shard (mallory's), it points
+    mallory's way."""
     run = make_run(aggregation=aggregation, norm_screen=None, max_grad_norm=1e12, target_batch_size=24)
     base = _noise(run, 0)
     honest = [base + _noise(run, 1 + i, 2e-4) for i in range(3)]
     for p, g in zip("abc", honest):
         _part(run, p, "0001", g, 8)
     for j in range(1, 5):
-        _part(run, "mallory", f"000{j}", -base, 10_000, 10_000 * j)
+        _part(run, "mallory", f"000{j}", -base, 50, 50 * (j - 1))
     with ThreadPoolExecutor(2) as pool:
         sched = Scheduler(run, 2, 0)
         close = sched.try_close(0)
@@ -345,4 +346,4 @@ def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregatio
     from dedloc_pipeline.protocol import robust
     rows = np.stack(honest + [codec.decode(codec.encode(-base, run.config.codec, run.config.block_size),
                                            run.config.codec, run.config.block_size)] * 4)
-    assert cos(robust.aggregate(rows, [8, 8, 8] + [10_000] * 4, run.config)) < 0
+    assert cos(robust.aggregate(rows, [8, 8, 8] + [50] * 4, run.config)) < 0

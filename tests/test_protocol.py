@@ -19,15 +19,16 @@ from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
-from .protocol_driver import collaborate
+from .protocol_driver import collaborate, stream_next
 
 
 def put_shard(run, r, peer, grad=None, samples=4, part="0001", manifest=None):
-    """Upload a hand-made shard (chunks, then manifest), optionally with manifest fields forced."""
+    """Upload a hand-made shard (chunks, then manifest), optionally with manifest fields forced;
+    its samples follow the peer's stream."""
     grad = np.full(run.flat.n, 1e-4, np.float32) if grad is None else grad
     arrays = codec.encode(grad, run.config.codec, run.config.block_size)
     key = shard.upload(run, r, peer, part, arrays, samples, 5.0,
-                       shard.DataRef(stream=peer, ranges=[(0, samples)]))
+                       shard.DataRef(stream=peer, ranges=[(stream_next(run, r, peer), samples)]))
     if manifest:
         m = run.bucket.read_json(run.keys.manifest(key))
         m.update(manifest)

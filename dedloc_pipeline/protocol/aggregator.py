@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from ..storage import codec
+from ..storage.layout import volunteer_of
 from . import optim, robust
 from .run import Run, RunError
 
@@ -40,14 +41,14 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
     fmt, accepted = run.grad_format, close["accepted"]
-    peers = sorted({s["peer"] for s in accepted})
-    robust_mode = run.config.aggregation != "mean" and len(peers) > 2
-    row = {p: i for i, p in enumerate(peers)}
-    samples = np.zeros(len(peers), np.float64)
+    volunteers = sorted({volunteer_of(s["peer"]) for s in accepted})
+    robust_mode = run.config.aggregation != "mean" and len(volunteers) > 2
+    row = {v: i for i, v in enumerate(volunteers)}
+    weights = np.zeros(len(volunteers), np.float64)  # each volunteer's, capped by the scheduler
     for s in accepted:
-        samples[row[s["peer"]]] += s["samples"]
+        weights[row[volunteer_of(s["peer"])]] += s["weight"]
     total = np.zeros(hi - lo, np.float64)
-    stacked = np.zeros((len(peers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
+    stacked = np.zeros((len(volunteers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
         found = codec.read_vectors(bucket, [s["key"] for s in batch], fmt, chunks, [s["checksums"] for s in batch])
@@ -55,14 +56,14 @@ def reduce_part(run: Run, r: int, part: int) -> str:
             if isinstance(arrays, codec.CorruptShard):  # changed after CLOSE: refuse, never skip
                 raise arrays
             if robust_mode:  # the volunteer's parts, sample-weighted
-                k = row[shard["peer"]]
-                codec.accumulate(stacked[k], arrays, fmt.codec, fmt.block, shard["samples"] / samples[k])
+                k = row[volunteer_of(shard["peer"])]
+                codec.accumulate(stacked[k], arrays, fmt.codec, fmt.block, shard["weight"] / weights[k])
             else:
-                codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["samples"])
+                codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["weight"])
     if robust_mode:
-        grad = robust.aggregate(stacked, samples.tolist(), run.config)
+        grad = robust.aggregate(stacked, weights.tolist(), run.config)
     else:
-        grad = (total / close["samples"]).astype(np.float32)
+        grad = (total / weights.sum()).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}
     if run.config.optimizer.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
@@ -124,9 +125,10 @@ def apply_part(run: Run, r: int, part: int) -> str:
 
 
 def _streams(before: dict[str, int], close: dict) -> dict[str, int]:
-    """Each stream's end, as of this round's accepted shards (deterministic: safe to repeat)."""
+    """Each stream's end, as of this round's shards, accepted or refused once known to be their
+    peer's own (deterministic: safe to repeat)."""
     ends = dict(before)
-    for s in close["accepted"]:
+    for s in close["accepted"] + [s for s in close["rejected"] if "data" in s]:
         stream = s["data"]["stream"]
         ends[stream] = max([ends.get(stream, 0)] + [a + c for a, c in s["data"]["ranges"]])
     return ends
@@ -147,10 +149,10 @@ def commit_state(run: Run, r: int) -> dict:
         for a in applied:
             for name, s in a["checksums"]["delta"].items():
                 delta_sums.setdefault(name, []).extend(s)
-        shards = [{k: s[k] for k in ("key", "peer", "samples", "loss", "manifest_sha", "late")}
+        shards = [{k: s[k] for k in ("key", "peer", "samples", "weight", "loss", "manifest_sha", "late")}
                   for s in close["accepted"]]
         bucket.write_json(keys.streams(r + 1), _streams(bucket.read_json(keys.streams(r)) or {}, close))
-        loss = sum(s["samples"] * s["loss"] for s in shards) / close["samples"]
+        loss = sum(s["weight"] * s["loss"] for s in shards) / sum(s["weight"] for s in shards)
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],
             "loss": loss, "contributors": sorted({s["peer"] for s in shards}), "shards": shards,

@@ -45,6 +45,9 @@ class CloseRule(BaseModel):
     )
     max_parts: int = Field(8, gt=0, description="shards one volunteer may count in a round (an honest one "
                            "sends a second only when a peer vanished); later parts are rejected")
+    max_share: float = Field(0.1, gt=0, le=1, description="one volunteer's samples count for at most "
+                             "twice its fair share of the target (2/V of it, V the active volunteers), and never "
+                             "less than this share, in the close rule and the mean's weights")
 
 
 class Cadence(BaseModel):

@@ -24,12 +24,23 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..storage.bucket import StorageError
+from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import aggregator, view
 from .run import Run
 from .shard import Rejected, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What every shard of a round is judged against, read once per round."""
+
+    at: float  # when the round opened: its state's COMMIT was written
+    state_hash: str  # commit_hash of that COMMIT, which each shard must name
+    ends: dict[str, int]  # where each stream was counted to (streams.json of the state)
+    volunteers: frozenset[str]  # who contributed to that state
 
 
 @dataclass(frozen=True)
@@ -67,7 +78,7 @@ class Scheduler:
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self._seen: dict[str, tuple[object, dict | str]] = {}  # manifest key -> (version, verdict)
         self._beats = view.Heartbeats()
-        self._opened: dict[int, tuple[float, str]] = {}  # round -> its COMMIT's committed_at and commit_hash
+        self._opened: dict[int, Opening] = {}
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
@@ -116,18 +127,15 @@ class Scheduler:
                 self._seen[k] = (tag or ("size", n), self._reject(r, keys.shard_of(k), f"manifest of {n} bytes, above {limit}"))
         new = [k for k, v in raw.items() if not known(k, listed[k][1] or v)]
         if new:
-            stored, (_, state_hash) = self._stored(r), self._opening(r)
+            stored, opening = self._stored(r), self._opening(r)
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), state_hash)  # noqa: E731
+                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), opening)  # noqa: E731
                 for mkey, verdict in zip(new, pool.map(check, new)):
                     self._seen[mkey] = (listed[mkey][1] or raw[mkey], verdict)
         accepted, rejected = [], []
         for mkey in sorted(k for k in listed if k in self._seen):
-            shard, verdict = keys.shard_of(mkey), self._seen[mkey][1]
-            if isinstance(verdict, str):
-                rejected.append({"key": shard, "reason": verdict})
-            else:
-                accepted.append(verdict)
+            verdict = self._seen[mkey][1]
+            (rejected if "reason" in verdict else accepted).append(verdict)
         return accepted, rejected
 
     def _stored(self, r: int) -> dict[str, dict[str, int]]:
@@ -139,23 +147,25 @@ class Scheduler:
             stored.setdefault(shard, {})[k.removeprefix(shard + "/")] = n
         return stored
 
-    def _opening(self, r: int) -> tuple[float, str]:
-        """When round r opened (its state committed) and the commit_hash of that COMMIT, which
-        every shard of round r must name: read once per round."""
+    def _opening(self, r: int) -> Opening:
+        """What round r's shards are judged against (``Opening``): read once per round."""
         if r not in self._opened:
             commit = self.run.commit_of(r)
+            ends = self.run.bucket.read_json(self.run.keys.streams(r)) or {}
             self._opened = {k: v for k, v in self._opened.items() if k >= r - 1}
-            self._opened[r] = (commit["committed_at"], commit_hash(commit))
+            self._opened[r] = Opening(commit["committed_at"], commit_hash(commit), ends,
+                                      frozenset(volunteer_of(p) for p in commit.get("contributors", [])))
         return self._opened[r]
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
-               stored: dict[str, int], state_hash: str) -> dict | str:
-        """The shard's verdict: its CLOSE entry, or the reason it is rejected (logged)."""
+               stored: dict[str, int], opening: Opening) -> dict:
+        """The shard's verdict: its CLOSE entry, or why it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
         try:
-            return validate(self.run, r, shard, data, roster, stored, state_hash)
+            end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
+            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end)
         except Rejected as exc:
-            return self._reject(r, shard, str(exc))
+            return self._reject(r, shard, str(exc), exc.data)
         except StorageError:
             raise  # the bucket's fault, not the shard's: a clear error, as everywhere
         except Exception as exc:  # whatever else one input makes happen rejects that input
@@ -163,23 +173,53 @@ class Scheduler:
             return self._reject(r, shard, f"could not be judged: {type(exc).__name__}: {exc}")
 
     @staticmethod
-    def _reject(r: int, shard: str, reason: str) -> str:
+    def _reject(r: int, shard: str, reason: str, data: dict | None = None) -> dict:
+        """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
         log.warning("round %d: rejected shard %s: %s", r, shard, reason)
-        return reason
+        return {"key": shard, "reason": reason} | ({"data": data} if data is not None else {})
 
     def _bound_parts(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
-        """At most ``close.max_parts`` shards of a volunteer count in a round, its first ones
-        (part names start with their time): many small parts would otherwise buy a volunteer
-        rows in every median and a reduction that grows without bound."""
-        limit, seen, kept, out = self.run.config.close.max_parts, {}, [], []
-        for s in sorted(accepted, key=lambda s: (s["peer"], s["part"])):
-            seen[s["peer"]] = seen.get(s["peer"], 0) + 1
-            if seen[s["peer"]] <= limit:
-                kept.append(s)
+        """At most ``close.max_parts`` shards of a volunteer (all its peers together) count in
+        a round, its first ones (part names start with their time), and no two of them over the
+        same samples: many small parts would otherwise buy a volunteer rows in every median and
+        a reduction that grows without bound, and a copy of a part its weight twice."""
+        limit, seen, used, kept, out = self.run.config.close.max_parts, {}, {}, [], []
+        for s in sorted(accepted, key=lambda s: (s["peer"], s["late"] is False, s["part"])):
+            v, ranges = volunteer_of(s["peer"]), s["data"]["ranges"]
+            mine = used.setdefault(s["peer"], [])
+            overlap = next(((a, c) for a, c in mine for b, d in ranges if a < b + d and b < a + c), None)
+            seen[v] = seen.get(v, 0) + (overlap is None)
+            if overlap is not None:
+                out.append(self._reject(r, s["key"], f"samples {ranges[0][0]}.. of {s['peer']} were "
+                                        f"already counted this round by another part ({overlap[0]}+{overlap[1]})"))
+            elif seen[v] > limit:
+                out.append(self._reject(r, s["key"], f"part {seen[v]} of volunteer {v} this round, "
+                                        f"above close.max_parts={limit}"))
             else:
-                out.append({"key": s["key"], "reason": self._reject(
-                    r, s["key"], f"part {seen[s['peer']]} of {s['peer']} this round, above close.max_parts={limit}")})
+                kept.append(s)
+                mine.extend(ranges)
         return kept, out
+
+    def _weigh(self, r: int, accepted: list[dict]) -> tuple[list[dict], int]:
+        """Each shard's weight in the mean and the round's counted samples. Claimed samples are
+        claims: uncapped, one shard claiming 10,000 samples takes 99.8% of the mean and fills a
+        round alone. So a volunteer counts for at most twice its fair share of the target (2/V,
+        V the volunteers of this round and of the state it builds on) or twice the round's median
+        volunteer, whichever is more, and never less than ``close.max_share`` of the target; its
+        parts are scaled down alike. Honest volunteers within that keep their exact weights (N
+        peers still equal one process), and one or two volunteers are never capped."""
+        rule, target = self.run.config.close, self.run.config.target_batch_size
+        claimed: dict[str, int] = {}
+        for s in accepted:
+            claimed[volunteer_of(s["peer"])] = claimed.get(volunteer_of(s["peer"]), 0) + s["samples"]
+        active = len(set(claimed) | self._opening(r).volunteers)
+        median = float(np.median(list(claimed.values()))) if claimed else 0.0
+        cap = math.ceil(max(target * rule.max_share, 2 * target / max(active, 1), 2 * median))
+        out = []
+        for s in accepted:
+            total = claimed[volunteer_of(s["peer"])]
+            out.append(dict(s, weight=s["samples"] * min(1.0, cap / total)))
+        return out, sum(min(n, cap) for n in claimed.values())
 
     def _screen(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
         """Shards far above the round's median norm, rejected: a gradient scaled up is the
@@ -191,7 +231,7 @@ class Scheduler:
         factor = self.run.config.norm_screen
         by_peer: dict[str, list[dict]] = {}
         for s in accepted:
-            by_peer.setdefault(s["peer"], []).append(s)
+            by_peer.setdefault(volunteer_of(s["peer"]), []).append(s)
         if factor is None or len(by_peer) < 3:
             return accepted, []
         typical = float(np.median([np.median([s["samples"] for s in mine]) for mine in by_peer.values()]))
@@ -206,9 +246,8 @@ class Scheduler:
             if z <= bound:
                 kept.append(s)
                 continue
-            out.append({"key": s["key"], "reason": self._reject(
-                r, s["key"], f"gradient norm {s['norm']:.3g} ({z:.3g} at the typical shard's samples) "
-                f"above {factor:g}x the round's median volunteer ({bound:.3g})")})
+            out.append(self._reject(r, s["key"], f"gradient norm {s['norm']:.3g} ({z:.3g} at the typical "
+                                    f"shard's samples) above {factor:g}x the round's median volunteer ({bound:.3g})"))
         return kept, out
 
     def _late(self, r: int) -> list[dict]:
@@ -239,9 +278,9 @@ class Scheduler:
         accepted, extra = self._bound_parts(r, accepted + self._late(r))
         accepted, screened = self._screen(r, accepted)
         rejected += extra + screened
-        samples = sum(s["samples"] for s in accepted)
+        accepted, samples = self._weigh(r, accepted)
         target = self.run.config.target_batch_size
-        opened = self._opening(r)[0]
+        opened = self._opening(r).at
         now = time.time() if now is None else now
         timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
         if samples < target and not (timed_out and samples >= rule.min_fraction * target):

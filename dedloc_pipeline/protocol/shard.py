@@ -16,7 +16,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -29,12 +29,25 @@ if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no 
     from .run import Run
 
 class Rejected(ValueError):
-    """A shard that does not count, with the reason recorded in CLOSE and the ledger."""
+    """A shard that does not count, with the reason recorded in CLOSE and the ledger; ``data``,
+    once its volunteer's manifest is known to be its own, the samples it named (they still
+    advance the stream, so an honest peer whose shard was refused is not refused again for the
+    gap it leaves)."""
+
+    def __init__(self, reason: str, data: dict | None = None):
+        super().__init__(reason)
+        self.data = data
+
+
+Index = Annotated[int, Field(ge=0, lt=1 << 48)]
 
 
 class DataRef(BaseModel):
     stream: str
-    ranges: list[tuple[int, int]]  # (first index, count)
+    ranges: list[tuple[Index, Annotated[int, Field(gt=0, lt=1 << 32)]]] = Field(min_length=1, max_length=64)  # (first, count)
+
+    def end(self) -> int:
+        return max(a + c for a, c in self.ranges) if self.ranges else 0
 
 
 class Manifest(BaseModel):
@@ -101,12 +114,22 @@ def stored_limit(fmt: codec.VectorFormat) -> int:
     return raw + 64 * fmt.n_chunks * len(fmt.arrays()) + 4096 * len(fmt.arrays())
 
 
+def stream_window(run: Run) -> int:
+    """How far past its counted end a stream's next shard may start: an honest peer leaves gaps
+    only by samples it computed and nobody counted (parts still in flight, a late shard, samples
+    dropped as too stale), at most a round's worth each. Bounded, a volunteer cannot pick which
+    samples of the data set it trains on, nor send its stream anywhere."""
+    return (run.config.close.max_parts + 1) * run.config.target_batch_size
+
+
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
-             stored: dict[str, int] | None = None, state_hash: str | None = None) -> dict:
+             stored: dict[str, int] | None = None, state_hash: str | None = None,
+             stream_end: int | None = None) -> dict:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
     that needs only the manifest and the shard's stored objects (``stored``: their sizes by
     name under the shard, from a listing the caller made of many shards at once; listed here
-    if not given)."""
+    if not given). ``stream_end``: where the peer's stream was counted to as of state r (its
+    streams record; read here if not given)."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:
@@ -124,14 +147,26 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
             raise Rejected(f"manifest lists {len(m.checksums.get(name, []))} chunks of {name}")
     if run.config.organizer_key is not None:
         _check_signature(m, roster)
+    if m.data.stream != m.peer:
+        raise Rejected(f"data of stream {m.data.stream!r}: a volunteer counts only its own stream")
+    try:
+        return _admit(run, r, key, raw, m, stored, state_hash, stream_end)
+    except Rejected as exc:  # the manifest is its peer's own: its samples are spent either way
+        raise Rejected(str(exc), data=m.data.model_dump(mode="json")) from exc
+
+
+def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str, int] | None,
+           state_hash: str | None, stream_end: int | None) -> dict:
+    fmt = run.grad_format
     if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
         raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
     if not math.isfinite(m.loss):
         raise Rejected("non-finite loss")
-    if m.data.stream != m.peer:
-        raise Rejected(f"data of stream {m.data.stream!r}: a volunteer counts only its own stream")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
+    if stream_end is None:
+        stream_end = int((run.bucket.read_json(run.keys.streams(r)) or {}).get(m.peer, 0))
+    _check_contiguous(m.data, stream_end, stream_window(run))
     if stored is None:
         stored = {k.removeprefix(key + "/"): n for k, n in run.bucket.sizes(key).items()}
     missing = sorted(codec.chunk_objects(fmt) - set(stored))
@@ -153,6 +188,19 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
             "loss": m.loss, "stale_samples": m.stale_samples, "checksums": m.checksums,
             "data": m.data.model_dump(mode="json"), "norm": norm, "late": False,
             "manifest_sha": hashlib.sha256(raw).hexdigest()}
+
+
+def _check_contiguous(data: DataRef, end: int, window: int) -> None:
+    """A shard's samples are one run of its stream, starting after what its stream already
+    counted and not far past it (``stream_window``)."""
+    for (a, c), (b, _) in zip(data.ranges, data.ranges[1:]):
+        if a + c != b:
+            raise Rejected(f"data ranges are not one contiguous run of the stream ({a}+{c}, then {b})")
+    start = data.ranges[0][0]
+    if start < end:
+        raise Rejected(f"data starts at sample {start}: its stream already counted up to {end}")
+    if start > end + window:
+        raise Rejected(f"data starts at sample {start}, more than {window} past its stream's counted end {end}")
 
 
 def _check_signature(m: Manifest, roster: identity.Roster | None) -> None:

@@ -17,6 +17,14 @@ def is_name(value: object) -> bool:
     """The one rule for peer ids, volunteer names and shard parts: the whole string matches
     PEER_ID (``re.match`` would let ``bob\n`` through: ``$`` matches before a final newline)."""
     return isinstance(value, str) and re.fullmatch(PEER_ID, value) is not None
+
+
+def volunteer_of(peer: str) -> str:
+    """The volunteer a peer id belongs to (``NAME`` or ``NAME.anything``): what a key is enrolled
+    for, and what influence is bounded per (one volunteer may run many peers)."""
+    return peer.split(".", 1)[0]
+
+
 ROUND_FOLDERS = ("shards", "manifests", "progress")  # what volunteers write in a round (policy.py)
 _NUMBER = re.compile(r"\d{8}")
 

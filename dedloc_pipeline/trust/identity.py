@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..storage.bucket import Bucket
-from ..storage.layout import RunLayout
+from ..storage.layout import RunLayout, volunteer_of
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # a volunteer; its peers are NAME or NAME.anything
 
@@ -111,7 +111,7 @@ class Roster(BaseModel):
 
     def key_of(self, peer: str) -> str:
         """The public key that must sign ``peer``'s shards; IdentityError if it has none."""
-        name = peer.split(".", 1)[0]
+        name = volunteer_of(peer)
         key = self.volunteers.get(name)
         if key is None:
             raise IdentityError(f"peer {peer!r} is not enrolled")

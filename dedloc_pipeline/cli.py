@@ -16,7 +16,7 @@ from typer.core import TyperGroup
 from .init_options import config_args, describe, one_line, with_settings
 from .model.data import DataError
 from .protocol.config import recipe_config
-from .protocol.run import Run, RunError, init_run
+from .protocol.run import ORGANIZER_KEY_ENV, Run, RunError, init_run
 from .storage.bucket import Bucket, StorageError
 from .trust import identity
 from .trust.identity import IdentityError
@@ -89,7 +89,8 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          verbose: bool = False, **settings):
     """Create a run in the bucket and commit state 0."""
     _setup(verbose)
-    r = init_run(Bucket(bucket, endpoint_url=endpoint_url), recipe_config(run, **config_args(settings)))
+    organizer = identity.load(settings["organizer_key"]) if settings.get("organizer_key") else None
+    r = init_run(Bucket(bucket, endpoint_url=endpoint_url), recipe_config(run, **config_args(settings)), organizer)
     typer.echo(f"run {run} ready in {bucket}: {r.flat.n:,} parameters, state 0 committed")
 
 
@@ -126,11 +127,16 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
               parallel: int = typer.Option(2, help="aggregator threads"),
               poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
                                                    "cadence, often near the target, seldom far from it)"),
+              organizer_key: Optional[str] = typer.Option(
+                  None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
+                  help="the organizer's private key: signs CLOSE, COMMIT, LATEST and streams (signed runs)"),
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
     from .protocol.scheduler import Scheduler
-    state = Scheduler(_open(bucket, run, endpoint_url), parallel, poll).serve(until_round)
+    r = Run(Bucket(bucket, endpoint_url=endpoint_url), run,
+            organizer=identity.load(organizer_key) if organizer_key else None)
+    state = Scheduler(r, parallel, poll).serve(until_round)
     typer.echo(f"state {state} committed")
 
 
@@ -339,7 +345,10 @@ def report(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            fraction: float = typer.Option(0.05, help="share of each round's accepted shards recomputed (at least one)"),
            until_round: Optional[int] = typer.Option(None, help="exit once round R is verified"),
-           revoke: Optional[str] = typer.Option(None, help="the organizer's private key: revoke flagged volunteers' keys"),
+           organizer_key: Optional[str] = typer.Option(
+               None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
+               help="the organizer's private key: signs the verdicts and flags (signed runs)"),
+           revoke: bool = typer.Option(False, help="also revoke flagged volunteers' keys (needs --organizer-key)"),
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
            poll: float = typer.Option(5.0, help="seconds between looks for a newly committed round"),
            verbose: bool = True):
@@ -347,6 +356,9 @@ def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     volunteers whose shards do not match their data or copy another's (docs/verification.md)."""
     _setup(verbose)
     from .protocol.verify import Verifier
-    org = identity.load(revoke) if revoke else None
-    v = Verifier(_open(bucket, run, endpoint_url), fraction=fraction, device=device, poll_s=poll, organizer=org)
+    org = identity.load(organizer_key) if organizer_key else None
+    if revoke and org is None:
+        raise typer.BadParameter("--revoke needs --organizer-key", param_hint="--revoke")
+    r = Run(Bucket(bucket, endpoint_url=endpoint_url), run, organizer=org)
+    v = Verifier(r, fraction=fraction, device=device, poll_s=poll, revoke=revoke)
     typer.echo(f"verified up to round {v.serve(until_round) - 1}")

@@ -89,6 +89,10 @@ def main() -> int:
     try:
         print(f"Prefect server on http://127.0.0.1:{port} (home {home})", flush=True)
         started_server = prefect_local.start(home, port, ui=env("PREFECT_UI", "1") == "1")
+        keys = ROOT / ".dedloc/keys"
+        organizer = key(keys / "organizer.pem")
+        # the served flows sign the run's records (CLOSE, COMMIT, LATEST, streams) with it
+        os.environ["DEDLOC_ORGANIZER_KEY"] = str(keys / "organizer.pem")
         serve = subprocess.Popen([sys.executable, "-m", "flows.serve"], cwd=ROOT,
                                  stdout=open(logs / "serve.log", "ab"), stderr=subprocess.STDOUT)
         procs.append(serve)
@@ -108,8 +112,6 @@ def main() -> int:
             timeout=1800, poll_interval=1, as_subflow=False)
         if not fr.state.is_completed():
             raise RuntimeError(f"tokenize flow ended {fr.state.name}")
-        keys = ROOT / ".dedloc/keys"
-        organizer = key(keys / "organizer.pem")
         config = {"preset": preset, "target_batch_size": target, "data": data, "seq_len": seq_len,
                   "organizer_key": identity.public(organizer)}
         fr = run_deployment("pretrain/local", parameters={"bucket": bucket, "run": run, "rounds": rounds,

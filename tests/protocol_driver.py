@@ -38,7 +38,7 @@ def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | 
 def stream_next(run, r, peer):
     """Where an honest ``peer``'s next shard of round r starts: after its counted samples and
     its other parts of the round."""
-    ends = [int((run.bucket.read_json(run.keys.streams(r)) or {}).get(peer, 0))]
+    ends = [int(run.stream_ends(r).get(peer, 0))]
     for raw in run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r, peer))).values():
         ends.append(shard.Manifest.model_validate_json(raw).data.end())
     return max(ends)

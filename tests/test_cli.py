@@ -374,7 +374,7 @@ def made(monkeypatch):
     """Runs `dedloc init ARGS` up to the config it would write; returns that config."""
     configs = []
 
-    def init_run(bucket, cfg):
+    def init_run(bucket, cfg, organizer=None):
         configs.append(cfg)
         return SimpleNamespace(flat=SimpleNamespace(n=0))
 
@@ -445,8 +445,8 @@ def test_every_command_reports_errors_in_one_line(monkeypatch, exc, code, line):
 
 
 def test_ctrl_c_exits_130_quietly(monkeypatch):
-    def interrupted(*_):
+    def interrupted(*_, **__):
         raise KeyboardInterrupt
-    monkeypatch.setattr(dedloc_cli, "_open", interrupted)
+    monkeypatch.setattr(dedloc_cli, "Run", interrupted)
     res = cli("aggregate", "--bucket", "memory://b", "--run", "r")
     assert res.exit_code == 130 and not res.stderr.strip()

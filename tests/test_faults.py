@@ -73,7 +73,7 @@ def _upload(run, r, peer, signer=None, part="0001", samples=24, scale=1e-4):
 def signed(tmp_path, bucket):
     """A run that admits only signed shards; alice and bob enrolled, mallory not."""
     org = identity.generate(tmp_path / "keys/org.pem")
-    run = init_run(bucket, small_config(organizer_key=identity.public(org)))
+    run = init_run(bucket, small_config(organizer_key=identity.public(org)), organizer=org)
     keys = {n: identity.generate(tmp_path / f"keys/{n}.pem") for n in ("alice", "bob", "mallory")}
     identity.update_roster(bucket, run.name, org, enroll={n: identity.public(keys[n]) for n in ("alice", "bob")})
     return run, org, keys

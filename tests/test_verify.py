@@ -63,7 +63,7 @@ def test_honest_shards_verify(make_run, codec_name, delayed):
     collaborate(run, PEERS, rounds=3)
     v = verify.Verifier(run, fraction=1.0, device="cpu")
     assert v.serve(until_round=2) == 3
-    records = [run.bucket.read_json(v.keys.round(r)) for r in range(3)]
+    records = [run.bucket.read_json(run.keys.verdicts(r)) for r in range(3)]
     shards = [s for rec in records for s in rec["shards"]]
     assert len(shards) == sum(rec["accepted"] for rec in records) >= 9
     assert all(s["verdict"] == "ok" and not s["flag"] for s in shards), shards
@@ -71,7 +71,7 @@ def test_honest_shards_verify(make_run, codec_name, delayed):
         assert any(s["stale_samples"] for s in shards)  # the stale part was recomputed on state r-1
     worst = min(s["cosine"] for s in shards)
     assert worst > (1 - 1e-9 if codec_name == "none" else verify.TOLERANCES["int8"].min_cosine)
-    assert verify.flagged(run.bucket, run.name) == {}
+    assert verify.flagged(run) == {}
 
 
 def test_stale_samples_are_recomputed_on_the_previous_state(make_run):
@@ -107,7 +107,7 @@ def test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged(make_ru
     record = verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0)
     got = verdicts(record)
     assert got["alice"]["verdict"] == got["bob"]["verdict"] == "ok"
-    flags = verify.flagged(run.bucket, run.name)
+    flags = verify.flagged(run)
     if attack == "honest":
         assert got["mallory"]["verdict"] == "ok" and flags == {}
         return
@@ -142,7 +142,7 @@ def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_ru
     assert record["copy_screen"]["pairs"][0]["cosine"] > 0.9999
     assert got["alice"]["verdict"] == "ok" and got["alice"]["why"] == "copy screen"
     assert got["mallory"]["verdict"] == "copy" and got["mallory"]["copy_of"] == alice
-    assert list(verify.flagged(run.bucket, run.name)) == ["mallory"]
+    assert list(verify.flagged(run)) == ["mallory"]
 
 
 def test_the_choice_follows_the_next_commit(make_run):
@@ -175,7 +175,7 @@ def test_a_restarted_verifier_does_not_redo_a_round(make_run):
     assert again.next_round() == 1
     assert again.serve(until_round=1) == 2
     assert calls and all(run.keys.shard_parts(k)[0] == 1 for k in calls)  # round 1 only
-    assert again.verify_round(0) == run.bucket.read_json(first.keys.round(0))
+    assert again.verify_round(0) == run.bucket.read_json(run.keys.verdicts(0))
 
 
 def test_a_round_whose_state_was_pruned_is_skipped(make_run):
@@ -204,21 +204,21 @@ def test_claims_the_validator_cannot_recompute(make_run):
     got = verdicts(verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0))
     assert got["mallory"]["verdict"] == "mismatch" and "round 0" in got["mallory"]["reason"]
     assert got["bob"]["verdict"] == "unverified" and not got["bob"]["flag"] and "cap" in got["bob"]["reason"]
-    assert list(verify.flagged(run.bucket, run.name)) == ["mallory"]
+    assert list(verify.flagged(run)) == ["mallory"]
 
 
 def test_a_flagged_volunteer_is_revoked_with_the_organizers_key(tmp_path, bucket):
     from .conftest import small_config
     from dedloc_pipeline.protocol.run import init_run
     org = identity.generate(tmp_path / "org.pem")
-    run = init_run(bucket, small_config(organizer_key=identity.public(org), codec="int8", keep_states=10))
+    run = init_run(bucket, small_config(organizer_key=identity.public(org), codec="int8", keep_states=10), organizer=org)
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("alice", "bob", "mallory")}
     identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()})
     forged(run, "mallory", gradient_of(run, "mallory", 100, 8), 8, [(0, 8)], signer=keys["mallory"])
     honest_upload(run, "alice", signer=keys["alice"])
     honest_upload(run, "bob", signer=keys["bob"])
     finish(run, 0)
-    verify.Verifier(run, fraction=1.0, device="cpu", organizer=org).verify_round(0)
+    verify.Verifier(run, fraction=1.0, device="cpu", revoke=True).verify_round(0)
     roster = identity.read_roster(bucket, run.name, run.config.organizer_key)
     assert roster.revoked == [identity.public(keys["mallory"])]
     with pytest.raises(identity.IdentityError, match="revoked"):
@@ -233,5 +233,5 @@ def test_the_verify_command(make_run):
                                    "--until-round", "1", "--device", "cpu", "--poll", "0"])
     assert res.exit_code == 0, res.output
     assert "verified up to round 1" in res.output
-    keys = verify.VerifyLayout(run.name)
-    assert all(s["verdict"] == "ok" for r in range(2) for s in run.bucket.read_json(keys.round(r))["shards"])
+    keys = run.keys
+    assert all(s["verdict"] == "ok" for r in range(2) for s in run.bucket.read_json(keys.verdicts(r))["shards"])

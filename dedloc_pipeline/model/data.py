@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import json
 
 import numpy as np
 
@@ -102,9 +103,9 @@ class PairSource:
 
     n_special = len(SPECIAL_TOKENS)
 
-    def __init__(self, bucket: Bucket, name: str, seed: int):
+    def __init__(self, bucket: Bucket, name: str, seed: int, pinned: str | None = None):
         self.bucket, self.name, self.seed = bucket, name, seed
-        self.card = read_card(bucket, name)
+        self.card = read_card(bucket, name, pinned)
         self.seq_len, self.vocab_size = self.card["seq_len"], self.card["vocab_size"]
         self.train = self.card["splits"]["train"]["shards"]
         self.heldout = self.card["splits"]["heldout"]["shards"]
@@ -162,11 +163,21 @@ class PairSource:
         return tensors({k: np.stack([r[k] for r in rows]) for k in rows[0]})
 
 
-def read_card(bucket: Bucket, name: str) -> dict:
-    card = bucket.read_json(DataLayout(name).card)
-    if card is None:
+def read_card(bucket: Bucket, name: str, pinned: str | None = None) -> dict:
+    """The data set's card; ``pinned``, the hash run.json names (``card_hash``): a card that
+    does not match it (rewritten, so possibly other shards and hashes) is refused."""
+    raw = bucket.read_bytes(DataLayout(name).card)
+    if raw is None:
         raise DataError(f"no data set {name!r} in {bucket.url} (run the tokenize flow first)")
-    return card
+    if pinned is not None and card_hash(raw) != pinned:
+        raise DataError(f"data set {name!r}: DATA.json does not match the hash run.json pins ({pinned[:12]}...)")
+    return json.loads(raw)
+
+
+def card_hash(raw: bytes) -> str:
+    """What a run pins its data set by: the SHA-256 of DATA.json as stored (it lists every
+    shard's hash, so it pins the samples too)."""
+    return hashlib.sha256(raw).hexdigest()
 
 
 def unigram_log_probs(bucket: Bucket, name: str, vocab_size: int) -> np.ndarray:
@@ -198,7 +209,7 @@ def make_source(run):
     c = run.config
     if c.data == SYNTHETIC:
         return SyntheticSource(PRESETS[c.preset]["vocab_size"], run.seq_len, c.seed)
-    return PairSource(run.bucket, c.data, c.seed)
+    return PairSource(run.bucket, c.data, c.seed, c.data_hash)
 
 
 def data_card(vocab_size: int, seq_len: int, seed: int) -> dict:

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..storage import codec
 from ..storage.layout import volunteer_of
+from ..trust import identity
 from . import optim, robust
 from .run import Run, RunError
 
@@ -25,7 +26,7 @@ READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, m
 
 
 def _close(run: Run, r: int) -> dict:
-    close = run.bucket.read_json(run.keys.close(r))
+    close = run.read_record(run.keys.close(r), f"CLOSE of round {r}")
     if close is None:
         raise RunError(f"round {r} is not closed")
     return close
@@ -137,7 +138,12 @@ def _streams(before: dict[str, int], close: dict) -> dict[str, int]:
 def commit_state(run: Run, r: int) -> dict:
     """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
     keys, bucket = run.keys, run.bucket
-    existing = bucket.read_json(keys.commit(r + 1))
+    try:
+        existing = run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}")
+    except identity.IdentityError as exc:  # whoever wrote it first, it is not the organizer's
+        log.error("%s: deleted; committing the true one", exc)
+        bucket.delete(keys.commit(r + 1))
+        existing = None
     if existing is None:
         close = _close(run, r)
         found = bucket.read_many([keys.applied(r + 1, k) for k in range(run.n_parts)])
@@ -151,7 +157,8 @@ def commit_state(run: Run, r: int) -> dict:
                 delta_sums.setdefault(name, []).extend(s)
         shards = [{k: s[k] for k in ("key", "peer", "samples", "weight", "loss", "manifest_sha", "late")}
                   for s in close["accepted"]]
-        bucket.write_json(keys.streams(r + 1), _streams(bucket.read_json(keys.streams(r)) or {}, close))
+        bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
+            "state": r + 1, "ends": _streams(run.stream_ends(r), close)}))
         loss = sum(s["weight"] * s["loss"] for s in shards) / sum(s["weight"] for s in shards)
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],
@@ -162,9 +169,9 @@ def commit_state(run: Run, r: int) -> dict:
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
                           "delta": delta_sums},
         }
-        if not bucket.create_json(keys.commit(r + 1), commit):
+        if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit)):
             log.info("state %d was committed by another scheduler", r + 1)
-        existing = bucket.read_json(keys.commit(r + 1))
+        existing = run.commit_of(r + 1)
     if run.latest_hint() < r + 1:
-        bucket.write_json(keys.latest, {"state": r + 1})
+        bucket.write_json(keys.latest, run.record("LATEST", {"state": r + 1}))
     return existing

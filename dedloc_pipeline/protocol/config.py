@@ -108,6 +108,8 @@ class RunConfig(BaseModel):
                         "the settings not given")
     seq_len: int | None = Field(None, gt=8, description="tokens per sequence; default: the preset's")
     data: str = Field("synthetic", description="a data set in the bucket (the tokenize flow writes one)")
+    data_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the data set's "
+                                  "DATA.json, pinned by `dedloc init` (peers refuse a card that does not match)")
     seed: int = Field(0, description="model init, data order and masking")
     target_batch_size: int = Field(256, gt=0, description="samples per optimizer step, summed over all peers",
                                    json_schema_extra={"flag": "--target-batch"})

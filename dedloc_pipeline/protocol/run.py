@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from functools import cached_property
 
 import numpy as np
 
-from ..model.data import SYNTHETIC, check_data, unigram_log_probs
+from ..model.data import SYNTHETIC, DataError, card_hash, check_data, unigram_log_probs
 from ..model.presets import seq_len_of
 from ..storage import codec
 from ..storage.bucket import Bucket
 from ..storage.codec import VectorFormat
-from ..storage.layout import LAYOUT_VERSION, RunLayout
+from ..storage.layout import LAYOUT_VERSION, DataLayout, RunLayout
+from ..trust import identity
 from .config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -23,8 +25,17 @@ class RunError(RuntimeError):
     """A run that cannot be used as asked (missing, incompatible, inconsistent)."""
 
 
+ORGANIZER_KEY_ENV = "DEDLOC_ORGANIZER_KEY"  # where the organizer's processes find its private key
+
+
 class Run:
-    def __init__(self, bucket: Bucket, name: str, config: RunConfig | None = None):
+    """``organizer``: the organizer's private key, on the organizer's machines (where not given,
+    read from ``$DEDLOC_ORGANIZER_KEY`` when a record must be signed). In a run with an organizer
+    key every record only the organizer writes (CLOSE, COMMIT, LATEST, streams) is signed with
+    it and checked by every reader."""
+
+    def __init__(self, bucket: Bucket, name: str, config: RunConfig | None = None,
+                 organizer: identity.Ed25519PrivateKey | None = None):
         self.bucket, self.keys = bucket, RunLayout(name)
         if config is None:
             try:
@@ -39,6 +50,40 @@ class Run:
             config = RunConfig.model_validate(raw)
         self.config = config
         self.pruned_through: int | None = None  # the newest state this process pruned (scheduler.prune)
+        self._organizer = organizer
+        if organizer is not None and identity.public(organizer) != config.organizer_key:
+            raise RunError(f"that private key is not the organizer key run {name!r} was created with")
+
+    @property
+    def signed(self) -> bool:
+        return self.config.organizer_key is not None
+
+    def organizer(self, what: str) -> identity.Ed25519PrivateKey:
+        """The organizer's key, to sign ``what``; a clear error where this process has none."""
+        if self._organizer is None:
+            path = os.environ.get(ORGANIZER_KEY_ENV)
+            if not path:
+                raise RunError(f"run {self.name!r} is signed: writing its {what} needs the organizer's private "
+                               f"key (--organizer-key, or the path in ${ORGANIZER_KEY_ENV})")
+            key = identity.load(path)
+            if identity.public(key) != self.config.organizer_key:
+                raise RunError(f"{path} is not the organizer key run {self.name!r} was created with")
+            self._organizer = key
+        return self._organizer
+
+    def record(self, what: str, body: dict) -> dict:
+        """An organizer record as written: signed in a signed run."""
+        return identity.sign_record(self.organizer(what), body) if self.signed else body
+
+    def read_record(self, key: str, what: str) -> dict | None:
+        """An organizer record (None if absent), its signature checked in a signed run: a forged
+        or edited one raises IdentityError naming it."""
+        found = self.bucket.read_json(key)
+        if found is None or not self.signed:
+            return found
+        if not isinstance(found, dict):
+            raise identity.IdentityError(f"{what} is not signed by the run's organizer: refused")
+        return identity.check_record(self.config.organizer_key, found, what)
 
     @property
     def name(self) -> str:
@@ -89,9 +134,15 @@ class Run:
 
     # committed states
     def latest_hint(self) -> int:
-        """The state LATEST points to (-1 without one). Buckets written before LATEST named its
-        field ``state`` stored it under ``round``: both are read."""
-        hint = self.bucket.read_json(self.keys.latest)
+        """The state LATEST points to (-1 without one). A LATEST not signed by the organizer (in
+        a signed run) is no hint: the newest state with a true COMMIT stands in (one listing; the
+        next commit writes LATEST again). Buckets written before LATEST named its field ``state``
+        stored it under ``round``: both are read."""
+        try:
+            hint = self.read_record(self.keys.latest, "LATEST")
+        except identity.IdentityError as exc:
+            log.error("run %s: %s; looking for the newest true COMMIT", self.name, exc)
+            return self._newest_committed()
         if hint is None:
             return -1
         value = hint.get("state", hint.get("round"))
@@ -99,17 +150,44 @@ class Run:
             raise RunError(f"run {self.name!r}: LATEST.json holds no state number ({hint!r})")
         return value
 
+    def _newest_committed(self) -> int:
+        folders = sorted((n for n in map(self.keys.state_number, self.bucket.list(self.keys.states))
+                          if n is not None), reverse=True)
+        for s in folders:
+            try:
+                self.commit_of(s)
+                return s
+            except (RunError, identity.IdentityError):
+                continue
+        return -1
+
     def latest(self) -> int:
         """Newest committed state. LATEST is a hint; COMMIT markers are the truth."""
         s = self.latest_hint()
         if s < 0:
             raise RunError(f"run {self.name!r} has no committed state yet")
         while self.bucket.exists(self.keys.commit(s + 1)):
+            if self.signed:  # a forged COMMIT is no state: the round loop stops at the last true one
+                try:
+                    self.commit_of(s + 1)
+                except identity.IdentityError as exc:
+                    log.error("run %s: %s", self.name, exc)
+                    break
             s += 1
         return s
 
+    def stream_ends(self, s: int) -> dict[str, int]:
+        """Where each peer's data stream is counted to as of state s (its streams record); a
+        forged record counts as none (logged): streams then only move forward from here."""
+        try:
+            found = self.read_record(self.keys.streams(s), f"streams of state {s}")
+        except identity.IdentityError as exc:
+            log.error("run %s: %s; ignored", self.name, exc)
+            return {}
+        return dict(found["ends"]) if found else {}
+
     def commit_of(self, s: int) -> dict:
-        c = self.bucket.read_json(self.keys.commit(s))
+        c = self.read_record(self.keys.commit(s), f"COMMIT of state {s}")
         if c is None:
             raise RunError(f"state {s} of run {self.name!r} is not committed")
         return c
@@ -133,20 +211,26 @@ class Run:
         return new
 
 
-def init_run(bucket: Bucket, config: RunConfig) -> Run:
-    """Write run.json and commit state 0. Re-running with the same config is a no-op."""
+def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519PrivateKey | None = None) -> Run:
+    """Write run.json and commit state 0 (signed with ``organizer`` in a signed run). Re-running
+    with the same config is a no-op."""
     keys = RunLayout(config.run)
     check_data(bucket, config.data, config.preset, seq_len_of(config.preset, config.seq_len))
+    if config.data != SYNTHETIC:
+        pinned = card_hash(bucket.read_bytes(DataLayout(config.data).card))
+        if config.data_hash not in (None, pinned):
+            raise DataError(f"data set {config.data!r} is not the one the config pins (its DATA.json changed)")
+        config = config.model_copy(update={"data_hash": pinned})
     existing = bucket.read_json(keys.config)
     if existing is not None:
         if RunConfig.model_validate(existing) != config:
             raise RunError(f"run {config.run!r} already exists in {bucket.url} with another config")
-        run = Run(bucket, config.run)
+        run = Run(bucket, config.run, organizer=organizer)
         if bucket.exists(keys.commit(0)):
             return run
     else:
         bucket.create_json(keys.config, config.model_dump(mode="json"))
-        run = Run(bucket, config.run)
+        run = Run(bucket, config.run, organizer=organizer)
     p0 = run.flat.get()
     if config.unigram_bias and config.data != SYNTHETIC:
         bias = run.flat.tensor("predictions.bias")
@@ -154,10 +238,10 @@ def init_run(bucket: Bucket, config: RunConfig) -> Run:
     sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
     for name in ("exp_avg", "exp_avg_sq", "residual"):
         codec.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks
-    bucket.create_json(keys.commit(0), {
+    bucket.create_json(keys.commit(0), run.record("COMMIT of state 0", {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": time.time(),
-        "n_params": run.flat.n})
-    bucket.write_json(keys.latest, {"state": 0})
+        "n_params": run.flat.n}))
+    bucket.write_json(keys.latest, run.record("LATEST", {"state": 0}))
     log.info("initialised run %s in %s: %d parameters", config.run, bucket.url, run.flat.n)
     return run

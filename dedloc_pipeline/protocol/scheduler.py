@@ -26,8 +26,8 @@ import numpy as np
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import aggregator, view
-from .run import Run
+from . import aggregator, verify, view
+from .run import Run, RunError
 from .shard import Rejected, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,7 @@ class Opening:
     state_hash: str  # commit_hash of that COMMIT, which each shard must name
     ends: dict[str, int]  # where each stream was counted to (streams.json of the state)
     volunteers: frozenset[str]  # who contributed to that state
+    flagged: dict[str, dict]  # volunteers the validator caught (verify.py), as the round opened
 
 
 @dataclass(frozen=True)
@@ -82,16 +83,21 @@ class Scheduler:
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
-        self._roster: identity.Roster | None = None
-        self._roster_floor = -1  # the version the last CLOSE used: a restart accepts no older one
+        self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
+        if run.signed:
+            run.organizer("CLOSE")  # a scheduler that could not sign its CLOSEs fails here, not at the first
 
     def roster(self) -> identity.Roster | None:
         """The newest valid roster (runs with an organizer key). A changed roster clears every
         verdict (a revocation applies to shards not yet closed); a forged one, or an older
-        version than one seen (a replay), is refused and the last good one kept."""
+        version than one seen (a replay), is refused and the last good one kept. A scheduler
+        starts from the newest version in the roster history, so a replay written before it
+        started is refused too."""
         org = self.run.config.organizer_key
         if org is None:
             return None
+        if self._roster is None:
+            self._roster = identity.newest_roster(self.run.bucket, self.run.name, org)
         try:
             found = identity.read_roster(self.run.bucket, self.run.name, org)
         except identity.IdentityError as exc:
@@ -99,9 +105,9 @@ class Scheduler:
             return self._roster
         if found is None or found == self._roster:
             return self._roster
-        seen = max(self._roster.version if self._roster else -1, self._roster_floor)
-        if found.version < seen or (self._roster is not None and found.version == seen):
-            log.error("refused roster version %d: version %d was seen (a replayed roster)", found.version, seen)
+        if self._roster is not None and found.version <= self._roster.version:
+            log.error("refused roster version %d: version %d was seen (a replayed roster)",
+                      found.version, self._roster.version)
             return self._roster
         self._roster, self._seen = found, {}
         log.info("roster version %d: %d volunteers, %d revoked keys", found.version,
@@ -151,18 +157,24 @@ class Scheduler:
         """What round r's shards are judged against (``Opening``): read once per round."""
         if r not in self._opened:
             commit = self.run.commit_of(r)
-            ends = self.run.bucket.read_json(self.run.keys.streams(r)) or {}
+            ends = self.run.stream_ends(r)
             self._opened = {k: v for k, v in self._opened.items() if k >= r - 1}
             self._opened[r] = Opening(commit["committed_at"], commit_hash(commit), ends,
-                                      frozenset(volunteer_of(p) for p in commit.get("contributors", [])))
+                                      frozenset(volunteer_of(p) for p in commit.get("contributors", [])),
+                                      verify.flagged(self.run))
         return self._opened[r]
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
                stored: dict[str, int], opening: Opening) -> dict:
         """The shard's verdict: its CLOSE entry, or why it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
+        peer = self.run.keys.shard_parts(shard)[1]
+        flag = opening.flagged.get(volunteer_of(peer))
+        if flag is not None:
+            return self._reject(r, shard, f"volunteer {volunteer_of(peer)} was flagged by the validator in "
+                                f"round {flag.get('round')}: {flag.get('reason')}")
         try:
-            end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
+            end = int(opening.ends.get(peer, 0))
             return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end)
         except Rejected as exc:
             return self._reject(r, shard, str(exc), exc.data)
@@ -212,9 +224,9 @@ class Scheduler:
         claimed: dict[str, int] = {}
         for s in accepted:
             claimed[volunteer_of(s["peer"])] = claimed.get(volunteer_of(s["peer"]), 0) + s["samples"]
-        active = len(set(claimed) | self._opening(r).volunteers)
-        median = float(np.median(list(claimed.values()))) if claimed else 0.0
-        cap = math.ceil(max(target * rule.max_share, 2 * target / max(active, 1), 2 * median))
+        active = set(claimed) | self._opening(r).volunteers  # those not in yet count 0 in the median
+        median = float(np.median([claimed.get(v, 0) for v in active])) if active else 0.0
+        cap = math.ceil(max(target * rule.max_share, 2 * target / max(len(active), 1), 2 * median))
         out = []
         for s in accepted:
             total = claimed[volunteer_of(s["peer"])]
@@ -254,7 +266,7 @@ class Scheduler:
         """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``)."""
         if r == 0 or self.run.config.close.late_shards != "fold":
             return []
-        prev = self.run.bucket.read_json(self.run.keys.close(r - 1)) or {}
+        prev = self.run.read_record(self.run.keys.close(r - 1), f"CLOSE of round {r - 1}") or {}
         listed = {s["key"] for s in prev.get("accepted", []) + prev.get("rejected", [])}
         late, _ = self._verdicts(r - 1, skip=listed)
         return [dict(s, late=True) for s in late]
@@ -264,13 +276,11 @@ class Scheduler:
         way, publish the round view (one PUT): what volunteers read instead of the bucket."""
         bucket, keys, rule = self.run.bucket, self.run.keys, self.run.config.close
         at = time.time() if now is None else now
-        close = bucket.read_json(keys.close(r))
+        close = self._existing_close(r)
         if close is not None:
             self._publish(r, at, close=close)
             return close
         self._forget_before(r - 1)
-        if self._roster is None and r > 0 and self.run.config.organizer_key is not None:
-            self._roster_floor = (bucket.read_json(keys.close(r - 1)) or {}).get("roster") or -1
         cfg = self.run.config  # heartbeats first: with the manifests listed next, both as of `at`
         pending = self._beats.pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s)
@@ -291,13 +301,28 @@ class Scheduler:
         close = {"round": r, "samples": samples, "target": target, "accepted": accepted, "roster": roster,
                  "rejected": sorted(rejected, key=lambda s: s["key"]), "opened_at": opened,
                  "closed_at": now, "reason": "target" if samples >= target else "timeout"}
-        if not bucket.create_json(keys.close(r), close):
+        if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close)):
             log.info("round %d was closed by another scheduler", r)
-        close = bucket.read_json(keys.close(r))
+        close = self.run.read_record(keys.close(r), f"CLOSE of round {r}")
         log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close["samples"],
                  len(close["accepted"]), len(close["rejected"]))
         self._publish(r, at, close=close)
         return close
+
+    def _existing_close(self, r: int) -> dict | None:
+        """Round r's CLOSE, if the organizer wrote one. A forged one (anyone with write access to
+        the run could create it first) is deleted, so the round still closes, unless a reduction
+        already began from what stood there: then only the organizer can say what is true."""
+        keys = self.run.keys
+        try:
+            return self.run.read_record(keys.close(r), f"CLOSE of round {r}")
+        except identity.IdentityError as exc:
+            if self.run.bucket.find(keys.reduced_dir(r)):
+                raise RunError(f"{exc}, and round {r}'s reduction has begun: restore the true CLOSE or "
+                               "delete the round's reduced/ folder with it") from exc
+            log.error("%s: deleted; the round closes as its shards say", exc)
+            self.run.bucket.delete(keys.close(r))
+            return None
 
     def _publish(self, r: int, at: float, samples: int = 0, shards: int = 0, rejected: int = 0,
                  pending: view.Pending = view.Pending(), close: dict | None = None) -> None:
@@ -331,7 +356,7 @@ class Scheduler:
     def poll(self) -> Snapshot:
         """The run as the round loop sees it now."""
         r = self.run.latest()
-        return Snapshot(state=r, close=self.run.bucket.read_json(self.run.keys.close(r)),
+        return Snapshot(state=r, close=self._existing_close(r),
                         stopped=self.run.bucket.exists(self.run.keys.stop()))
 
     def wait_close(self, r: int, deadline: float | None = None) -> dict | None:

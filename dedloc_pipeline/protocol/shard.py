@@ -165,7 +165,7 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
     if stream_end is None:
-        stream_end = int((run.bucket.read_json(run.keys.streams(r)) or {}).get(m.peer, 0))
+        stream_end = int(run.stream_ends(r).get(m.peer, 0))
     _check_contiguous(m.data, stream_end, stream_window(run))
     if stored is None:
         stored = {k.removeprefix(key + "/"): n for k, n in run.bucket.sizes(key).items()}

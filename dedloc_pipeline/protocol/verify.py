@@ -39,8 +39,8 @@ import numpy as np
 
 from ..model.data import make_source
 from ..storage import codec
-from ..storage.bucket import Bucket, StorageError
-from ..storage.layout import RunLayout
+from ..storage.bucket import StorageError
+from ..storage.layout import volunteer_of
 from ..trust import identity
 from .run import Run, RunError
 from .shard import commit_hash
@@ -69,39 +69,6 @@ class Tolerance:
 # the differences between honest shards, so int4 shards are verified only coarsely).
 TOLERANCES = {"none": Tolerance(0.99999, 0.001), "fp16": Tolerance(0.9999, 0.005),
               "int8": Tolerance(0.98, 0.05), "int4": Tolerance(0.7, 0.4)}
-
-
-class VerifyLayout:
-    """Keys of the validator's records (to move into storage/layout.py's RunLayout)."""
-
-    def __init__(self, run: str):
-        self.root = RunLayout(run).root
-
-    @property
-    def rounds_dir(self) -> str:
-        return f"{self.root}/verify"
-
-    @staticmethod
-    def round_of(name: str) -> int | None:
-        """The round a ``rounds_dir`` listing's name is a record of; None for anything else."""
-        return int(name[:8]) if len(name) == 13 and name[:8].isdigit() and name[8:] == ".json" else None
-
-    def round(self, r: int) -> str:
-        """The verdicts on round r's chosen shards: written once, after every verdict."""
-        return f"{self.root}/verify/{r:08d}.json"
-
-    @property
-    def flags_dir(self) -> str:
-        return f"{self.root}/flags"
-
-    def flag(self, volunteer: str) -> str:
-        """Why a volunteer's shards are no longer trusted: its first caught shard."""
-        return f"{self.root}/flags/{volunteer}.json"
-
-
-def volunteer_of(peer: str) -> str:
-    """A volunteer's name: its peer id before the first '.' (``alice.laptop`` is alice)."""
-    return peer.split(".", 1)[0]
 
 
 def draw(state_hash: str, shard_key: str) -> float:
@@ -271,36 +238,37 @@ class Verifier:
     record it had not written, with the same choice (the same COMMIT)."""
 
     def __init__(self, run: Run, fraction: float = FRACTION, at_least: int = AT_LEAST, device: str | None = None,
-                 micro_batch: int | None = None, poll_s: float = 5.0, organizer: identity.Ed25519PrivateKey | None = None,
+                 micro_batch: int | None = None, poll_s: float = 5.0, revoke: bool = False,
                  tolerance: Tolerance | None = None, copy_cosine: float = COPY_COSINE):
-        """``organizer``: the run's organizer key, to revoke a flagged volunteer's key at once
-        (without it, flags only: the scheduler rejects a flagged volunteer's later shards).
-        ``tolerance``: default the run's codec's (TOLERANCES)."""
+        """``revoke``: also revoke a flagged volunteer's key at once, with the run's organizer
+        key (without it, flags only: the scheduler rejects a flagged volunteer's later shards).
+        In a signed run the verdicts and flags are signed with that key. ``tolerance``: default
+        the run's codec's (TOLERANCES)."""
         if not 0 <= fraction <= 1:
             raise ValueError(f"fraction {fraction} is not in [0, 1]")
         self.run, self.fraction, self.at_least, self.poll_s = run, fraction, at_least, poll_s
         self.tolerance, self.copy_cosine = tolerance or TOLERANCES[run.config.codec], copy_cosine
-        self.organizer = organizer
-        self.keys = VerifyLayout(run.name)
+        self.revoke = revoke
         self.recompute = Recomputer(run, device, micro_batch)
 
     def done(self, r: int) -> bool:
-        return self.run.bucket.exists(self.keys.round(r))
+        return self.run.bucket.exists(self.run.keys.verdicts(r))
 
     def next_round(self) -> int:
         """The round after the newest one recorded (0 without records)."""
-        rounds = {self.keys.round_of(n) for n in self.run.bucket.list(self.keys.rounds_dir)} - {None}
+        keys = self.run.keys
+        rounds = {keys.verdicts_round(n) for n in self.run.bucket.list(keys.verdicts_dir)} - {None}
         return max(rounds, default=-1) + 1
 
     def verify_round(self, r: int) -> dict | None:
         """Verify committed round r and write its record; the existing record if there is one;
         None while state r+1 is not committed."""
         bucket, keys = self.run.bucket, self.run.keys
-        existing = bucket.read_json(self.keys.round(r))
+        existing = self.run.read_record(keys.verdicts(r), f"verdicts of round {r}")
         if existing is not None:
             return existing
-        commit = bucket.read_json(keys.commit(r + 1))
-        close = bucket.read_json(keys.close(r))
+        commit = self.run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}")
+        close = self.run.read_record(keys.close(r), f"CLOSE of round {r}")
         if commit is None or close is None:
             return None
         t0 = time.perf_counter()
@@ -320,10 +288,10 @@ class Verifier:
         for v in record["shards"]:
             if v["flag"]:
                 self._flag(r, v)
-        bucket.create_json(self.keys.round(r), record)  # last: a crash before it redoes the round
+        bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record))  # last: a crash redoes the round
         bad = [v for v in record["shards"] if v["flag"]]
         log.info("round %d verified: %d shards recomputed, %d flagged", r, len(record["shards"]), len(bad))
-        return bucket.read_json(self.keys.round(r))
+        return self.run.read_record(keys.verdicts(r), f"verdicts of round {r}")
 
     def _judge(self, entry: dict) -> dict:
         """One shard's verdict; any failure of one shard is that shard's verdict, never the loop's."""
@@ -384,10 +352,10 @@ class Verifier:
         flag = {"volunteer": v["volunteer"], "peer": v["peer"], "round": r, "shard": v["key"],
                 "verdict": v["verdict"], "reason": v["reason"], "cosine": v["cosine"], "norm_ratio": v["norm_ratio"],
                 "flagged_at": time.time()}
-        self.run.bucket.create_json(self.keys.flag(v["volunteer"]), flag)
+        self.run.bucket.create_json(self.run.keys.flag(v["volunteer"]), self.run.record(f"flag of {v['volunteer']}", flag))
         log.warning("round %d: volunteer %s flagged: %s", r, v["volunteer"], v["reason"])
-        if self.organizer is not None:
-            revoke(self.run, self.organizer, v["volunteer"])
+        if self.revoke:
+            revoke(self.run, self.run.organizer("roster"), v["volunteer"])
 
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Verify every round from the one after the newest record as it is committed, until
@@ -410,16 +378,18 @@ class Verifier:
         return r
 
 
-def flagged(bucket: Bucket, run_name: str) -> dict[str, dict]:
-    """Volunteer name -> its flag record: whose shards the scheduler should refuse."""
-    keys = VerifyLayout(run_name)
+def flagged(run: Run) -> dict[str, dict]:
+    """Volunteer name -> its flag record: whose shards the scheduler refuses. In a signed run a
+    flag counts only if the organizer signed it (else anyone could flag honest volunteers)."""
     out = {}
-    for raw in bucket.read_many(bucket.find(keys.flags_dir)).values():
+    for key, raw in run.bucket.read_many(run.bucket.find(run.keys.flags_dir)).items():
         try:
             flag = json.loads(raw)
+            if run.signed:
+                identity.check_record(run.config.organizer_key, flag, f"flag {key}")
             out[str(flag["volunteer"])] = flag
-        except (ValueError, KeyError, TypeError):
-            continue
+        except (ValueError, KeyError, TypeError, identity.IdentityError) as exc:
+            log.warning("flag %s ignored: %s", key, exc)
     return out
 
 

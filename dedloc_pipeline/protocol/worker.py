@@ -185,6 +185,9 @@ class Worker:
         except RunError:  # the view named a state whose COMMIT is not there: only COMMITs count
             log.warning("%s: the round view names state %d, which is not committed", self.peer, latest)
             return None
+        except identity.IdentityError as exc:  # a forged COMMIT is no state: keep computing on ours
+            log.error("%s: %s", self.peer, exc)
+            return None
         if state is not None and latest == state + 1:
             try:
                 return self.run.apply_delta(latest, base, commit), commit
@@ -238,7 +241,7 @@ class Worker:
         """Continue this peer's stream after the samples it already uploaded: those counted up
         to state r (its streams record), and those in manifests of rounds not yet committed."""
         keys = self.run.keys
-        end = int((self.run.bucket.read_json(keys.streams(r)) or {}).get(self.peer, 0))
+        end = int(self.run.stream_ends(r).get(self.peer, 0))
         for rr in (r - 1, r):
             if rr < 0:
                 continue

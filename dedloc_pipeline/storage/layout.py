@@ -46,6 +46,20 @@ class RunLayout:
         return f"{self.root}/run.json"
 
     @property
+    def rosters(self) -> str:
+        """Every roster version ever signed, create-once: what a replayed ROSTER.json is checked
+        against, by a scheduler started after the replay too."""
+        return f"{self.root}/roster"
+
+    def roster_version(self, version: int) -> str:
+        return f"{self.rosters}/{_n(version)}.json"
+
+    @staticmethod
+    def version_of(name: str) -> int | None:
+        """The roster version an entry of the ``rosters`` listing is, or None (debris)."""
+        return int(name[:-5]) if name.endswith(".json") and _NUMBER.fullmatch(name[:-5]) else None
+
+    @property
     def roster(self) -> str:
         """The organizer-signed list of enrolled and revoked volunteer keys (identity.py)."""
         return f"{self.root}/ROSTER.json"
@@ -169,12 +183,37 @@ class RunLayout:
     def close(self, r: int) -> str:
         return f"{self.round(r)}/CLOSE.json"
 
+    def reduced_dir(self, r: int) -> str:
+        """Scratch of round r's reduction: anything here means it has begun."""
+        return f"{self.round(r)}/reduced"
+
     def reduced(self, r: int) -> str:
         """Scratch: the round's mean gradient, written range by range by the aggregators."""
-        return f"{self.round(r)}/reduced/grad"
+        return f"{self.reduced_dir(r)}/grad"
 
     def reduced_marker(self, r: int, part: int) -> str:
-        return f"{self.round(r)}/reduced/{part:05d}.json"
+        return f"{self.reduced_dir(r)}/{part:05d}.json"
+
+    @property
+    def verdicts_dir(self) -> str:
+        return f"{self.root}/verify"
+
+    def verdicts(self, r: int) -> str:
+        """The validator's verdicts on round r's recomputed shards (verify.py): written once, last."""
+        return f"{self.verdicts_dir}/{_n(r)}.json"
+
+    @staticmethod
+    def verdicts_round(name: str) -> int | None:
+        """The round a ``verdicts_dir`` listing's name is the record of; None for anything else."""
+        return int(name[:-5]) if name.endswith(".json") and _NUMBER.fullmatch(name[:-5]) else None
+
+    @property
+    def flags_dir(self) -> str:
+        return f"{self.root}/flags"
+
+    def flag(self, volunteer: str) -> str:
+        """Why a volunteer's shards are no longer admitted: its first shard the validator caught."""
+        return f"{self.flags_dir}/{volunteer}.json"
 
     def stop(self) -> str:
         """Marker: the organizer ended the run; workers leave, schedulers commit what is closed and stop."""

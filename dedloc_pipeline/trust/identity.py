@@ -86,6 +86,22 @@ def verify(public_key: str, obj: dict, signature: str | None) -> bool:
         return False
 
 
+def sign_record(key: Ed25519PrivateKey, record: dict) -> dict:
+    """``record`` with the organizer's signature over every other field (CLOSE, COMMIT, LATEST,
+    streams): what only the organizer's machines may write, provably so."""
+    body = {k: v for k, v in record.items() if k != "signature"}
+    return body | {"signature": sign(key, body)}
+
+
+def check_record(public_key: str, record: dict, what: str) -> dict:
+    """``record`` if the organizer signed it; IdentityError naming it if not (forged, edited,
+    or written by someone else's credentials)."""
+    body = {k: v for k, v in record.items() if k != "signature"}
+    if not verify(public_key, body, record.get("signature") if isinstance(record.get("signature"), str) else None):
+        raise IdentityError(f"{what} is not signed by the run's organizer: refused")
+    return record
+
+
 def check_public(public_key: str) -> str:
     try:
         Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key, validate=True))
@@ -153,5 +169,23 @@ def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll
     new = Roster(run=run, version=roster.version + 1, volunteers=volunteers, revoked=sorted(set(revoked)),
                  signed_at=time.time())
     new.signature = sign(organizer, new.payload())
-    bucket.write_bytes(RunLayout(run).roster, new.model_dump_json(indent=1).encode())
+    keys = RunLayout(run)
+    if not bucket.create(keys.roster_version(new.version), new.model_dump_json(indent=1).encode()):
+        raise IdentityError(f"roster version {new.version} exists already: another change raced this one; run it again")
+    bucket.write_bytes(keys.roster, new.model_dump_json(indent=1).encode())
     return new
+
+
+def newest_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None:
+    """The newest roster version the organizer signed, from the create-once history (names that
+    are no version, and versions whose signature fails, are passed over)."""
+    keys = RunLayout(run)
+    versions = sorted((v for v in map(keys.version_of, bucket.list(keys.rosters)) if v is not None), reverse=True)
+    for v in versions:
+        try:
+            roster = Roster.model_validate_json(bucket.read_bytes(keys.roster_version(v)) or b"")
+        except ValueError:
+            continue
+        if roster.run == run and roster.version == v and verify(organizer_key, roster.payload(), roster.signature):
+            return roster
+    return None

@@ -1,0 +1,261 @@
+"""Everything a volunteer writes is a claim (issue 15): sample counts, data references, parts,
+and, where a store cannot keep volunteers out of them, the organizer's own records. Each attack
+below is a case of docs/faults.md, with a control showing what it did without its defence."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from dedloc_pipeline.model.data import DataError, make_source
+from dedloc_pipeline.protocol import aggregator, shard
+from dedloc_pipeline.protocol.run import Run, RunError, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.trust import identity
+
+from .conftest import small_config
+from .protocol_driver import stream_next
+
+
+def _noise(run, seed, scale=1e-3):
+    return np.random.default_rng(seed).standard_normal(run.flat.n).astype(np.float32) * scale
+
+
+def _shard(run, r, peer, grad, samples, start=None, part="0001", ranges=None, signer=None):
+    start = stream_next(run, r, peer) if start is None else start
+    return shard.upload(run, r, peer, part, codec.encode(grad, run.config.codec, run.config.block_size),
+                        samples, 5.0, shard.DataRef(stream=peer, ranges=ranges or [(start, samples)]),
+                        signer=signer)
+
+
+def _finish(run, r):
+    with ThreadPoolExecutor(2) as pool:
+        return Scheduler(run, 2, 0).finish(r, pool)
+
+
+def _cos(x, y):
+    return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
+
+
+# case 14: claimed samples
+
+def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run):
+    """Mallory's 8-sample gradient, reversed, claims 10,000 samples. Uploaded first, it does not
+    close the round alone; counted, it weighs as twice the median volunteer at most, and the
+    committed step still points the honest way. Control: weighted by the claim (the old mean), it takes
+    99.8% of the mean and the step points mallory's way."""
+    run = make_run(norm_screen=None, max_grad_norm=1e12)
+    base = _noise(run, 0)
+    for i, p in enumerate("abc"):
+        _shard(run, 0, p, base + _noise(run, 1 + i, 2e-4), 8)
+    assert Scheduler(run, 1, 0).try_close(0)["samples"] == 24
+    _finish(run, 0)
+
+    _shard(run, 1, "mallory", -base, 10_000)
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(1) is None, "one claim filled a round alone"
+    honest = [base + _noise(run, 10 + i, 2e-4) for i in range(3)]
+    for p, g in zip("abc", honest):
+        _shard(run, 1, p, g, 8)
+    close = sched.try_close(1)
+    weight = {s["peer"]: s["weight"] for s in close["accepted"]}
+    assert weight["mallory"] == 16 and all(weight[p] == 8 for p in "abc")  # twice the median volunteer
+    assert close["samples"] == 16 + 24
+    _finish(run, 1)
+    reduced = codec.read_vector(run.bucket, run.keys.reduced(1), run.dense_format)
+    assert _cos(reduced, base) > 0.3
+    # control: the claim as the weight
+    claimed = {s["peer"]: s["samples"] for s in close["accepted"]}
+    assert claimed["mallory"] / sum(claimed.values()) > 0.997
+    by_claim = sum(claimed[p] * g for p, g in zip("abc", honest)) - claimed["mallory"] * base
+    assert _cos(by_claim, base) < 0
+
+
+def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run):
+    """Uneven honest volunteers (4, 8 and 12 of 24) are not capped: N peers still equal one process."""
+    run = make_run()
+    for i, (p, n) in enumerate(zip("abc", (4, 8, 12))):
+        _shard(run, 0, p, _noise(run, i), n)
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert all(s["weight"] == s["samples"] for s in close["accepted"]) and close["samples"] == 24
+
+
+# case 15: data references
+
+@pytest.mark.parametrize("attack,reason", [
+    ("far_ahead", "more than"),
+    ("reused", "already counted up to 8"),
+    ("gapped", "not one contiguous run"),
+    ("other_stream", "a volunteer counts only its own stream"),
+    ("copied_part", "already counted this round by another part"),
+])
+def test_a_shard_names_a_contiguous_run_of_its_own_stream(make_run, attack, reason):
+    """After round 0 counted a's samples 0..8, round 1's shards of a must start at 8 and run on
+    without gaps, within its stream's window, in a's stream, and no two parts may name the same
+    samples (a copy of one's own part would count its weight twice). Control: the honest
+    continuation is accepted in the same round."""
+    run = make_run(target_batch_size=8)
+    _shard(run, 0, "a", _noise(run, 0), 8)
+    assert Scheduler(run, 1, 0).try_close(0)
+    _finish(run, 0)
+    assert run.stream_ends(1) == {"a": 8}
+    good = _shard(run, 1, "a", _noise(run, 1), 8, start=8)
+    g = _noise(run, 2)
+    if attack == "far_ahead":  # a stream sent to 10^9: once its restart would jump there
+        bad = _shard(run, 1, "a", g, 4, start=10 ** 9, part="0002")
+    elif attack == "reused":
+        bad = _shard(run, 1, "a", g, 4, start=0, part="0002")
+    elif attack == "gapped":  # cherry-picked samples
+        bad = _shard(run, 1, "a", g, 4, part="0002", ranges=[(16, 2), (40, 2)])
+    elif attack == "other_stream":
+        key = run.keys.shard(1, "a", "0002")
+        bad = shard.upload(run, 1, "a", "0002", codec.encode(g, "none", run.config.block_size), 4, 5.0,
+                           shard.DataRef(stream="b", ranges=[(0, 4)]))
+        assert bad == key
+    else:
+        bad = _shard(run, 1, "a", g, 4, start=8, part="0002")
+    close = Scheduler(run, 1, 0).try_close(1)
+    assert [s["key"] for s in close["accepted"]] == [good]
+    (rejected,) = close["rejected"]
+    assert rejected["key"] == bad and reason in rejected["reason"]
+
+
+def test_refused_samples_still_advance_their_stream(make_run):
+    """A shard refused after its manifest proved its own (here: too large a norm) spends its
+    samples: the stream's next shard starts after them, and is not refused for the gap."""
+    run = make_run(target_batch_size=8, max_grad_norm=10.0)
+    _shard(run, 0, "a", _noise(run, 0), 8)
+    _shard(run, 0, "a", _noise(run, 1, scale=1.0), 8, part="0002")  # norm ~ 1e3 times the first's
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert len(close["accepted"]) == 1 and "above the bound" in close["rejected"][0]["reason"]
+    _finish(run, 0)
+    assert run.stream_ends(1) == {"a": 16}
+
+
+# case 16: the organizer's records
+
+@pytest.fixture
+def signed_run(tmp_path, bucket):
+    org = identity.generate(tmp_path / "org.pem")
+    mallory = identity.generate(tmp_path / "mallory.pem")
+    run = init_run(bucket, small_config(organizer_key=identity.public(org), target_batch_size=8), organizer=org)
+    alice = identity.generate(tmp_path / "alice.pem")
+    identity.update_roster(bucket, run.name, org, enroll={"alice": identity.public(alice)})
+    return run, org, alice, mallory
+
+
+@pytest.mark.parametrize("signer", ["unsigned", "mallory"])
+def test_forged_organizer_records_are_refused(signed_run, caplog, signer):
+    """CLOSE, COMMIT, LATEST and streams carry the organizer's signature: written by anyone else
+    (R2 cannot keep a volunteer out of them), they are refused with a clear error, and the
+    scheduler replaces what it can. Control: in an unsigned run the same forgeries are believed."""
+    run, org, alice, mallory = signed_run
+    b, k = run.bucket, run.keys
+
+    def forge(body):
+        return body if signer == "unsigned" else identity.sign_record(mallory, body)
+
+    # a CLOSE created before the scheduler's, accepting nothing: deleted, the round closes for real
+    b.create_json(k.close(0), forge({"round": 0, "samples": 8, "accepted": [], "rejected": []}))
+    with pytest.raises(identity.IdentityError, match="CLOSE of round 0 is not signed"):
+        aggregator.reduce_part(run, 0, 0)
+    _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
+    with caplog.at_level(logging.ERROR):
+        close = Scheduler(run, 1, 0).try_close(0)
+    assert [s["peer"] for s in close["accepted"]] == ["alice"] and "deleted" in caplog.text
+    # a COMMIT of state 1 created before the organizer's: no state to anyone, then replaced
+    b.create_json(k.commit(1), forge(dict(run.commit_of(0), state=1)))
+    assert run.latest() == 0
+    with pytest.raises(identity.IdentityError, match="COMMIT of state 1 is not signed"):
+        run.commit_of(1)
+    assert _finish(run, 0)["contributors"] == ["alice"] and run.latest() == 1
+    # LATEST pointing far ahead, and streams sending alice's stream back to 0
+    b.write_json(k.latest, forge({"state": 99}))
+    b.write_json(k.streams(1), forge({"state": 1, "ends": {"alice": 0}}))
+    fresh = Run(b, run.name)
+    assert fresh.latest_hint() == 1 and fresh.latest() == 1
+    assert fresh.stream_ends(1) == {}
+    # control: an unsigned run believes all of it
+    plain = init_run(b, small_config(run="plain", target_batch_size=8))
+    b.write_json(plain.keys.latest, {"state": 99})
+    assert plain.latest_hint() == 99
+
+
+def test_a_scheduler_needs_the_organizer_key_to_close_a_signed_run(signed_run, monkeypatch):
+    run, org, alice, mallory = signed_run
+    monkeypatch.delenv("DEDLOC_ORGANIZER_KEY", raising=False)
+    with pytest.raises(RunError, match="needs the organizer's private key"):
+        Scheduler(Run(run.bucket, run.name))
+    with pytest.raises(RunError, match="not the organizer key"):
+        Run(run.bucket, run.name, organizer=mallory)
+
+
+def test_a_roster_replayed_before_a_restart_is_refused(signed_run, tmp_path):
+    """Bob is revoked (roster version 3), then the version-2 roster is written back over
+    ROSTER.json, and only then is the scheduler (re)started: it starts from the roster history,
+    so bob's shard is still refused. Control: without the history it would have been accepted."""
+    run, org, alice, mallory = signed_run
+    b, k = run.bucket, run.keys
+    bob = identity.generate(tmp_path / "bob.pem")
+    identity.update_roster(b, run.name, org, enroll={"bob": identity.public(bob)})
+    before = b.read_bytes(k.roster)
+    identity.update_roster(b, run.name, org, revoke=["bob"])
+    b.write_bytes(k.roster, before)
+    _shard(run, 0, "bob", _noise(run, 0), 8, signer=bob)
+    sched = Scheduler(run, 1, 0)
+    assert sched.roster().version == 3
+    assert sched.try_close(0) is None
+    accepted, rejected = sched._verdicts(0)
+    assert not accepted and "revoked" in rejected[0]["reason"]
+    b.delete(k.rosters)  # control
+    accepted, _ = Scheduler(run, 1, 0)._verdicts(0)
+    assert [s["peer"] for s in accepted] == ["bob"]
+
+
+def test_the_data_set_is_pinned_by_hash(bengali, tmp_path):
+    """run.json pins DATA.json's hash: a card rewritten afterwards (it lists every shard and its
+    hash) is refused by every peer. Control: the card as it was is read."""
+    url, name = bengali
+    copy = Bucket(f"file://{tmp_path}/copy")
+    for key in Bucket(url).find(f"data/{name}"):
+        copy.write_bytes(key, Bucket(url).read_bytes(key))
+    run = init_run(copy, small_config("pinned", data=name))
+    assert run.config.data_hash and make_source(run).card["seq_len"] == 32
+    card = copy.read_json(f"data/{name}/DATA.json")
+    card["splits"]["train"]["shards"] = card["splits"]["train"]["shards"][:1]
+    copy.write_json(f"data/{name}/DATA.json", card)
+    with pytest.raises(DataError, match="does not match the hash run.json pins"):
+        make_source(Run(copy, "pinned"))
+
+
+# case 17: what the validator caught
+
+def test_the_scheduler_refuses_a_flagged_volunteers_later_shards(make_run):
+    """Once the validator flagged mallory (verify.py), rounds opened after it admit none of her
+    shards. Control: alice, not flagged, counts in the same round."""
+    run = make_run(target_batch_size=8)
+    run.bucket.create_json(run.keys.flag("mallory"), {"volunteer": "mallory", "round": 0, "reason": "mismatch"})
+    bad = _shard(run, 0, "mallory.gpu", _noise(run, 0), 8)
+    good = _shard(run, 0, "alice", _noise(run, 1), 8)
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert [s["key"] for s in close["accepted"]] == [good]
+    assert close["rejected"][0]["key"] == bad and "flagged by the validator" in close["rejected"][0]["reason"]
+
+
+def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run):
+    """In a signed run a flag counts only with the organizer's signature: anyone who can write
+    there could otherwise flag every honest volunteer. Control: the organizer's flag counts."""
+    run, org, alice, mallory = signed_run
+    run.bucket.create_json(run.keys.flag("alice"), identity.sign_record(mallory, {"volunteer": "alice"}))
+    _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
+    assert [s["peer"] for s in Scheduler(run, 1, 0).try_close(0)["accepted"]] == ["alice"]
+    _finish(run, 0)
+    run.bucket.write_json(run.keys.flag("alice"), run.record("flag", {"volunteer": "alice", "round": 0}))
+    _shard(run, 1, "alice", _noise(run, 1), 8, signer=alice)
+    accepted, rejected = Scheduler(run, 1, 0)._verdicts(1)
+    assert not accepted and "flagged" in rejected[0]["reason"]

@@ -109,7 +109,7 @@ def test_the_matcher_has_iams_semantics():
 
 
 # RunLayout's methods that take a key apart rather than make one
-PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "block_of"}
+PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "number_of"}
 
 
 def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
@@ -118,7 +118,8 @@ def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
     so a new kind of key cannot slip past it."""
     shard = {p: keys.shard(5, p, PART) for p in (ME, OTHER)}
     values = {
-        "r": ROUNDS, "s": ROUNDS, "peer": [ME, OTHER], "name": ["m", "v"], "task": ["ner"], "block": [0, 42],
+        "r": ROUNDS, "s": ROUNDS, "peer": [ME, OTHER], "name": ["m", "v"], "task": ["ner"],
+        "version": [1, 42], "volunteer": [ME, OTHER],  # roster versions, the validator's flags: the organizer's
         "shard": list(shard.values()), "manifest": [keys.manifest(s) for s in shard.values()],
     }
     out = []

@@ -266,9 +266,11 @@ class Layout:
         """One poll of the scheduler that does not close the round (``Scheduler.try_close``): its
         CLOSE, the round's heartbeats and manifests listed and the given numbers read (those
         written since the last poll), STOP, and the view written. The round's first poll also
-        reads the COMMIT that opened it. A listing is one LIST a 1000 keys, empty or not."""
+        reads what the round is judged against (``Scheduler._opening``): the COMMIT that opened
+        it, the streams record, and the validator's flags (a listing). A listing is one LIST a
+        1000 keys, empty or not."""
         cfg = self.config
-        r = Requests(get=1 + heartbeats + manifests + int(first), put=1, head=1, list=2)
+        r = Requests(get=1 + heartbeats + manifests + 2 * int(first), put=1, head=1, list=2 + int(first))
         r += Requests(get=int(cfg.organizer_key is not None))  # the roster
         if cfg.close.late_shards == "fold":  # the previous round's CLOSE and its manifests' listing
             r += Requests(get=1 + int(cfg.organizer_key is not None), list=1)

@@ -77,10 +77,12 @@ def status(run: Run, now: float | None = None) -> dict:
         c = commits[s]
         for pid in set(c.get("contributors", [])):
             peer(pid)["rounds"] += 1
-        for sh in c.get("shards", []):
+        for sh in c.get("shards", []):  # counted: a claim above its volunteer's cap counts capped
             p = peer(sh["peer"])
-            p["samples"] += sh["samples"]
+            p["samples"] += sh.get("weight", sh["samples"])
             p["last_seen"] = max(p["last_seen"] or 0.0, c["closed_at"])
+    for p in peers.values():
+        p["samples"] = round(p["samples"])
     beats = _heartbeats(run, latest)
     live = {pid: b for pid, b in beats.items() if now - b["time"] < cfg.peer_timeout_s}
     for pid, b in beats.items():

@@ -257,7 +257,7 @@ class Verifier:
     def next_round(self) -> int:
         """The round after the newest one recorded (0 without records)."""
         keys = self.run.keys
-        rounds = {keys.verdicts_round(n) for n in self.run.bucket.list(keys.verdicts_dir)} - {None}
+        rounds = {keys.number_of(n) for n in self.run.bucket.list(keys.verdicts_dir)} - {None}
         return max(rounds, default=-1) + 1
 
     def verify_round(self, r: int) -> dict | None:

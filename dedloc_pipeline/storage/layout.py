@@ -54,11 +54,6 @@ class RunLayout:
     def roster_version(self, version: int) -> str:
         return f"{self.rosters}/{_n(version)}.json"
 
-    @staticmethod
-    def version_of(name: str) -> int | None:
-        """The roster version an entry of the ``rosters`` listing is, or None (debris)."""
-        return int(name[:-5]) if name.endswith(".json") and _NUMBER.fullmatch(name[:-5]) else None
-
     @property
     def roster(self) -> str:
         """The organizer-signed list of enrolled and revoked volunteer keys (identity.py)."""
@@ -203,8 +198,9 @@ class RunLayout:
         return f"{self.verdicts_dir}/{_n(r)}.json"
 
     @staticmethod
-    def verdicts_round(name: str) -> int | None:
-        """The round a ``verdicts_dir`` listing's name is the record of; None for anything else."""
+    def number_of(name: str) -> int | None:
+        """The number an ``NNNNNNNN.json`` entry of a listing stands for (a roster version, a
+        verified round); None for anything else."""
         return int(name[:-5]) if name.endswith(".json") and _NUMBER.fullmatch(name[:-5]) else None
 
     @property

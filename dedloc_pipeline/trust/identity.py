@@ -180,7 +180,7 @@ def newest_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None
     """The newest roster version the organizer signed, from the create-once history (names that
     are no version, and versions whose signature fails, are passed over)."""
     keys = RunLayout(run)
-    versions = sorted((v for v in map(keys.version_of, bucket.list(keys.rosters)) if v is not None), reverse=True)
+    versions = sorted((v for v in map(keys.number_of, bucket.list(keys.rosters)) if v is not None), reverse=True)
     for v in versions:
         try:
             roster = Roster.model_validate_json(bucket.read_bytes(keys.roster_version(v)) or b"")

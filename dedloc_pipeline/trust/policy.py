@@ -255,11 +255,15 @@ The protocol's checks still catch:
   round, peer and part from the key, and heartbeats only at the layout's heartbeat keys;
 - an unsigned or edited ROSTER.json: it must be signed by the organizer key in run.json;
 - a changed parameter or delta chunk, when a worker loads a state (the checksums in its
-  COMMIT.json), and a changed data shard (the hashes in DATA.json).
+  COMMIT.json), and a changed data shard (the hashes in DATA.json);
+- in a run with an organizer key, a COMMIT.json, CLOSE.json, LATEST.json or streams.json (and the
+  validator's verdicts and flags) not signed by it: every reader checks the signature, and the
+  scheduler deletes a forged CLOSE or COMMIT and writes the true one; a roster written back over
+  a newer one (the versions are kept create-once); a rewritten DATA.json (run.json pins its hash).
 Nothing catches:
-- a rewritten run.json, COMMIT.json, CLOSE.json, VIEW.json, LATEST.json, STOP.json, streams.json
-  or DATA.json: they are not signed (a new organizer key in run.json, then a roster signed by it;
-  a COMMIT.json with parameters to match; a STOP.json that ends the run);
+- a rewritten run.json, VIEW.json or STOP.json: they are not signed (a new organizer key in
+  run.json is believed by every process started after it; a VIEW.json can make workers hold or
+  upload early; a STOP.json ends the run), nor, in a run without an organizer key, anything else;
 - rewritten parameters, optimizer state or reduced gradients before an aggregator reads them
   (it reads them without checksums): they go into the next state;
 - deletes: other peers' shards before CLOSE, the states, the data sets;

@@ -45,10 +45,11 @@ def _cos(x, y):
 # case 14: claimed samples
 
 def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run):
-    """Mallory's 8-sample gradient, reversed, claims 10,000 samples. Uploaded first, it does not
-    close the round alone; counted, it weighs as twice the median volunteer at most, and the
-    committed step still points the honest way. Control: weighted by the claim (the old mean), it takes
-    99.8% of the mean and the step points mallory's way."""
+    """Mallory's 8-sample gradient, reversed, claims 96 samples (4 target batches: the most one
+    shard may claim). Uploaded first, it does not close the round alone; counted, it weighs as
+    twice the median volunteer at most, and the committed step still points the honest way.
+    Control: weighted by the claim (the old mean), it takes 80% of the mean and the step points
+    mallory's way."""
     run = make_run(norm_screen=None, max_grad_norm=1e12)
     base = _noise(run, 0)
     for i, p in enumerate("abc"):
@@ -56,7 +57,7 @@ def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run)
     assert Scheduler(run, 1, 0).try_close(0)["samples"] == 24
     _finish(run, 0)
 
-    _shard(run, 1, "mallory", -base, 10_000)
+    _shard(run, 1, "mallory", -base, 96)
     sched = Scheduler(run, 1, 0)
     assert sched.try_close(1) is None, "one claim filled a round alone"
     honest = [base + _noise(run, 10 + i, 2e-4) for i in range(3)]
@@ -71,7 +72,7 @@ def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run)
     assert _cos(reduced, base) > 0.3
     # control: the claim as the weight
     claimed = {s["peer"]: s["samples"] for s in close["accepted"]}
-    assert claimed["mallory"] / sum(claimed.values()) > 0.997
+    assert claimed["mallory"] / sum(claimed.values()) == 0.8
     by_claim = sum(claimed[p] * g for p, g in zip("abc", honest)) - claimed["mallory"] * base
     assert _cos(by_claim, base) < 0
 
@@ -93,6 +94,7 @@ def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run)
     ("gapped", "not one contiguous run"),
     ("other_stream", "a volunteer counts only its own stream"),
     ("copied_part", "already counted this round by another part"),
+    ("huge_claim", "more than a shard can hold"),
 ])
 def test_a_shard_names_a_contiguous_run_of_its_own_stream(make_run, attack, reason):
     """After round 0 counted a's samples 0..8, round 1's shards of a must start at 8 and run on
@@ -112,6 +114,8 @@ def test_a_shard_names_a_contiguous_run_of_its_own_stream(make_run, attack, reas
         bad = _shard(run, 1, "a", g, 4, start=0, part="0002")
     elif attack == "gapped":  # cherry-picked samples
         bad = _shard(run, 1, "a", g, 4, part="0002", ranges=[(16, 2), (40, 2)])
+    elif attack == "huge_claim":  # over 4 target batches: more than any worker holds, and unverifiable
+        bad = _shard(run, 1, "a", g, 33, start=16, part="0002")
     elif attack == "other_stream":
         key = run.keys.shard(1, "a", "0002")
         bad = shard.upload(run, 1, "a", "0002", codec.encode(g, "none", run.config.block_size), 4, 5.0,
@@ -247,7 +251,7 @@ def test_the_scheduler_refuses_a_flagged_volunteers_later_shards(make_run):
     assert close["rejected"][0]["key"] == bad and "flagged by the validator" in close["rejected"][0]["reason"]
 
 
-def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run):
+def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run, tmp_path):
     """In a signed run a flag counts only with the organizer's signature: anyone who can write
     there could otherwise flag every honest volunteer. Control: the organizer's flag counts."""
     run, org, alice, mallory = signed_run
@@ -255,7 +259,15 @@ def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run):
     _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
     assert [s["peer"] for s in Scheduler(run, 1, 0).try_close(0)["accepted"]] == ["alice"]
     _finish(run, 0)
+    bob = identity.generate(tmp_path / "bob.pem")
+    identity.update_roster(run.bucket, run.name, org, enroll={"bob": identity.public(bob)})
+    sched = Scheduler(run, 1, 0)
+    _shard(run, 1, "alice", _noise(run, 1), 4, signer=alice)
+    _shard(run, 1, "bob", _noise(run, 2), 3, signer=bob)
+    assert sched.try_close(1) is None
+    # flagged mid-round: read again when the round is about to close, so alice stays out of it
     run.bucket.write_json(run.keys.flag("alice"), run.record("flag", {"volunteer": "alice", "round": 0}))
-    _shard(run, 1, "alice", _noise(run, 1), 8, signer=alice)
-    accepted, rejected = Scheduler(run, 1, 0)._verdicts(1)
-    assert not accepted and "flagged" in rejected[0]["reason"]
+    _shard(run, 1, "bob", _noise(run, 3), 5, signer=bob, part="0002")
+    close = sched.try_close(1)
+    assert [s["peer"] for s in close["accepted"]] == ["bob", "bob"]
+    assert "flagged by the validator" in close["rejected"][0]["reason"]

@@ -278,9 +278,10 @@ class Layout:
 
     def closing(self, shards: int) -> Requests:
         """What closing adds to its poll: the round's shards listed (with their sizes), each new
-        one validated (every chunk read and checksummed), CLOSE created and read back."""
+        one validated (every chunk read and checksummed), the validator's flags listed again,
+        CLOSE created and read back."""
         listing = max(1, math.ceil(shards * _objects(self.grad) / S3_PAGE))
-        return Requests(list=listing, get=shards * _reads(self.grad)) + Requests(put=1, get=1)
+        return Requests(list=listing + 1, get=shards * _reads(self.grad)) + Requests(put=1, get=1)
 
     def finish(self, shards: int) -> Requests:
         """``Scheduler.finish`` of a closed round: prepare, reduce and apply every part, commit

@@ -41,7 +41,6 @@ class Opening:
     state_hash: str  # commit_hash of that COMMIT, which each shard must name
     ends: dict[str, int]  # where each stream was counted to (streams.json of the state)
     volunteers: frozenset[str]  # who contributed to that state
-    flagged: dict[str, dict]  # volunteers the validator caught (verify.py), as the round opened
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,7 @@ class Scheduler:
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
         self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
+        self._flags: dict[str, dict] = {}  # volunteer -> the validator's flag (verify.flagged)
         if run.signed:
             run.organizer("CLOSE")  # a scheduler that could not sign its CLOSEs fails here, not at the first
 
@@ -160,21 +160,16 @@ class Scheduler:
             ends = self.run.stream_ends(r)
             self._opened = {k: v for k, v in self._opened.items() if k >= r - 1}
             self._opened[r] = Opening(commit["committed_at"], commit_hash(commit), ends,
-                                      frozenset(volunteer_of(p) for p in commit.get("contributors", [])),
-                                      verify.flagged(self.run))
+                                      frozenset(volunteer_of(p) for p in commit.get("contributors", [])))
+            self._flags = verify.flagged(self.run)
         return self._opened[r]
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
                stored: dict[str, int], opening: Opening) -> dict:
         """The shard's verdict: its CLOSE entry, or why it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
-        peer = self.run.keys.shard_parts(shard)[1]
-        flag = opening.flagged.get(volunteer_of(peer))
-        if flag is not None:
-            return self._reject(r, shard, f"volunteer {volunteer_of(peer)} was flagged by the validator in "
-                                f"round {flag.get('round')}: {flag.get('reason')}")
         try:
-            end = int(opening.ends.get(peer, 0))
+            end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
             return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end)
         except Rejected as exc:
             return self._reject(r, shard, str(exc), exc.data)
@@ -212,19 +207,35 @@ class Scheduler:
                 mine.extend(ranges)
         return kept, out
 
-    def _weigh(self, r: int, accepted: list[dict]) -> tuple[list[dict], int]:
+    def _unflagged(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
+        """Shards of volunteers the validator caught (verify.py) are refused, whenever they were
+        uploaded: the flags are read as a round opens and again when it is about to close (one
+        LIST), so a flag written mid-round keeps its volunteer out of that round's CLOSE."""
+        kept, out = [], []
+        for s in accepted:
+            flag = self._flags.get(volunteer_of(s["peer"]))
+            if flag is None:
+                kept.append(s)
+            else:
+                out.append(self._reject(r, s["key"], f"volunteer {volunteer_of(s['peer'])} was flagged by the "
+                                        f"validator in round {flag.get('round')}: {flag.get('reason')}"))
+        return kept, out
+
+    def _weigh(self, r: int, accepted: list[dict], live: frozenset[str] = frozenset()) -> tuple[list[dict], int]:
         """Each shard's weight in the mean and the round's counted samples. Claimed samples are
         claims: uncapped, one shard claiming 10,000 samples takes 99.8% of the mean and fills a
         round alone. So a volunteer counts for at most twice its fair share of the target (2/V,
         V the volunteers of this round and of the state it builds on) or twice the round's median
         volunteer, whichever is more, and never less than ``close.max_share`` of the target; its
-        parts are scaled down alike. Honest volunteers within that keep their exact weights (N
-        peers still equal one process), and one or two volunteers are never capped."""
+        parts are scaled down alike. V counts the volunteers heartbeating this round too
+        (``live``), so the first shard of a round, or of a run, is capped by the peers still
+        computing theirs. Honest volunteers within that keep their exact weights (N peers still
+        equal one process), and one or two volunteers are never capped."""
         rule, target = self.run.config.close, self.run.config.target_batch_size
         claimed: dict[str, int] = {}
         for s in accepted:
             claimed[volunteer_of(s["peer"])] = claimed.get(volunteer_of(s["peer"]), 0) + s["samples"]
-        active = set(claimed) | self._opening(r).volunteers  # those not in yet count 0 in the median
+        active = set(claimed) | self._opening(r).volunteers | live  # those not in yet count 0 in the median
         median = float(np.median([claimed.get(v, 0) for v in active])) if active else 0.0
         cap = math.ceil(max(target * rule.max_share, 2 * target / max(len(active), 1), 2 * median))
         out = []
@@ -287,13 +298,24 @@ class Scheduler:
         accepted, rejected = self._verdicts(r)
         accepted, extra = self._bound_parts(r, accepted + self._late(r))
         accepted, screened = self._screen(r, accepted)
-        rejected += extra + screened
-        accepted, samples = self._weigh(r, accepted)
+        accepted, flagged = self._unflagged(r, accepted)
+        rejected += extra + screened + flagged
+        live = self._enrolled(pending.volunteers)
+        accepted, samples = self._weigh(r, accepted, live)
         target = self.run.config.target_batch_size
         opened = self._opening(r).at
         now = time.time() if now is None else now
         timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
-        if samples < target and not (timed_out and samples >= rule.min_fraction * target):
+
+        def met(samples: int) -> bool:
+            return samples >= target or (timed_out and samples >= rule.min_fraction * target)
+
+        if met(samples):  # flags written since the round opened count too
+            self._flags = verify.flagged(self.run)
+            accepted, flagged = self._unflagged(r, accepted)
+            rejected += flagged
+            accepted, samples = self._weigh(r, accepted, live)
+        if not met(samples):
             self._publish(r, at, samples=samples, shards=len(accepted), rejected=len(rejected), pending=pending)
             return None
         accepted.sort(key=lambda s: s["key"])
@@ -308,6 +330,13 @@ class Scheduler:
                  len(close["accepted"]), len(close["rejected"]))
         self._publish(r, at, close=close)
         return close
+
+    def _enrolled(self, volunteers: frozenset[str]) -> frozenset[str]:
+        """The heartbeating volunteers that count: in a signed run, only enrolled ones (a
+        heartbeat is unsigned, and anyone able to write one could otherwise lower every cap)."""
+        if not self.run.signed:
+            return volunteers
+        return frozenset(v for v in volunteers if self._roster is not None and v in self._roster.volunteers)
 
     def _existing_close(self, r: int) -> dict | None:
         """Round r's CLOSE, if the organizer wrote one. A forged one (anyone with write access to

@@ -122,6 +122,14 @@ def stream_window(run: Run) -> int:
     return (run.config.close.max_parts + 1) * run.config.target_batch_size
 
 
+def max_claim(run: Run) -> int:
+    """The most samples one shard may claim: a worker uploads once the round can fill, and
+    carries what it computed past a closed round into the next one once, never twice, so an
+    honest part holds at most about two target batches. Twice that is refused as impossible; a
+    claim so large would also cost the validator as much to recompute as a whole round."""
+    return 4 * run.config.target_batch_size
+
+
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
              stored: dict[str, int] | None = None, state_hash: str | None = None,
              stream_end: int | None = None) -> dict:
@@ -164,6 +172,8 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
         raise Rejected("non-finite loss")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
+    if m.samples > max_claim(run):
+        raise Rejected(f"claims {m.samples} samples, more than a shard can hold ({max_claim(run)})")
     if stream_end is None:
         stream_end = int(run.stream_ends(r).get(m.peer, 0))
     _check_contiguous(m.data, stream_end, stream_window(run))

@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 FRACTION = 0.05  # of a round's accepted shards (and at least AT_LEAST of them): docs/verification.md
 AT_LEAST = 1
 COPY_COSINE = 0.99  # a pair above it is recomputed; honest pairs measured up to 0.82
-MAX_SAMPLES_FACTOR = 4  # a shard claiming above this many target batches is not recomputed
 
 
 @dataclass(frozen=True)
@@ -146,12 +145,8 @@ class Recomputer:
 
     def check_claim(self, entry: dict) -> None:
         """What a shard says of its samples must be possible (validation at close bounds its
-        ranges; these are the claims only a recomputation reads). A claim too large to recompute
-        is not held against the volunteer: an honest worker left waiting long for a state keeps
-        computing on the old one."""
-        cap = MAX_SAMPLES_FACTOR * self.run.config.target_batch_size
-        if entry["samples"] > cap:
-            raise Unverifiable(f"claims {entry['samples']} samples, above the validator's cap of {cap}", fault=False)
+        ranges and its sample count, ``shard.max_claim``; these are the claims only a
+        recomputation reads)."""
         if entry["stale_samples"] > entry["samples"]:
             raise Unverifiable(f"claims {entry['stale_samples']} stale samples of {entry['samples']}", fault=True)
         if entry["stale_samples"] and entry["round"] == 0:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage.bucket import Bucket
-from ..storage.layout import RunLayout
+from ..storage.layout import RunLayout, volunteer_of
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,7 @@ class Pending:
     peers: int = 0
     ignored: int = 0
     horizon_s: float = 0.0  # the longest of the counted heartbeats' horizons
+    volunteers: frozenset[str] = frozenset()  # whose heartbeats counted
 
 
 class Heartbeats:
@@ -191,13 +192,14 @@ class Heartbeats:
         for k, raw in bucket.read_many(changed).items():
             known[k] = (small[k], raw)
         self._raw = known
-        samples, speed, peers, horizon = 0, 0.0, 0, 0.0
-        for _, raw in known.values():
+        samples, speed, peers, horizon, names = 0, 0.0, 0, 0.0, set()
+        for k, (_, raw) in known.items():
             got = heartbeat(raw, r, now, timeout, target, ahead_s)
             if got is not None:
                 samples, speed, peers, horizon = samples + got[0], speed + got[1], peers + 1, max(horizon, got[2])
+                names.add(volunteer_of(keys.peer_of_progress(k)))
         return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small),
-                       horizon_s=horizon)
+                       horizon_s=horizon, volunteers=frozenset(names))
 
 
 def eta(target: int, validated: int, pending: int, samples_per_s: float, closed: bool) -> float | None:

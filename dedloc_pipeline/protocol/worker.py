@@ -231,9 +231,9 @@ class Worker:
         acc = self.acc
         if acc is None or acc.round >= self.state:
             return
-        if self.delayed and acc.round == self.state - 1:
+        if self.delayed and acc.round == self.state - 1 and not acc.stale_samples:
             acc.round, acc.stale_samples = self.state, acc.samples  # missed its round: one step stale
-        else:
+        else:  # closed, or carried once already: some of it would be two steps stale (no shard may say so)
             log.info("%s: dropping %d samples of closed round %d", self.peer, acc.samples, acc.round)
             self._drop()
 
@@ -364,10 +364,10 @@ class Worker:
         full = v.closed or v.manifest_samples >= target or self._fetching is not None  # a newer state exists
         acc = self.acc
         if full and acc is not None and acc.round == r:
-            if self.delayed:
+            if self.delayed and not acc.stale_samples:
                 acc.round, acc.stale_samples = r + 1, acc.samples
-            else:
-                self._upload(acc)  # may still make it before CLOSE; late otherwise
+            else:  # may still make it before CLOSE; late otherwise. Samples carried once already
+                self._upload(acc)  # are not carried again: they would be two steps stale
         if full and not self.delayed:
             self._report(force=False)
             self.activity = "waiting"

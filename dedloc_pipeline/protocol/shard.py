@@ -123,10 +123,11 @@ def stream_window(run: Run) -> int:
 
 
 def max_claim(run: Run) -> int:
-    """The most samples one shard may claim: a worker uploads once the round can fill, and
-    carries what it computed past a closed round into the next one once, never twice, so an
-    honest part holds at most about two target batches. Twice that is refused as impossible; a
-    claim so large would also cost the validator as much to recompute as a whole round."""
+    """The most samples one shard may claim: a worker uploads once the round can fill, computes
+    at most a target batch ahead while a round is reduced, and carries samples past a closed
+    round once, never twice, so an honest part holds at most about two target batches. Twice
+    that is refused as impossible; a claim so large would also cost the validator as much to
+    recompute as a whole round."""
     return 4 * run.config.target_batch_size
 
 

@@ -368,8 +368,9 @@ class Worker:
                 acc.round, acc.stale_samples = r + 1, acc.samples
             else:  # may still make it before CLOSE; late otherwise. Samples carried once already
                 self._upload(acc)  # are not carried again: they would be two steps stale
-        if full and not self.delayed:
-            self._report(force=False)
+        ahead = full and acc is not None and acc.round == r + 1 and acc.samples >= target
+        if full and (not self.delayed or ahead):  # a round's worth of stale samples is enough: a
+            self._report(force=False)  # shard may claim at most a few (shard.max_claim)
             self.activity = "waiting"
             return False
         self.activity = "computing"

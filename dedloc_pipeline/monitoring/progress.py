@@ -3,18 +3,22 @@ what it contributed. ``dedloc worker`` and ``dedloc_pipeline.join`` (notebooks) 
 
 The display reads only ``Worker.snapshot()`` (no bucket call) and, once the state passes a round
 this peer uploaded to, that round's COMMIT: whether the ledger counted the shards. In a terminal
-or a notebook it is a rich live panel; elsewhere (a log file, a pipe, ``--plain``) a plain line
-every few seconds, without escape codes.
+it is a rich live panel; in a Jupyter kernel the same panel as one cell output updated in place;
+elsewhere (a log file, a pipe, ``--plain``) a plain line every few seconds, without escape codes.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import contextvars
+import importlib
+import io
 import logging
 import os
 import signal
+import sys
 import threading
 import time
+import warnings
 from collections import deque
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -35,6 +39,9 @@ log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 30.0  # this peer's samples/s: over the last half minute
 LIVE_REFRESH_S = 0.25
+NOTEBOOK_REFRESH_S = 1.0  # each redraw in a notebook is a message to the frontend
+NOTEBOOK_HTML = ('<pre style="white-space:pre;overflow-x:auto;line-height:normal;'
+                 "font-family:Menlo,'DejaVu Sans Mono',consolas,'Courier New',monospace\">{code}</pre>")
 
 
 class StopRequest:
@@ -116,17 +123,32 @@ class Ledger:
         return "missed", None
 
 
+def in_jupyter_kernel() -> bool:
+    """Whether this process is a Jupyter kernel (Jupyter, Colab, VS Code): an IPython shell with a
+    kernel. A terminal IPython has no kernel and gets the terminal's panel."""
+    ipython = sys.modules.get("IPython")  # never imported here: a kernel has it already
+    shell = ipython.get_ipython() if ipython is not None else None
+    return getattr(shell, "kernel", None) is not None
+
+
 class Display:
-    """A worker's progress until closed: a live panel in a terminal or a notebook (rich draws it
-    there with ipywidgets), else (or with ``plain``) one line every ``every`` seconds. Drawn from
-    its own thread, so it moves while the worker is busy in a long upload."""
+    """A worker's progress until closed: a live panel in a terminal; in a notebook the same panel
+    as one output redrawn in place every second (no ipywidgets needed); else (or with ``plain``)
+    one line every ``every`` seconds. Drawn from its own thread, so it moves while the worker is
+    busy in a long upload."""
 
     def __init__(self, worker: Worker, stop: StopRequest | None = None, plain: bool | None = None,
                  every: float = 10.0, console: Console | None = None):
         self.worker, self.stop = worker, stop
         self.console = console or Console()
-        notebook = self.console.is_jupyter and importlib.util.find_spec("ipywidgets") is not None
-        self.plain = plain if plain is not None else not (self.console.is_terminal or notebook)
+        if plain:
+            self.mode = "plain"
+        elif in_jupyter_kernel():
+            self.mode = "notebook"
+        elif plain is False or self.console.is_terminal:
+            self.mode = "live"
+        else:
+            self.mode = "plain"
         self.every = every
         self.ledger = Ledger(worker.run)
         self._rates: deque[tuple[float, int]] = deque()
@@ -136,14 +158,22 @@ class Display:
         self._thread: threading.Thread | None = None
         self._live: Live | None = None
         self._handlers: list[logging.Handler] = []
+        self._cell = None  # the notebook output, a DisplayHandle
+        self._drawn: str | None = None
 
     def __enter__(self) -> Display:
-        if not self.plain:
+        if self.mode == "live":
             self._live = Live(console=self.console, auto_refresh=False)
             self._live.start()
             root = logging.getLogger()  # log lines above the panel, not through it
             self._handlers, root.handlers = root.handlers, [RichHandler(console=self.console, show_path=False)]
-        self._thread = threading.Thread(target=self._loop, name="dedloc-display", daemon=True)
+        elif self.mode == "notebook":  # log lines stay the cell's stderr, below the panel
+            from IPython.display import display
+            bundle = self.rendered(self.facts())
+            self._cell, self._drawn = display(bundle, raw=True, display_id=True), bundle["text/plain"]
+        # in the caller's context: a kernel sends this thread's output to the cell that called join
+        self._thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,),
+                                        name="dedloc-display", daemon=True)
         self._thread.start()
         return self
 
@@ -153,19 +183,37 @@ class Display:
         if self._live is not None:
             self._live.stop()
             logging.getLogger().handlers = self._handlers
+        if self._cell is not None and not self._thread.is_alive():
+            self._draw(self.facts())  # the output keeps the panel as it ended
 
     def _loop(self) -> None:
-        period = self.every if self.plain else LIVE_REFRESH_S
+        period = {"plain": self.every, "live": LIVE_REFRESH_S, "notebook": NOTEBOOK_REFRESH_S}[self.mode]
         while True:
             facts = self.facts()
             if self._done.is_set():
                 return
-            if self.plain:
-                print(self.line(facts), file=self.console.file, flush=True)
-            else:
-                self._live.update(self.panel(facts), refresh=True)
+            self._draw(facts)
             if self._done.wait(period):
                 return
+
+    def _draw(self, facts: dict) -> None:
+        if self.mode == "plain":
+            print(self.line(facts), file=self.console.file, flush=True)
+        elif self.mode == "live":
+            self._live.update(self.panel(facts), refresh=True)
+        else:
+            bundle = self.rendered(facts)
+            if bundle["text/plain"] != self._drawn:  # an unchanged panel sends nothing
+                self._cell.update(bundle, raw=True)
+                self._drawn = bundle["text/plain"]
+
+    def rendered(self, facts: dict) -> dict[str, str]:
+        """The panel for a notebook output: HTML with rich's colours, and plain text."""
+        console = Console(file=io.StringIO(), record=True, width=120, force_jupyter=False)
+        console.print(self.panel(facts))
+        text = console.export_text(clear=False)
+        return {"text/html": console.export_html(inline_styles=True, code_format=NOTEBOOK_HTML),
+                "text/plain": text}
 
     # what to show
     def facts(self) -> dict:
@@ -329,11 +377,23 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
     return summary(worker, ended, None if interrupted else display.ledger)
 
 
+def _import_tqdm_auto() -> None:
+    """transformers and huggingface_hub import ``tqdm.auto``, which in a kernel without ipywidgets
+    warns "IProgress not found" and falls back to tqdm's console bars. A worker shows none of
+    their bars, so that one warning only alarms a volunteer: import it first without it."""
+    from tqdm import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+        importlib.import_module("tqdm.auto")
+
+
 def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
                 device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
                 poll: float | None = None, endpoint_url: str | None = None) -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
     exists (default: the GPU when there is one), the key it signs with."""
+    _import_tqdm_auto()
     from ..protocol.run import Run
     from ..protocol.worker import Worker
     from ..storage.bucket import Bucket

@@ -6,17 +6,17 @@ STAMP  := $(VENV)/.installed-stamp
 
 BUCKET  ?= file://$(CURDIR)/.dedloc/bucket
 RUN     ?= demo
-ROUNDS  ?= 10
+ROUNDS  ?= 120
 WORKERS ?= 2
 PRESET  ?= tiny
 TARGET  ?= 128
 DATA    ?= bengali
-SEQ     ?= 128
+SEQ     ?= 64
 PREFECT_PORT ?= 4200
-export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ PREFECT_PORT
+export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ VOCAB PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install browser corpus test bench pretrain worker eval status server stop clean
+.PHONY: install browser corpus test bench quality pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -50,6 +50,10 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# Does pretraining pay? A 2-volunteer collaboration next to one process, then fine-tuning (~1 h here).
+quality: $(BENCH_STAMP) corpus
+	$(BIN)/python -m benchmarks.quality
 
 # A whole collaboration on this machine through the Prefect deployment (infra/local_pretrain.py).
 pretrain: install corpus

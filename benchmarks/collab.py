@@ -46,9 +46,10 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
                 warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
                 timeout_s: float = 600, worker_args: tuple[str, ...] = (), url: str | None = None,
                 endpoint_url: str | None = None, env: dict | None = None,
-                prefixes: dict[str, list[str]] | None = None) -> dict:
+                prefixes: dict[str, list[str]] | None = None, config: dict | None = None) -> dict:
     """``prefixes`` maps a process name (``scheduler``, ``peer-0``, ...) to what its command line
-    starts with; ``env`` is added to every process's environment (S3 credentials)."""
+    starts with; ``env`` is added to every process's environment (S3 credentials); ``config``
+    holds further RunConfig fields (a data set in ``url``'s bucket, the optimizer, ...)."""
     from dedloc_pipeline.protocol.config import recipe_config
     from dedloc_pipeline.protocol.run import Run, init_run
     from dedloc_pipeline.storage.bucket import Bucket
@@ -59,7 +60,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     env = {**ENV, **(env or {}), **endpoint}
     prefixes = prefixes or {}
     cfg = recipe_config("bench", preset, target_batch_size=target, micro_batch=micro_batch, codec=codec,
-                        delayed_updates=delayed)
+                        delayed_updates=delayed, **(config or {}))
     run = init_run(Bucket(url, endpoint_url=endpoint_url), cfg)
     end = warmup + rounds
     names = [f"peer-{i}" for i in range(peers)]

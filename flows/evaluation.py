@@ -16,6 +16,11 @@ def heldout_mlm(bucket: str, run: str, state: int | None, samples: int) -> dict:
     return evaluation.evaluate(open_run(bucket, run), state, samples)
 
 
+@task(retries=1)
+def heldout_curve(bucket: str, run: str, samples: int) -> list[dict]:
+    return evaluation.curve(open_run(bucket, run), samples)
+
+
 @task
 def finetune(bucket: str, run: str, state: int, name: str, source: str, corpus_dir: str, options: dict) -> dict:
     return evaluation.finetune_eval(open_run(bucket, run), state, name, source, corpus_dir, **options)
@@ -30,19 +35,24 @@ def _row(res: dict) -> tuple[str, str, str, float, float]:
 @flow(name="evaluate", log_prints=True)
 def evaluate(bucket: str = ".dedloc/bucket", run: str = "demo", round: int | None = None,
              samples: int = 128, tasks: list[str] | None = None, source: str = "offline",
-             corpus_dir: str = ".dedloc/corpus", finetune_options: dict | None = None) -> dict:
+             corpus_dir: str = ".dedloc/corpus", finetune_options: dict | None = None,
+             curve: bool = False) -> dict:
     """Score state ``round`` (default: the latest committed): held-out MLM loss, and fine-tuning on
     ``tasks`` (default: NER and news classification when the run trains on text). ``source``
     offline uses the project's stand-in sets; hub the real WikiANN-bn and Soham news.
-    ``finetune_options`` go to ``downstream.finetune`` (epochs, lr, max_train, seq_len, ...)."""
+    ``finetune_options`` go to ``downstream.finetune`` (epochs, lr, max_train, seq_len, ...).
+    ``curve`` also scores every state the run keeps, for the learning curve (the result's
+    ``curve``)."""
     rn = open_run(bucket, run)
     state = rn.latest() if round is None else round
     if tasks is None:
         tasks = [] if rn.config.data == SYNTHETIC else list(evaluation.DOWNSTREAM)
-    results = {"mlm-heldout": heldout_mlm(bucket, run, state, samples)}
+    results: dict = {"curve": heldout_curve(bucket, run, samples)} if curve else {}
+    scored = [c for c in results.get("curve", []) if c["state"] == state]
+    results["mlm-heldout"] = scored[0] if scored else heldout_mlm(bucket, run, state, samples)
     for name in tasks:  # one after another: each fine-tuning already uses every core
         results[name] = finetune(bucket, run, state, name, source, corpus_dir, finetune_options or {})
-    rows = [_row(r) for r in results.values()]
+    rows = [_row(r) for name, r in results.items() if name != "curve"]
     create_markdown_artifact(key=artifact_key(run, "eval"), description=f"evaluation of run {run}", markdown=(
         f"State {state} of run {run}\n\n| task | data | metric | pretrained | random init |\n|---|---|---|---|---|\n"
         + "".join(f"| {t} | {d} | {m} | {a:.4f} | {b:.4f} |\n" for t, d, m, a, b in rows)))

@@ -100,24 +100,34 @@ def test_served_pretrain_survives_cancel_and_restart(served, tmp_path):
 
 
 def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
+    """The first run, shortened (4 rounds on a capped corpus): it learns (the held-out loss of the
+    last state below random init's), and says so: the summary, the learning curve's PNG, and a
+    last line in plain words."""
     port = _free_port()
-    env = dict(os.environ, BUCKET=f"file://{tmp_path}/bucket", RUN="ci", ROUNDS="2", WORKERS="2",
+    env = dict(os.environ, BUCKET=f"file://{tmp_path}/bucket", RUN="ci", ROUNDS="4", WORKERS="2",
                TARGET="32", PREFECT_PORT=str(port), DEDLOC_PREFECT_HOME=str(tmp_path / "prefect"),
-               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", SEQ="64", MAX_DOCS="300", EVAL_EPOCHS="1",
+               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", MAX_DOCS="300", EVAL_EPOCHS="1",
                EVAL_TRAIN="48")
     res = subprocess.run(["make", "--no-print-directory", "pretrain"], cwd=ROOT, env=env, text=True,
                          capture_output=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     run = Run(Bucket(env["BUCKET"]), "ci")
-    assert run.latest() == 2
-    assert run.config.organizer_key and run.commit_of(2)["rejected"] == []  # a signed run, enrolled workers
-    assert set(run.commit_of(1)["contributors"] + run.commit_of(2)["contributors"]) <= {"local-1", "local-2"}
+    assert run.latest() == 4 and run.seq_len == 64  # the first run's sequences
+    assert Bucket(env["BUCKET"]).read_json("data/bengali/DATA.json")["vocab_size"] == 2000
+    assert run.config.organizer_key and run.commit_of(4)["rejected"] == []  # a signed run, enrolled workers
+    assert {p for s in range(1, 5) for p in run.commit_of(s)["contributors"]} <= {"local-1", "local-2"}
     summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
-    assert summary["rounds"] == 2
-    assert summary["samples"] == run.commit_of(1)["samples"] + run.commit_of(2)["samples"]
-    assert summary["first_loss"] == run.commit_of(1)["loss"] and summary["last_loss"] == run.commit_of(2)["loss"]
+    assert summary["rounds"] == 4
+    assert summary["samples"] == sum(run.commit_of(s)["samples"] for s in range(1, 5))
+    assert summary["first_loss"] == run.commit_of(1)["loss"] and summary["last_loss"] == run.commit_of(4)["loss"]
     assert summary["eval"]["loss"] < summary["eval"]["random_init_loss"]
-    assert "run ci: 2 rounds" in res.stdout and "held-out MLM loss at state 2" in res.stdout
+    assert [s for s, _ in summary["curve"]] == [0, 1, 2, 3, 4]  # ROUNDS // 10 < 1: every state kept
+    assert summary["curve"][0][1] == summary["eval"]["random_init_loss"]
+    assert summary["curve"][-1][1] == summary["eval"]["loss"]
+    png = Path(summary["png"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"learning curve: {png}" in res.stdout
+    assert "run ci: 4 rounds in" in res.stdout and "held-out MLM loss: " in res.stdout
+    assert res.stdout.rstrip().splitlines()[-1].startswith("In plain words: 2 volunteers on this machine ")
     assert set(summary["downstream"]) == {"ner", "news"}  # both fine-tuning numbers, with their baselines
     assert all(0 <= v[k] <= 1 for v in summary["downstream"].values() for k in ("pretrained", "random_init"))
     assert "ner (offline stand-in" in res.stdout and "news (offline stand-in" in res.stdout

@@ -34,19 +34,36 @@ def heldout_scores(run: Run, params, samples: int, micro_batch: int = 16) -> tup
     return mlm / samples, (right / pairs if pairs else None)
 
 
-def evaluate(run: Run, state: int | None = None, samples: int = 128) -> dict:
-    """Score a committed state (default: the latest) and record it under ``evals/``."""
+def evaluate(run: Run, state: int | None = None, samples: int = 128,
+             random_init: tuple[float, float | None] | None = None) -> dict:
+    """Score a committed state (default: the latest) and record it under ``evals/``;
+    ``random_init``, state 0's (loss, sentence-order accuracy) if already scored."""
     state = run.latest() if state is None else state
     loss, sop = heldout_scores(run, run.load_params(state), samples)
-    baseline, sop0 = heldout_scores(run, run.load_params(0), samples)
+    if random_init is None:
+        random_init = (loss, sop) if state == 0 else heldout_scores(run, run.load_params(0), samples)
     result = {"state": state, "task": "mlm-heldout", "dataset": f"{run.config.data} held-out split",
               "samples": samples, "loss": loss, "perplexity": math.exp(min(loss, 50)),
-              "random_init_loss": baseline, "sop_accuracy": sop, "random_init_sop_accuracy": sop0,
+              "random_init_loss": random_init[0], "sop_accuracy": sop, "random_init_sop_accuracy": random_init[1],
               "unigram_entropy": None if run.config.data == SYNTHETIC
               else read_card(run.bucket, run.config.data).get("unigram_entropy"),
               "evaluated_at": time.time()}
     run.bucket.write_json(run.keys.eval(state, "mlm-heldout"), result)
     return result
+
+
+def kept_states(run: Run) -> list[int]:
+    """The states whose parameters a run keeps (``scheduler.prune``): state 0, every
+    ``checkpoint_every``-th, and the last ``keep_states``; a learning curve needs no more."""
+    latest, c = run.latest(), run.config
+    return [s for s in range(latest + 1) if s % c.checkpoint_every == 0 or s > latest - c.keep_states]
+
+
+def curve(run: Run, samples: int = 128) -> list[dict]:
+    """The held-out loss of every kept state, each recorded as ``evaluate`` records one."""
+    first = evaluate(run, 0, samples)
+    random_init = (first["loss"], first["sop_accuracy"])
+    return [first] + [evaluate(run, s, samples, random_init) for s in kept_states(run)[1:]]
 
 
 DOWNSTREAM = ("ner", "news")  # WikiANN-bn NER and Soham news classification, or their stand-ins

@@ -53,6 +53,32 @@ def figures(history: list[dict]) -> dict[str, bytes]:
     return {name: figure(name, history) for name in FIGURES}
 
 
+def learning(history: list[dict], heldout: list[tuple[int, float]], unigram_entropy: float | None = None) -> bytes:
+    """The run's learning against the state (optimizer steps taken). Above: round r's training
+    loss, state r's on the samples it was sent (masked LM + sentence order). Below: the held-out
+    masked-LM loss of the evaluated states, state 0 being random init, and the unigram entropy:
+    below that line the model uses context, not just token frequencies."""
+    fig = Figure(figsize=(7, 5.4), dpi=100, layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    train = [(h["round"], h["loss"]) for h in history if h.get("loss") is not None]
+    top.set(title="learning", ylabel="training loss")
+    if train:
+        top.plot(*zip(*train), marker="o" if len(train) <= 60 else None, markersize=2)
+    bottom.set(xlabel="state (optimizer steps taken)", ylabel="held-out MLM loss")
+    if heldout:
+        bottom.plot(*zip(*heldout), "s-", color="tab:red", label="held-out (state 0: random init)")
+    if unigram_entropy is not None:
+        bottom.axhline(unigram_entropy, color="gray", linestyle=":", label="unigram entropy")
+    if heldout or unigram_entropy is not None:
+        bottom.legend(loc="upper right", fontsize="small")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+
 def write(history: list[dict], out: str) -> list[str]:
     """``out/{name}.png`` for each figure; returns the paths."""
     os.makedirs(out, exist_ok=True)

@@ -110,8 +110,8 @@ def figure(res: dict) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 4), dpi=100, layout="constrained")
-    curve, bars = fig.subplots(1, 2, width_ratios=[3, 2])
+    fig = Figure(figsize=(10 if res["downstream"] else 6, 4), dpi=100, layout="constrained")
+    curve, bars = fig.subplots(1, 2, width_ratios=[3, 2]) if res["downstream"] else (fig.subplots(), None)
     x = res["curve"]["samples"]
     curve.plot(x, res["curve"]["collaboration"], "o-", markersize=3, label=f"collaboration ({res['peers']} volunteers)")
     if res["curve"].get("one_process"):
@@ -120,13 +120,15 @@ def figure(res: dict) -> bytes:
     curve.set(title="held-out masked-LM loss", xlabel="samples", ylabel="loss (nats)")
     curve.grid(alpha=0.3)
     curve.legend(fontsize="small")
-    names = [n for n in ("random_init", "one_process", "collaboration") if any(n in v for v in res["downstream"].values())]
-    for i, name in enumerate(names):
-        bars.bar(np.arange(len(TASKS)) + (i - 1) * 0.27, [res["downstream"][t].get(name, 0) for t in TASKS],
-                 width=0.27, label=name.replace("_", " "))
-    bars.set_xticks(range(len(TASKS)), [f"{t} ({res['downstream'][t]['metric']})" for t in TASKS])
-    bars.set(title="fine-tuned, test split", ylim=(0, 1))
-    bars.legend(fontsize="small")
+    if bars is not None:
+        names = [n for n in ("random_init", "one_process", "collaboration")
+                 if any(n in v for v in res["downstream"].values())]
+        for i, name in enumerate(names):
+            bars.bar(np.arange(len(TASKS)) + (i - 1) * 0.27, [res["downstream"][t].get(name, 0) for t in TASKS],
+                     width=0.27, label=name.replace("_", " "))
+        bars.set_xticks(range(len(TASKS)), [f"{t} ({res['downstream'][t]['metric']})" for t in TASKS])
+        bars.set(title="fine-tuned, test split", ylim=(0, 1))
+        bars.legend(fontsize="small")
     buf = io.BytesIO()
     FigureCanvasAgg(fig).print_png(buf)
     return buf.getvalue()

@@ -27,3 +27,11 @@ def test_one_process_at_the_same_samples_is_the_collaboration_without_its_approx
     collaborate(stale, [("a", 4), ("b", 3), ("c", 5)], rounds=3)
     assert any(s["stale_samples"] for r in range(3) for s in stale.bucket.read_json(stale.keys.close(r))["accepted"])
     assert np.abs(stale.load_params(3) - one_process(stale, [3], threads=1)[3]).max() > 1e-4
+
+
+def test_the_figure_without_fine_tuning_has_the_curve_alone():
+    """The GPU run (benchmarks/gpu_quality.sh) fine-tunes nothing and has no reference."""
+    from benchmarks.quality import figure
+    res = {"curve": {"samples": [0, 128], "collaboration": [6.0, 5.9]}, "peers": 2, "unigram_entropy": 6.1,
+           "downstream": {}}
+    assert figure(res)[:8] == b"\x89PNG\r\n\x1a\n"

@@ -105,10 +105,9 @@ def finetune_all(run, encoders: dict[str, dict | None], corpus_dir: str, options
 
 
 def figure(res: dict) -> bytes:
-    import io
-
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from dedloc_pipeline.monitoring.plots import png
 
     fig = Figure(figsize=(10 if res["downstream"] else 6, 4), dpi=100, layout="constrained")
     curve, bars = fig.subplots(1, 2, width_ratios=[3, 2]) if res["downstream"] else (fig.subplots(), None)
@@ -129,9 +128,7 @@ def figure(res: dict) -> bytes:
         bars.set_xticks(range(len(TASKS)), [f"{t} ({res['downstream'][t]['metric']})" for t in TASKS])
         bars.set(title="fine-tuned, test split", ylim=(0, 1))
         bars.legend(fontsize="small")
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    return buf.getvalue()
+    return png(fig)
 
 
 def table(res: dict):
@@ -185,8 +182,6 @@ def main(peers: int = 2, rounds: int = 300, target: int = 128, seq_len: int = ty
     console.print(f"collaboration: {run.latest()} rounds, {int(seen[-1])} samples in {pretrain_s / 60:.1f} min, "
                   f"{speed['samples_per_s']:.1f} samples/s, compute fraction {speed['compute_fraction']:.2f}")
     threads = os.cpu_count() or 1
-    import torch
-    torch.set_num_threads(threads)
     params = {s: run.load_params(s) for s in states}
     curve = {"states": states, "samples": [int(seen[s]) for s in states],
              "collaboration": [heldout_scores(run, params[s], heldout)[0] for s in states]}

@@ -22,6 +22,13 @@ FIGURES = {
 }
 
 
+def png(fig: Figure) -> bytes:
+    """A figure's PNG bytes, drawn on its own Agg canvas."""
+    buf = io.BytesIO()
+    FigureCanvasAgg(fig).print_png(buf)
+    return buf.getvalue()
+
+
 def _png(title: str, ylabel: str, points: list[tuple[int, float]], bars: bool, from_zero: bool) -> bytes:
     fig = Figure(figsize=(7, 3.6), dpi=100, layout="constrained")
     ax = fig.add_subplot()
@@ -37,9 +44,7 @@ def _png(title: str, ylabel: str, points: list[tuple[int, float]], bars: bool, f
     if points and from_zero:
         ax.set_ylim(bottom=0)
     ax.xaxis.get_major_locator().set_params(integer=True)
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    return buf.getvalue()
+    return png(fig)
 
 
 def figure(name: str, history: list[dict]) -> bytes:
@@ -74,9 +79,7 @@ def learning(history: list[dict], heldout: list[tuple[int, float]], unigram_entr
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    return buf.getvalue()
+    return png(fig)
 
 
 def write(history: list[dict], out: str) -> list[str]:

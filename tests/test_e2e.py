@@ -29,7 +29,7 @@ RUN = "e2e"
 TARGET = 48
 PEER_TIMEOUT = 4.0
 INIT = ["--seq-len", "32", "--chunk-size", "262144", "--target-batch", str(TARGET), "--micro-batch", "4",
-        "--peer-timeout", str(PEER_TIMEOUT), "--lr", "0.002"]
+        "--peer-timeout", str(PEER_TIMEOUT), "--lr", "0.002", "--warmup-steps", "0"]
 WAIT = 180.0  # seconds any one wait may take before the case fails
 
 
@@ -225,15 +225,15 @@ def test_three_workers_on_s3(cluster, s3_bucket):
 def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path):
     """SIGKILL a worker while it holds samples of the open round: its heartbeat goes stale after
     --peer-timeout, the others make its samples up, and the rounds keep closing without it."""
-    rounds = 6
+    bound = 30  # a safety bound only: the case stops everyone once two rounds closed after the kill
     c = cluster(f"file://{tmp_path}/bucket")
     # Without delayed updates every round starts from empty accumulators, so the victim's pending
     # share (large: bigger micro-batches) really is missing from the round it dies in.
     run = c.init("--no-delayed-updates")
-    c.scheduler(rounds)
-    c.worker("w0", rounds)
-    c.worker("w1", rounds)
-    c.worker("victim", rounds, "--micro-batch", "16")
+    c.scheduler(bound)
+    c.worker("w0", bound)
+    c.worker("w1", bound)
+    c.worker("victim", bound, "--micro-batch", "16")
 
     def victim_busy():
         r = c.latest()
@@ -251,14 +251,14 @@ def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path):
     c.procs["victim"].wait(10)
     killed_at = time.time()
     assert c.procs["victim"].returncode == -signal.SIGKILL
-    assert r_kill < rounds - 2, f"killed too late (state {r_kill}) to see rounds without the victim"
     # every shard the victim ever finished, listed before anything could be pruned
     before = {run.keys.shard_of(k) for r in range(r_kill + 2)
               for k in run.bucket.find(f"{run.keys.manifests_dir(r)}/victim")}
 
-    c.wait_exit(["scheduler", "w0", "w1"])
+    # the round open at the kill, then two opened after it
+    c.wait_for(lambda: c.latest() >= r_kill + 4, f"state {r_kill + 4}", alive=("scheduler", "w0", "w1"))
+    c.interrupt()
     commits = c.commits()
-    assert len(commits) == rounds
     for commit in commits:
         assert commit["samples"] >= TARGET and commit["contributors"], commit
     # nothing of the victim's counts but what it had uploaded before it died
@@ -268,7 +268,7 @@ def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path):
     assert open_then["round"] == r_kill and open_then["samples"] >= TARGET
     assert {"w0", "w1"} & set(open_then["contributors"]), open_then
     # rounds opened after the kill (state r committed after it) close from the survivors alone
-    after = [commits[r] for r in range(r_kill + 1, rounds) if run.commit_of(r)["committed_at"] > killed_at]
+    after = [commits[r] for r in range(r_kill + 1, len(commits)) if run.commit_of(r)["committed_at"] > killed_at]
     assert len(after) >= 2, [(x["round"], x["committed_at"]) for x in commits]
     for commit in after:
         assert set(commit["contributors"]) <= {"w0", "w1"}, commit

@@ -24,7 +24,7 @@ from .test_e2e import RUN, Cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-ROUNDS = 6
+ROUNDS = 10  # at 6, one early round of mallory's (before its flag) left the attacked run 11.5% off in one of two runs; at 10: 2.4% and 5.6%
 HONEST = ("w0", "w1", "w2")
 CLAIM = 8  # mallory claims this many times the samples it computed
 MALLORY = r"""

@@ -179,8 +179,11 @@ def test_worker_on_a_missing_gpu(trained):
     (["--seq-len", "4"], "--seq-len"),
     (["--chunks-per-part", "0"], "--chunks-per-part"),
     (["--aggregation", "median"], "--aggregation"),
-    (["--optimizer", "sgd"], "--optimizer"),
+    (["--optimizer", "rmsprop"], "--optimizer"),
     (["--download-codec", "zip"], "--download-codec"),
+    (["--algorithm", "local-sgd"], "--algorithm"),
+    (["--inner-batch", "0"], "--inner-batch"),
+    (["--outer-momentum", "1"], "--outer-momentum"),
 ])
 def test_bad_init_values(tmp_path, args, flag):
     url = f"file://{tmp_path}/bucket"

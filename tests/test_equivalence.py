@@ -2,8 +2,8 @@
 
 The reference below knows nothing of shards, chunks, parts or codecs: it takes the samples each
 round accepted (as the manifests name them), computes the whole batch's gradient on full tensors
-(a delayed-update shard's stale samples on the state before), and steps torch's AdamW or a
-textbook LAMB. The protocol must land on the same parameters.
+(a delayed-update shard's stale samples on the state before), and steps torch's AdamW or SGD,
+or a textbook LAMB. The protocol must land on the same parameters.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def reference(run, rounds: int) -> list[np.ndarray]:
     params = dict(model.named_parameters())
     decay = {t.name: t.decay for t in flat.tensors}
     oc = cfg.optimizer
-    adamw = torch.optim.AdamW(
-        [{"params": [params[n] for n in params if decay[n]], "weight_decay": oc.weight_decay},
-         {"params": [params[n] for n in params if not decay[n]], "weight_decay": 0.0}],
-        lr=oc.lr, betas=oc.betas, eps=oc.eps)
+    groups = [{"params": [params[n] for n in params if decay[n]], "weight_decay": oc.weight_decay},
+              {"params": [params[n] for n in params if not decay[n]], "weight_decay": 0.0}]
+    torch_opt = (torch.optim.SGD(groups, lr=oc.lr, momentum=oc.momentum, nesterov=oc.nesterov) if oc.name == "sgd"
+                 else torch.optim.AdamW(groups, lr=oc.lr, betas=oc.betas, eps=oc.eps))
     lamb_state: dict = {}
     thetas = [flat.get()]
     for r in range(rounds):
@@ -69,10 +69,10 @@ def reference(run, rounds: int) -> list[np.ndarray]:
         for t in flat.tensors:
             params[t.name].grad = torch.from_numpy(g[t.offset:t.offset + t.size].copy()).view(t.shape)
         lr = lr_at(oc, r + 1)
-        if oc.name == "adamw":
-            for group in adamw.param_groups:
+        if oc.name in ("adamw", "sgd"):
+            for group in torch_opt.param_groups:
                 group["lr"] = lr
-            adamw.step()
+            torch_opt.step()
         else:
             _lamb_step(params, decay, lamb_state, oc, lr, r + 1)
         thetas.append(flat.get())

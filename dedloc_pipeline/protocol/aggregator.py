@@ -67,9 +67,10 @@ def reduce_part(run: Run, r: int, part: int) -> str:
         grad = (total / weights.sum()).astype(np.float32)
     codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}
-    if run.config.optimizer.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
+    opt = run.config.aggregator_optimizer
+    if opt.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
         p, state, _ = _read_state(run, r, part, residual=False)
-        partials = optim.partials(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1)
+        partials = optim.partials(opt, run.flat, lo, p, state, grad, step=r + 1)
     bucket.write_json(marker, {"part": part, "partials": partials})
     return marker
 
@@ -78,7 +79,8 @@ def _read_state(run: Run, r: int, part: int, residual: bool = True):
     chunks = run.part_chunks(part)
     fmt, keys = run.dense_format, run.keys
     p = codec.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
-    state = {n: codec.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy() for n in optim.STATE}
+    state = {n: codec.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy()
+             for n in optim.slots(run.config.aggregator_optimizer)}
     res = codec.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy() if residual else None
     return p, state, res
 
@@ -89,7 +91,7 @@ def prepare(run: Run, r: int) -> None:
     codec.create_vector(run.bucket, keys.reduced(r), run.dense_format)
     codec.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
     codec.create_vector(run.bucket, keys.delta(r + 1), run.delta_format, cname="lz4hc")
-    for name in (*optim.STATE, "residual"):
+    for name in (*optim.slots(run.config.aggregator_optimizer), "residual"):
         codec.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
 
 
@@ -102,15 +104,15 @@ def apply_part(run: Run, r: int, part: int) -> str:
     chunks = run.part_chunks(part)
     lo, _ = run.part_bounds(part)
     grad = codec.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
-    norms = None
-    if run.config.optimizer.name == "lamb":
+    norms, opt = None, run.config.aggregator_optimizer
+    if opt.name == "lamb":
         found = bucket.read_many([keys.reduced_marker(r, k) for k in range(run.n_parts)])
         if any(v is None for v in found.values()):
             raise RunError(f"round {r}: LAMB needs every part reduced first")
         norms = optim.merge_partials([json.loads(v)["partials"] for v in found.values()])
     p_old, state, residual = _read_state(run, r, part)
     p = p_old.copy()
-    optim.apply(run.config.optimizer, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
+    optim.apply(opt, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
     # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.
     cfg = run.config
     q, p_new, residual = codec.delta_encode(p_old, p, cfg.param_codec, cfg.block_size, residual)
@@ -163,7 +165,7 @@ def commit_state(run: Run, r: int) -> dict:
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],
             "loss": loss, "contributors": sorted({s["peer"] for s in shards}), "shards": shards,
-            "rejected": close["rejected"], "lr": optim.lr_at(run.config.optimizer, r + 1),
+            "rejected": close["rejected"], "lr": optim.lr_at(run.config.aggregator_optimizer, r + 1),
             "opened_at": close.get("opened_at"), "closed_at": close["closed_at"],
             "committed_at": time.time(),
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],

@@ -20,16 +20,34 @@ Codec = Literal["none", "fp16", "int8", "int4"]
 class OptimizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["adamw", "lamb"] = Field(
-        "adamw", description="lamb: a trust ratio per tensor, for large batches (the sahajBERT recipe)",
-        json_schema_extra={"flag": "--optimizer"})
+    name: Literal["adamw", "lamb", "sgd"] = Field(
+        "adamw", description="lamb: a trust ratio per tensor, for large batches (the sahajBERT recipe); "
+        "sgd: with momentum, optionally Nesterov's", json_schema_extra={"flag": "--optimizer"})
     lr: float = Field(2e-3, gt=0, description="peak learning rate")
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-6, gt=0)
     weight_decay: float = Field(0.01, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0, description="rounds of linear warmup to the peak learning rate")
     total_steps: int | None = Field(None, gt=0, description="linear decay to 0 over this many steps")
     clamp: float = Field(10.0, gt=0, description="LAMB: upper bound of the trust ratio")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD: momentum")
+    nesterov: bool = Field(False, description="SGD: Nesterov's momentum")
+
+
+class Outer(BaseModel):
+    """algorithm diloco: the step the aggregators take on the mean pseudo-gradient (DiLoCo's:
+    Nesterov SGD, lr 0.7, momentum 0.9)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(0.7, gt=0, description="diloco: the outer step's learning rate",
+                      json_schema_extra={"flag": "--outer-lr"})
+    momentum: float = Field(0.9, ge=0, lt=1, description="diloco: the outer step's Nesterov momentum",
+                            json_schema_extra={"flag": "--outer-momentum"})
+
+    def optimizer(self) -> OptimizerConfig:
+        return OptimizerConfig(name="sgd", lr=self.lr, momentum=self.momentum, nesterov=self.momentum > 0,
+                               weight_decay=0.0)
 
 
 class CloseRule(BaseModel):
@@ -139,8 +157,14 @@ class RunConfig(BaseModel):
     checkpoint_every: int = Field(100, gt=0, description="states whose params and optimizer stay")
     peer_timeout_s: float = Field(30.0, gt=0, description="seconds before a silent peer counts as gone",
                                   json_schema_extra={"flag": "--peer-timeout"})
+    algorithm: Literal["dedloc", "diloco"] = Field(
+        "dedloc", description="dedloc: one optimizer step per filled batch, taken by the aggregators; diloco: "
+        "volunteers take optimizer steps on their own samples and send the distance they moved, the "
+        "aggregators take the outer step on its mean (for models whose gradient is too big to send each step)")
+    inner_batch: int = Field(64, gt=0, description="diloco: samples per optimizer step on a volunteer")
     cadence: Cadence = Cadence()
     optimizer: OptimizerConfig = OptimizerConfig()
+    outer: Outer = Outer()
     close: CloseRule = CloseRule()
 
     @model_validator(mode="after")
@@ -151,11 +175,19 @@ class RunConfig(BaseModel):
             raise ValueError("chunk_size must be a multiple of block_size")
         if self.organizer_key is not None:
             check_public(self.organizer_key)
+        if self.algorithm == "diloco" and self.optimizer.name == "lamb":
+            raise ValueError("diloco's inner optimizer (on the volunteers) is adamw or sgd")
         if self.layout_version != LAYOUT_VERSION:
             raise ValueError(
                 f"run uses bucket layout v{self.layout_version}; this dedloc reads v{LAYOUT_VERSION}"
             )
         return self
+
+    @property
+    def aggregator_optimizer(self) -> OptimizerConfig:
+        """The step the aggregators take on the round's mean: the optimizer itself, or in
+        diloco the outer step (the optimizer then runs on the volunteers)."""
+        return self.outer.optimizer() if self.algorithm == "diloco" else self.optimizer
 
     @property
     def param_codec(self) -> Codec:

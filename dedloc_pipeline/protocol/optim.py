@@ -1,7 +1,7 @@
 """Optimizer steps on a range of the flat vector, with that range's slice of optimizer state.
 
-An aggregator owns chunks, not tensors, so a range may cut a tensor in two. AdamW is elementwise
-and runs on each tensor piece as it is (through ``torch.optim.AdamW`` itself). LAMB scales each
+An aggregator owns chunks, not tensors, so a range may cut a tensor in two. AdamW and SGD are
+elementwise and run on each tensor piece as it is (through ``torch.optim`` itself). LAMB scales each
 tensor by a trust ratio ||p|| / ||u|| over the *whole* tensor, so it takes two passes: every range
 first reports per-tensor partial sums of squares (``partials``), then ``apply`` combines them.
 """
@@ -16,7 +16,13 @@ import torch
 from ..model.albert import FlatLayout
 from .config import OptimizerConfig
 
-STATE = ("exp_avg", "exp_avg_sq")
+STATE = ("exp_avg", "exp_avg_sq")  # AdamW's and LAMB's moments, per element
+SGD_STATE = ("momentum_buffer",)
+
+
+def slots(cfg: OptimizerConfig) -> tuple[str, ...]:
+    """The optimizer state each state keeps beside its parameters (a vector per name)."""
+    return SGD_STATE if cfg.name == "sgd" else STATE
 
 
 def lr_at(cfg: OptimizerConfig, step: int) -> float:
@@ -64,19 +70,17 @@ def apply(cfg: OptimizerConfig, layout: FlatLayout, lo: int, p: np.ndarray, stat
     """One optimizer step on p[lo:lo+len(p)], in place on ``p`` and ``state``."""
     lr = lr_at(cfg, step)
     pieces = [(t, slice(a - lo, b - lo)) for t, a, b in layout.pieces(lo, lo + len(p))]
-    if cfg.name == "adamw":
+    if cfg.name in ("adamw", "sgd"):
         groups = {True: [], False: []}
         tstate = {}
         for t, s in pieces:
             w = torch.nn.Parameter(_t(p[s]))
             w.grad = _t(g[s])
             groups[t.decay].append(w)
-            tstate[w] = {"step": torch.tensor(float(step - 1)),
-                         "exp_avg": _t(state["exp_avg"][s]), "exp_avg_sq": _t(state["exp_avg_sq"][s])}
-        opt = torch.optim.AdamW(
-            [{"params": groups[True], "weight_decay": cfg.weight_decay},
-             {"params": groups[False], "weight_decay": 0.0}],
-            lr=lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+            tstate[w] = {name: _t(state[name][s]) for name in slots(cfg)}
+            if cfg.name == "adamw":
+                tstate[w]["step"] = torch.tensor(float(step - 1))
+        opt = torch_optimizer(cfg, groups[True], groups[False], lr)
         opt.state.update(tstate)
         opt.step()
         return
@@ -97,3 +101,15 @@ def merge_partials(parts: list[dict[str, list[float]]]) -> dict[str, list[float]
             acc[0] += a
             acc[1] += b
     return total
+
+
+def torch_optimizer(cfg: OptimizerConfig, decayed: list, other: list, lr: float | None = None) -> torch.optim.Optimizer:
+    """``torch.optim``'s AdamW or SGD as ``cfg`` says, weight decay on ``decayed`` only: the
+    aggregators' step on a range, and a diloco volunteer's inner steps on its whole model."""
+    groups = [{"params": decayed, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    lr = cfg.lr if lr is None else lr
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=False)
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    raise ValueError(f"no torch optimizer for {cfg.name!r}")

@@ -156,6 +156,9 @@ class Recomputer:
         """The shard's mean gradient recomputed: its first ``stale_samples`` samples on the state
         before its round's, the rest on its round's state, gradients summed over both as the
         worker sums them, then divided by the samples."""
+        if self.run.config.algorithm == "diloco":
+            raise Unverifiable("a diloco shard is where the volunteer's inner steps went, which depends on its "
+                               "inner optimizer state (never uploaded): only its claims and norm are checked", fault=False)
         from ..model.albert import pretraining_loss_sum
 
         self.check_claim(entry)

@@ -41,7 +41,7 @@ from ..model.albert import FlatLayout, pretraining_loss_sum
 from ..model.data import make_source
 from ..storage.codec import CorruptShard, ErrorFeedback
 from ..trust import identity
-from . import shard, view as published
+from . import optim, shard, view as published
 from .run import Run, RunError
 from .view import RoundView
 
@@ -69,6 +69,7 @@ class Accumulator:
     stale_samples: int = 0
     loss_sum: float = 0.0
     ranges: list[list[int]] = field(default_factory=list)
+    unstepped: int = 0  # diloco: samples in ``model.grad`` that no inner step has taken yet
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,12 @@ class Worker:
         cfg = run.config
         self.source = make_source(run)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
+        # diloco: the inner optimizer and its state stay on this machine (a joiner starts fresh)
+        self.inner, self.inner_steps = None, 0
+        if cfg.algorithm == "diloco":
+            named = dict(self.model.named_parameters())
+            self.inner = optim.torch_optimizer(cfg.optimizer, [named[t.name] for t in self.flat.tensors if t.decay],
+                                               [named[t.name] for t in self.flat.tensors if not t.decay])
         self.state: int | None = None
         self._state_hash = ""  # shard.commit_hash of state's COMMIT
         self.stopped = False  # the organizer wrote the run's STOP marker
@@ -206,8 +213,10 @@ class Worker:
             self._drop()  # more than one step behind: those gradients are too stale to use
         if self._closed_seen is not None:
             self._reduce_s, self._closed_seen = time.monotonic() - self._closed_seen, None
+        # diloco: the inner steps not yet sent move with the state (their pseudo-gradient stays)
+        moved = self.flat.get() - self.params if self.inner is not None and self.acc is not None else None
         self.params, self.state, self._state_hash = params, latest, shard.commit_hash(commit)
-        self.flat.set(params)
+        self.flat.set(params if moved is None else params + moved)
         self._view = None
         self._looked = float("-inf")  # the view read before this was of the old state
         self._uploaded = {x for x in self._uploaded if x >= latest}
@@ -421,10 +430,33 @@ class Worker:
         else:
             acc.ranges.append([self.cursor, n])
         acc.samples += n
+        acc.unstepped += n
         acc.stale_samples += n if round_ > self.state else 0
         self.cursor += n
         self.computed_samples += n
         self._note_speed(n)
+        if self.inner is not None and acc.unstepped >= self.run.config.inner_batch:
+            self._inner_step()
+
+    def _inner_step(self) -> None:
+        """diloco: one optimizer step on this volunteer's model, on the mean gradient of the
+        samples since the last one. The learning rate follows the round, as in the default
+        algorithm (its schedule counts rounds): the same for every volunteer, whatever its
+        speed or arrival."""
+        acc = self.acc
+        if not acc.unstepped:
+            return
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for p in self.model.parameters():  # one the batch never reached steps on zero, as at an aggregator
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(acc.unstepped)
+        self.inner_steps += 1
+        for group in self.inner.param_groups:
+            group["lr"] = optim.lr_at(self.run.config.optimizer, self.state + 1)
+        self.inner.step()
+        self.model.zero_grad(set_to_none=False)
+        acc.unstepped = 0
+        self.compute_s += time.perf_counter() - t0
 
     def train(self, cursor: int, n: int) -> float:
         """Forward and backward on samples ``cursor`` to ``cursor + n`` of this peer's stream,
@@ -440,7 +472,11 @@ class Worker:
         copy is what is sent) and the model's gradients are zeroed for the next part. Until the
         manifest lands its samples count as this peer's pending (heartbeat) and unseen shards
         (round view), so nobody reads them as missing."""
-        grad = self.flat.grad()
+        if self.inner is not None:  # diloco: the pseudo-gradient, state minus where the inner steps went
+            self._inner_step()
+            update = self.params - self.flat.get()
+        else:  # the gradient sum, divided by the samples on the transfer thread
+            update = self.flat.grad()
         sent = _Sent(acc.round, acc.samples, state_hash=self._state_hash)  # acc.round is self.state
         self._uploaded.add(acc.round)
         self._short_since = None
@@ -448,17 +484,18 @@ class Worker:
         if self._view is not None:  # the view in hand counts it until the next read does
             self._view = dataclasses.replace(self._view, manifest_samples=self._view.manifest_samples + sent.samples)
         data = shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges])
-        sent.job = self._transfer(self._send, grad, acc.round, acc.samples, acc.loss_sum / acc.samples,
-                                          data, acc.stale_samples, sent)
+        sent.job = self._transfer(self._send, update, acc.round, acc.samples, acc.loss_sum / acc.samples,
+                                  data, acc.stale_samples, sent)
         self._sending.append(sent)
         self._drop()
         self._report(force=True, round_=sent.round)  # the others count these samples as on their way
 
-    def _send(self, grad, r: int, samples: int, loss: float, data: shard.DataRef, stale: int, sent: "_Sent") -> str:
+    def _send(self, update, r: int, samples: int, loss: float, data: shard.DataRef, stale: int, sent: "_Sent") -> str:
         """On the transfer thread: encode (the error feedback is this thread's alone, in
         upload order) and upload, chunks first and the manifest last."""
-        grad /= samples
-        arrays = self.feedback.encode(grad)
+        if self.inner is None:
+            update /= samples  # the mean gradient
+        arrays = self.feedback.encode(update)
         part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
         key = shard.upload(self.run, r, self.peer, part, arrays, samples, loss, data, stale_samples=stale,
                            signer=self.signer, abandoned=self._abandon.is_set, state_hash=sent.state_hash)
@@ -499,8 +536,11 @@ class Worker:
         self._settle(wait=True)
 
     def _drop(self) -> None:
+        """Forget the accumulated samples; in diloco the inner steps too (back to the state)."""
         self.acc = None
         self.model.zero_grad(set_to_none=False)
+        if self.inner is not None and self.params is not None:
+            self.flat.set(self.params)
 
     def _report(self, force: bool, round_: int | None = None) -> None:
         """Heartbeat for the round being accumulated: pending samples and speed."""

@@ -1,0 +1,128 @@
+"""algorithm diloco: volunteers take inner optimizer steps, the aggregators an outer step.
+
+Two references, each knowing nothing of shards, chunks, parts or codecs:
+- one inner SGD step per shard and an outer SGD step of lr 1 without momentum is the default
+  algorithm with SGD: the one-process replay of test_equivalence must land on the same
+  parameters, with delayed updates too (a carried shard's inner steps move with the state);
+- with several inner AdamW steps per shard, a textbook DiLoCo: every volunteer's own AdamW
+  (kept across rounds) steps through its shard's samples from state r, the pseudo-gradients'
+  sample-weighted mean takes a Nesterov step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
+from dedloc_pipeline.model.data import make_source
+from dedloc_pipeline.protocol.optim import lr_at
+from dedloc_pipeline.storage import codec
+
+from dedloc_pipeline.protocol import shard
+
+from .protocol_driver import collaborate
+from .test_equivalence import reference
+
+PEERS = [("a", 4), ("b", 3), ("c", 5)]
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
+def test_one_inner_sgd_step_is_the_default_algorithm_with_sgd(make_run, delayed):
+    rounds = 3
+    sgd = {"name": "sgd", "lr": 0.5, "warmup_steps": 2}
+    run = make_run(run="diloco", codec="none", optimizer=sgd, delayed_updates=delayed, algorithm="diloco",
+                   inner_batch=10_000, outer={"lr": 1.0, "momentum": 0.0})  # one inner step: at the upload
+    assert run.n_parts >= 2
+    collaborate(run, PEERS, rounds)
+    thetas = reference(run, rounds)  # the same samples, one SGD step per round in one process
+    for r in range(1, rounds + 1):
+        got = run.load_params(r)
+        # float32: state minus (state minus step) is the step to within an ulp of the state
+        assert np.abs(got - thetas[r]).max() <= 2e-6, f"state {r}"
+        assert np.abs(got - thetas[0]).max() > 1e-3
+    shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
+    assert {s["peer"] for s in shards} == {p for p, _ in PEERS}
+    if delayed:
+        assert any(s["stale_samples"] for s in shards), "delayed updates never produced a stale sample"
+
+
+def diloco_reference(run, rounds: int, micro: dict[str, int]) -> list[np.ndarray]:
+    """DiLoCo in one process: in each round every shard a volunteer made (accepted or late: all
+    of them moved its inner optimizer) starts at state r and takes an AdamW step (the
+    volunteer's own, kept across rounds; the round's learning rate) whenever the micro-batches
+    since the last reach ``inner_batch``, and one on the rest; Nesterov SGD on the accepted
+    shards' sample-weighted mean of (state - local)."""
+    cfg, oc = run.config, run.config.optimizer
+    model = run.build_model()
+    source = make_source(run)
+    locals_, inner = {}, {}
+    outer_model = copy.deepcopy(model)
+    outer_flat = FlatLayout(outer_model)
+    outer = torch.optim.SGD(outer_model.parameters(), lr=cfg.outer.lr, momentum=cfg.outer.momentum, nesterov=True)
+    thetas = [outer_flat.get()]
+
+    def inner_step(m, peer, pending, r):
+        m.zero_grad()
+        b = [source.batch(peer, i, 1) for i in pending]
+        pretraining_loss_sum(m, {k: torch.cat([x[k] for x in b]) for k in b[0]}).backward()
+        for p in m.parameters():
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad / len(pending)
+        for g in inner[peer].param_groups:
+            g["lr"] = lr_at(oc, r + 1)
+        inner[peer].step()
+        pending.clear()
+
+    for r in range(rounds):
+        close = run.bucket.read_json(run.keys.close(r))
+        weight = {s["key"]: s["weight"] for s in close["accepted"]}
+        total = np.zeros(outer_flat.n, np.float64)
+        for peer in sorted(micro):
+            if peer not in locals_:
+                locals_[peer] = copy.deepcopy(model)
+                named = dict(locals_[peer].named_parameters())
+                lf = FlatLayout(locals_[peer])
+                inner[peer] = torch.optim.AdamW(
+                    [{"params": [named[t.name] for t in lf.tensors if t.decay], "weight_decay": oc.weight_decay},
+                     {"params": [named[t.name] for t in lf.tensors if not t.decay], "weight_decay": 0.0}],
+                    lr=oc.lr, betas=oc.betas, eps=oc.eps)
+            m, lf = locals_[peer], FlatLayout(locals_[peer])
+            for mkey in sorted(run.bucket.find(run.keys.manifests_dir(r, peer))):  # in the order made
+                manifest = shard.Manifest.model_validate_json(run.bucket.read_bytes(mkey))
+                lf.set(thetas[r])
+                idx = [i for a, c in manifest.data.ranges for i in range(a, a + c)]
+                pending: list[int] = []
+                for i in range(0, len(idx), micro[peer]):
+                    pending.extend(idx[i:i + micro[peer]])
+                    if len(pending) >= cfg.inner_batch:
+                        inner_step(m, peer, pending, r)
+                if pending:
+                    inner_step(m, peer, pending, r)
+                total += weight.get(run.keys.shard_of(mkey), 0) * (thetas[r].astype(np.float64) - lf.get())
+        outer_flat.set(thetas[r])
+        mean = (total / sum(weight.values())).astype(np.float32)
+        named = dict(outer_model.named_parameters())
+        for t in outer_flat.tensors:
+            named[t.name].grad = torch.from_numpy(mean[t.offset:t.offset + t.size].copy()).view(t.shape)
+        outer.step()
+        thetas.append(outer_flat.get())
+    return thetas
+
+
+def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run):
+    rounds = 3
+    run = make_run(run="diloco", codec="none", optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+                   algorithm="diloco", inner_batch=8, target_batch_size=48)
+    collaborate(run, PEERS, rounds)
+    thetas = diloco_reference(run, rounds, dict(PEERS))
+    for r in range(1, rounds + 1):
+        got = run.load_params(r)
+        assert np.abs(got - thetas[r]).max() <= 1e-5, f"state {r}: max |diff| {np.abs(got - thetas[r]).max():.3g}"
+    # the outer momentum is kept by the aggregators, beside the parameters
+    momentum = codec.read_vector(run.bucket, run.keys.optim(rounds, "momentum_buffer"), run.dense_format)
+    assert np.abs(momentum).max() > 0
+    shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
+    assert max(s["samples"] for s in shards) >= 2 * 8, "no shard took two inner steps"

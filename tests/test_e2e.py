@@ -222,14 +222,30 @@ def test_three_workers_on_s3(cluster, s3_bucket):
     assert s3_bucket.exists(f"runs/{RUN}/state/{rounds:08d}/COMMIT.json")
 
 
-def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path):
-    """SIGKILL a worker while it holds samples of the open round: its heartbeat goes stale after
-    --peer-timeout, the others make its samples up, and the rounds keep closing without it."""
+# diloco: a worker takes an inner step every 8 samples (2 micro-batches; the victim's: every one)
+ALGORITHMS = {"dedloc": (), "diloco": ("--algorithm", "diloco", "--inner-batch", "8")}
+
+
+def assert_counted_once(run: Run) -> None:
+    """No sample of any stream counts in two accepted shards, over every committed round."""
+    seen: set[tuple[str, int]] = set()
+    for r in range(run.latest()):
+        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            got = {(s["data"]["stream"], i) for a, n in s["data"]["ranges"] for i in range(a, a + n)}
+            assert not got & seen, f"round {r}: {s['key']} counts samples already counted"
+            seen |= got
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path, algorithm):
+    """SIGKILL a worker while it holds samples of the open round (in diloco: in the middle of its
+    inner steps): its heartbeat goes stale after --peer-timeout, the others make its samples
+    up, and the rounds keep closing without it."""
     bound = 30  # a safety bound only: the case stops everyone once two rounds closed after the kill
     c = cluster(f"file://{tmp_path}/bucket")
     # Without delayed updates every round starts from empty accumulators, so the victim's pending
     # share (large: bigger micro-batches) really is missing from the round it dies in.
-    run = c.init("--no-delayed-updates")
+    run = c.init("--no-delayed-updates", *ALGORITHMS[algorithm])
     c.scheduler(bound)
     c.worker("w0", bound)
     c.worker("w1", bound)
@@ -272,11 +288,14 @@ def test_a_killed_worker_does_not_stop_the_run(cluster, tmp_path):
     assert len(after) >= 2, [(x["round"], x["committed_at"]) for x in commits]
     for commit in after:
         assert set(commit["contributors"]) <= {"w0", "w1"}, commit
+    assert_counted_once(run)
 
 
-def test_a_worker_joining_late_pulls_the_state_and_contributes(cluster, tmp_path):
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_worker_joining_late_pulls_the_state_and_contributes(cluster, tmp_path, algorithm):
+    """In diloco the joiner starts with a fresh inner optimizer on the state it pulled."""
     c = cluster(f"file://{tmp_path}/bucket")
-    c.init()
+    c.init(*ALGORITHMS[algorithm])
     bound = 40  # a safety bound only: the case stops everyone once the joiner has contributed
     c.scheduler(bound)
     c.worker("w0", bound)
@@ -301,3 +320,4 @@ def test_a_worker_joining_late_pulls_the_state_and_contributes(cluster, tmp_path
     assert all("joiner" not in x["contributors"] for x in c.commits()[:joined_at])
     # and the established workers kept contributing alongside it
     assert {p for x in c.commits() for p in x["contributors"]} >= {"w0", "w1", "joiner"}
+    assert_counted_once(c.run)

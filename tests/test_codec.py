@@ -69,7 +69,7 @@ def test_error_feedback_keeps_the_sum():
     assert drift < 3 * one_step  # bounded, not growing with the number of steps
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["none", "fp16", "int8", "int4", "sparse"])
 def test_chunked_storage_reads_any_range(bucket, name):
     fmt = VectorFormat(name, 10_000, 2048, 512)
     x = _vec(10_000)
@@ -77,7 +77,7 @@ def test_chunked_storage_reads_any_range(bucket, name):
     sums = codec.write_vector(bucket, "v", fmt, arrays)
     assert all(len(s) == fmt.n_chunks == 5 for s in sums.values())
     whole = codec.read_vector(bucket, "v", fmt, checksums=sums)
-    assert np.array_equal(whole, codec.decode(arrays, name, 512))
+    assert np.array_equal(whole, codec.decode(arrays, name, 512, 10_000))
     part = codec.read_vector(bucket, "v", fmt, range(2, 5), checksums=sums)
     assert np.array_equal(part, whole[4096:])
 
@@ -108,7 +108,7 @@ def test_corrupted_chunk_is_caught(bucket):
         codec.read_vector(bucket, "nothing", fmt)
 
 
-@pytest.mark.parametrize("name", ["none", "fp16", "int8"])
+@pytest.mark.parametrize("name", ["none", "fp16", "int8", "sparse"])
 def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
     """A peer holding state r and the stored delta gets exactly the committed state r+1."""
     fmt = VectorFormat(name, 9000, 2048, 512)
@@ -116,6 +116,7 @@ def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
     residual = None
     for step in range(3):
         p_new = p_old - 1e-3 * np.sign(_vec(9000, seed=10 + step))
+        before = 0 if residual is None else residual
         arrays, committed, residual = codec.delta_encode(p_old, p_new, name, 512, residual)
         sums = codec.write_vector(bucket, f"d{step}", fmt, arrays)
         stored = codec.read_vector(bucket, f"d{step}", fmt, checksums=sums, raw=True)
@@ -123,6 +124,8 @@ def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
         assert rebuilt.tobytes() == committed.tobytes()
         if name == "none":
             assert committed.tobytes() == p_new.tobytes()
+        elif name == "sparse":  # what it dropped waits in the residual, exactly
+            assert np.allclose(committed + residual, p_new + before, atol=1e-7)
         else:
             assert np.abs(committed - p_new).max() <= 2e-3 / 127 * (1.01 if name == "int8" else 1) + 1e-6
         p_old = committed
@@ -145,3 +148,37 @@ def test_a_vector_written_whole_reads_any_chunk_range_the_same_on_s3(s3_bucket, 
         assert np.array_equal(there["scales"], here["scales"])
     with pytest.raises(ValueError, match="at once"):
         codec.write_vector(local, "t", fmt, {k: v[:1024] for k, v in arrays.items()}, range(0, 1))
+
+
+def test_sparse_keeps_the_largest_sixty_fourth_of_each_block_in_two_bits(bucket):
+    block, n = 4096, 4096 * 256 + 100  # a short last block too; large enough that metadata is a rounding error
+    x = (np.random.default_rng(5).standard_t(3, n) * 1e-3).astype(np.float32)
+    arrays = codec.encode(x, "sparse", block)
+    y = codec.decode(arrays, "sparse", block, n)
+    k = block // codec.SPARSE_KEEP
+    for b in range(0, n, block):
+        xb, yb = x[b:b + block], y[b:b + block]
+        kept = np.flatnonzero(yb)
+        assert len(kept) == min(k, len(xb))
+        assert set(kept) == set(np.argsort(-np.abs(xb), kind="stable")[:len(kept)])  # the largest
+        assert np.all(np.sign(yb[kept]) == np.sign(xb[kept]))
+        assert len(np.unique(np.abs(yb[kept]))) <= 2  # one of the block's two magnitudes
+    # the error feedback carries the rest: over many steps of one vector the sum catches up
+    fb = codec.ErrorFeedback("sparse", block)
+    total = sum(codec.decode(fb.encode(x), "sparse", block, n).astype(np.float64) for _ in range(128))
+    assert np.linalg.norm(total / 128 - x) < 0.25 * np.linalg.norm(x)
+    # bytes as written to the bucket, per element (SparseLoCo's budget: a few hundredths)
+    fmt = VectorFormat("sparse", n, 1 << 16, block, whole=True)
+    before = bucket.stats.bytes_written
+    sums = codec.write_vector(bucket, "sp", fmt, arrays)
+    assert (bucket.stats.bytes_written - before) / n < 0.05
+    assert np.array_equal(codec.read_vector(bucket, "sp", fmt, checksums=sums), y)
+
+
+def test_a_sparse_position_outside_its_block_is_refused():
+    arrays = codec.encode(_vec(1024), "sparse", 256)
+    arrays["indices"][3] = 300  # would land in the next block
+    with pytest.raises(ValueError, match="outside its block"):
+        codec.decode(arrays, "sparse", 256, 1024)
+    with pytest.raises(ValueError, match="outside its block"):
+        codec.squared_norm(arrays, "sparse", 256)

@@ -126,3 +126,28 @@ def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run):
     assert np.abs(momentum).max() > 0
     shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
     assert max(s["samples"] for s in shards) >= 2 * 8, "no shard took two inner steps"
+
+
+def test_sparse_pseudo_gradients_take_hundredths_of_a_byte_per_parameter(make_run):
+    rounds = 3
+    run = make_run(run="sparse", codec="sparse", algorithm="diloco", inner_batch=8, target_batch_size=48,
+                   optimizer={"name": "adamw", "lr": 3e-3})
+    assert run.config.param_codec == "sparse"  # what peers download too
+    workers = collaborate(run, PEERS, rounds)
+    shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
+    assert {s["peer"] for s in shards} == {p for p, _ in PEERS}
+    for s in shards:  # as stored: chunks, Blosc headers and zarr metadata
+        assert sum(run.bucket.sizes(s["key"]).values()) / run.flat.n <= 0.05, s["key"]
+    assert np.abs(run.load_params(rounds) - run.load_params(0)).max() > 1e-3
+    # every peer rebuilt each state from its sparse delta bit for bit
+    for w in workers:
+        assert w.params.tobytes() == run.load_params(w.state).tobytes()
+
+
+def test_the_sparse_codec_is_for_diloco_and_whole_blocks():
+    from .conftest import small_config
+
+    with pytest.raises(ValueError, match="--algorithm diloco"):
+        small_config(codec="sparse")
+    with pytest.raises(ValueError, match="multiple of 256"):
+        small_config(codec="sparse", algorithm="diloco", block_size=128, chunk_size=1 << 16)

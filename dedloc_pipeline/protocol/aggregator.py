@@ -80,7 +80,7 @@ def _read_state(run: Run, r: int, part: int, residual: bool = True):
     fmt, keys = run.dense_format, run.keys
     p = codec.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
     state = {n: codec.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy()
-             for n in optim.slots(run.config.aggregator_optimizer)}
+             for n in run.config.aggregator_optimizer.slots}
     res = codec.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy() if residual else None
     return p, state, res
 
@@ -91,7 +91,7 @@ def prepare(run: Run, r: int) -> None:
     codec.create_vector(run.bucket, keys.reduced(r), run.dense_format)
     codec.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
     codec.create_vector(run.bucket, keys.delta(r + 1), run.delta_format, cname="lz4hc")
-    for name in (*optim.slots(run.config.aggregator_optimizer), "residual"):
+    for name in (*run.config.aggregator_optimizer.slots, "residual"):
         codec.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
 
 

@@ -14,7 +14,7 @@ from ..model.presets import PRESETS
 from ..storage.layout import LAYOUT_VERSION
 from ..trust.identity import check_public
 
-Codec = Literal["none", "fp16", "int8", "int4"]
+Codec = Literal["none", "fp16", "int8", "int4", "sparse"]
 
 
 class OptimizerConfig(BaseModel):
@@ -32,6 +32,11 @@ class OptimizerConfig(BaseModel):
     clamp: float = Field(10.0, gt=0, description="LAMB: upper bound of the trust ratio")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD: momentum")
     nesterov: bool = Field(False, description="SGD: Nesterov's momentum")
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        """The optimizer state each state keeps beside its parameters, a vector per name."""
+        return ("momentum_buffer",) if self.name == "sgd" else ("exp_avg", "exp_avg_sq")
 
 
 class Outer(BaseModel):
@@ -175,6 +180,11 @@ class RunConfig(BaseModel):
             raise ValueError("chunk_size must be a multiple of block_size")
         if self.organizer_key is not None:
             check_public(self.organizer_key)
+        if self.codec == "sparse" and self.algorithm != "diloco":
+            raise ValueError("the sparse codec is for diloco's pseudo-gradients (--algorithm diloco); the "
+                             "default algorithm's validator has no tolerance for it")
+        if "sparse" in (self.codec, self.download_codec) and self.block_size % 256:  # 1/64 kept, 4 codes a byte
+            raise ValueError("the sparse codec needs a block size that is a multiple of 256")
         if self.algorithm == "diloco" and self.optimizer.name == "lamb":
             raise ValueError("diloco's inner optimizer (on the volunteers) is adamw or sgd")
         if self.layout_version != LAYOUT_VERSION:

@@ -16,13 +16,7 @@ import torch
 from ..model.albert import FlatLayout
 from .config import OptimizerConfig
 
-STATE = ("exp_avg", "exp_avg_sq")  # AdamW's and LAMB's moments, per element
-SGD_STATE = ("momentum_buffer",)
-
-
-def slots(cfg: OptimizerConfig) -> tuple[str, ...]:
-    """The optimizer state each state keeps beside its parameters (a vector per name)."""
-    return SGD_STATE if cfg.name == "sgd" else STATE
+STATE = OptimizerConfig().slots  # AdamW's (and LAMB's) moments, per element
 
 
 def lr_at(cfg: OptimizerConfig, step: int) -> float:
@@ -77,7 +71,7 @@ def apply(cfg: OptimizerConfig, layout: FlatLayout, lo: int, p: np.ndarray, stat
             w = torch.nn.Parameter(_t(p[s]))
             w.grad = _t(g[s])
             groups[t.decay].append(w)
-            tstate[w] = {name: _t(state[name][s]) for name in slots(cfg)}
+            tstate[w] = {name: _t(state[name][s]) for name in cfg.slots}
             if cfg.name == "adamw":
                 tstate[w]["step"] = torch.tensor(float(step - 1))
         opt = torch_optimizer(cfg, groups[True], groups[False], lr)

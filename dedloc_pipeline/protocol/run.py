@@ -16,7 +16,6 @@ from ..storage.bucket import Bucket
 from ..storage.codec import VectorFormat
 from ..storage.layout import LAYOUT_VERSION, DataLayout, RunLayout
 from ..trust import identity
-from . import optim
 from .config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -237,7 +236,7 @@ def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519Priva
         bias = run.flat.tensor("predictions.bias")
         p0[bias.offset:bias.offset + bias.size] = unigram_log_probs(bucket, config.data, bias.size)
     sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
-    for name in (*optim.slots(config.aggregator_optimizer), "residual"):
+    for name in (*config.aggregator_optimizer.slots, "residual"):
         codec.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks
     bucket.create_json(keys.commit(0), run.record("COMMIT of state 0", {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,

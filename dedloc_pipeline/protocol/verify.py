@@ -200,7 +200,7 @@ def read_shard(run: Run, entry: dict) -> np.ndarray:
         arrays = codec.read_vector(run.bucket, entry["key"], fmt, checksums=entry["checksums"], raw=True)
     except codec.CorruptShard as exc:
         raise Unverifiable(f"the shard is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
-    return codec.decode(arrays, fmt.codec, fmt.block)
+    return codec.decode(arrays, fmt.codec, fmt.block, fmt.n)
 
 
 def similarities(run: Run, entries: list[dict]) -> np.ndarray:
@@ -214,7 +214,8 @@ def similarities(run: Run, entries: list[dict]) -> np.ndarray:
         bad = next((x for x in found if isinstance(x, codec.CorruptShard)), None)
         if bad is not None:
             raise Unverifiable(f"a shard is no longer in the bucket (pruned): {bad}", fault=False, pruned=True)
-        x = np.stack([codec.decode(a, fmt.codec, fmt.block) for a in found]).astype(np.float64)
+        x = np.stack([codec.decode(a, fmt.codec, fmt.block, fmt.elements(range(c, c + 1)))
+                      for a in found]).astype(np.float64)
         gram += x @ x.T
     norms = np.sqrt(np.clip(np.diag(gram), 1e-300, None))
     return gram / np.outer(norms, norms)
@@ -245,7 +246,8 @@ class Verifier:
         if not 0 <= fraction <= 1:
             raise ValueError(f"fraction {fraction} is not in [0, 1]")
         self.run, self.fraction, self.at_least, self.poll_s = run, fraction, at_least, poll_s
-        self.tolerance, self.copy_cosine = tolerance or TOLERANCES[run.config.codec], copy_cosine
+        # diloco shards (the sparse codec's only use) are not recomputed: no tolerance to apply
+        self.tolerance, self.copy_cosine = tolerance or TOLERANCES.get(run.config.codec, Tolerance(0.0, 1.0)), copy_cosine
         self.revoke = revoke
         self.recompute = Recomputer(run, device, micro_batch)
 

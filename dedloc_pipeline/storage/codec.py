@@ -1,7 +1,11 @@
 """Codecs for flat float32 vectors (gradient shards, parameter deltas) and their zarr storage.
 
 ``none`` stores fp32 (exact), ``fp16`` halves, ``int8`` and ``int4`` keep one absmax scale per
-block of ``block`` elements and 127 or 7 levels each side of zero. Every vector is stored as zarr
+block of ``block`` elements and 127 or 7 levels each side of zero. ``sparse`` (SparseLoCo's
+shape, for diloco's outer updates) keeps the largest 1/64 of each block by magnitude: their
+positions in the block (uint16) and 2 bits each, a sign and one of two magnitudes the block
+stores (the means of the smaller and the larger half), about 0.036 bytes per element before lz4;
+what it drops, error feedback carries to the next vector. Every vector is stored as zarr
 arrays chunked like the flat parameter vector, compressed with Blosc-lz4, so aggregators can read
 any chunk range on its own. A vector one writer makes at once (a peer's gradient shard) keeps its
 chunks in one object per array (zarr's sharding codec): a request per array, not per chunk, to
@@ -30,6 +34,7 @@ from .bucket import Bucket
 
 FP16_MAX = float(np.finfo(np.float16).max)
 LEVELS = {"int8": 127, "int4": 7}  # blockwise codes: integers in [-L, L]
+SPARSE_KEEP = 64  # sparse: one element in this many of each block is kept
 # Quantized codes are stored zigzag-folded (0, -1, 1, -2, ... -> 0, 1, 2, 3, ...) as uint8, so
 # the bit planes above a block's typical magnitude are all zero and bit-shuffle + lz4 drops them.
 # Measured on real tiny-ALBERT gradient codes (bytes per element): two's complement 0.71,
@@ -90,12 +95,20 @@ class VectorFormat:
         if self.codec == "fp16":
             return {"values": ("float16", self.n, self.chunk_size)}
         nb = -(-self.n // self.block)
+        if self.codec == "sparse":
+            k, per_chunk = self.block // SPARSE_KEEP, self.chunk_size // self.block
+            return {"indices": ("uint16", nb * k, per_chunk * k), "codes": ("uint8", nb * k // 4, per_chunk * k // 4),
+                    "scales": ("float32", nb * 2, per_chunk * 2)}
         return {"codes": ("uint8", self.n, self.chunk_size),
                 "scales": ("float32", nb, self.chunk_size // self.block)}
 
     def bounds(self, name: str, chunks: range) -> tuple[int, int]:
         _, length, clen = self.arrays()[name]
         return chunks.start * clen, min(chunks.stop * clen, length)
+
+    def elements(self, chunks: range) -> int:
+        """How many elements of the vector ``chunks`` hold."""
+        return min(chunks.stop * self.chunk_size, self.n) - chunks.start * self.chunk_size
 
 
 def encode(x: np.ndarray, codec: str, block: int) -> dict[str, np.ndarray]:
@@ -104,6 +117,8 @@ def encode(x: np.ndarray, codec: str, block: int) -> dict[str, np.ndarray]:
         return {"values": x.copy()}
     if codec == "fp16":
         return {"values": np.clip(x, -FP16_MAX, FP16_MAX).astype(np.float16)}
+    if codec == "sparse":
+        return _sparse_encode(x, block)
     if codec not in LEVELS:
         raise ValueError(f"unknown codec {codec!r}")
     levels = LEVELS[codec]
@@ -116,6 +131,41 @@ def encode(x: np.ndarray, codec: str, block: int) -> dict[str, np.ndarray]:
     np.divide(blocks, scales[:, None], out=q, where=scales[:, None] > 0)
     codes = np.clip(np.rint(q), -levels, levels).astype(np.int8).reshape(-1)[: len(x)]
     return {"codes": _zigzag(codes), "scales": scales}
+
+
+def _sparse_encode(x: np.ndarray, block: int) -> dict[str, np.ndarray]:
+    k, nb = block // SPARSE_KEEP, -(-len(x) // block)
+    mag = np.full(nb * block, -1.0, np.float32)  # the padding of a short last block is kept last
+    mag[: len(x)] = np.abs(x)
+    idx = np.sort(np.argpartition(mag.reshape(nb, block), block - k, axis=1)[:, block - k:], axis=1)
+    padded = np.zeros(nb * block, np.float32)
+    padded[: len(x)] = x
+    vals = np.take_along_axis(padded.reshape(nb, block), idx, axis=1)
+    a = np.abs(vals)
+    ranked = np.sort(a, axis=1)
+    scales = np.stack([ranked[:, : k // 2].mean(axis=1), ranked[:, k // 2:].mean(axis=1)], axis=1).astype(np.float32)
+    q = (a >= scales.mean(axis=1, keepdims=True)).astype(np.uint8) | ((vals < 0).astype(np.uint8) << 1)
+    q = q.reshape(nb, k // 4, 4)
+    codes = q[..., 0] | (q[..., 1] << 2) | (q[..., 2] << 4) | (q[..., 3] << 6)
+    return {"indices": idx.astype(np.uint16).reshape(-1), "codes": codes.reshape(-1), "scales": scales.reshape(-1)}
+
+
+def _sparse_decode(arrays: dict[str, np.ndarray], block: int) -> np.ndarray:
+    """Every block in full (a short last block's padding included: callers cut to length);
+    a position outside its block is an error, never a write elsewhere."""
+    idx, codes, scales = arrays["indices"], arrays["codes"], arrays["scales"]
+    nb, k = len(scales) // 2, block // SPARSE_KEEP
+    if len(idx) != nb * k or len(codes) * 4 != nb * k or len(scales) != 2 * nb:
+        raise ValueError(f"sparse arrays of {len(idx)}, {len(codes)} and {len(scales)} elements disagree")
+    if nb and int(idx.max()) >= block:
+        raise ValueError(f"a sparse position {int(idx.max())} outside its block of {block}")
+    q = ((codes[:, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3).reshape(nb, k)
+    sc = scales.reshape(nb, 2)
+    vals = np.where(q & 1, sc[:, 1:], sc[:, :1])
+    vals = np.where(q & 2, -vals, vals).astype(np.float32)
+    out = np.zeros(nb * block, np.float32)
+    out[(np.arange(nb)[:, None] * block + idx.astype(np.int64).reshape(nb, k)).reshape(-1)] = vals.reshape(-1)
+    return out
 
 
 def _zigzag(codes: np.ndarray) -> np.ndarray:
@@ -136,10 +186,13 @@ def _per_block(values: np.ndarray, factors: np.ndarray, block: int) -> np.ndarra
     return values
 
 
-def decode(arrays: dict[str, np.ndarray], codec: str, block: int) -> np.ndarray:
-    """Exact inverse of the codec's rounding: deterministic, so every peer gets the same bits."""
+def decode(arrays: dict[str, np.ndarray], codec: str, block: int, n: int | None = None) -> np.ndarray:
+    """Exact inverse of the codec's rounding: deterministic, so every peer gets the same bits.
+    ``n``: the elements the arrays hold (needed by ``sparse``, whose blocks are stored whole)."""
     if codec in ("none", "fp16"):
         return arrays["values"].astype(np.float32)
+    if codec == "sparse":
+        return _sparse_decode(arrays, block)[:n]
     return _per_block(_levels(arrays["codes"]), arrays["scales"], block)
 
 
@@ -149,6 +202,9 @@ def accumulate(total: np.ndarray, arrays: dict[str, np.ndarray], codec: str, blo
     if codec in ("none", "fp16"):
         total += arrays["values"].astype(np.float64) * weight
         return
+    if codec == "sparse":
+        total += _sparse_decode(arrays, block)[: len(total)].astype(np.float64) * weight
+        return
     total += _per_block(_levels(arrays["codes"]), arrays["scales"] * np.float32(weight), block)
 
 
@@ -156,6 +212,9 @@ def squared_norm(arrays: dict[str, np.ndarray], codec: str, block: int) -> float
     """||decode(arrays)||², for quantized codes straight from levels and scales (no decoding)."""
     if codec in ("none", "fp16"):
         v = arrays["values"].astype(np.float64)
+        return float(v @ v)
+    if codec == "sparse":  # a short last block's padding counts too: kept only where it is
+        v = _sparse_decode(arrays, block).astype(np.float64)  # among the block's largest
         return float(v @ v)
     scales = arrays["scales"].astype(np.float64)
     levels = _levels(arrays["codes"])
@@ -176,7 +235,7 @@ class ErrorFeedback:
             return encode(x, "none", self.block)
         y = x if self.residual is None else x + self.residual
         arrays = encode(y, self.codec, self.block)
-        self.residual = y - decode(arrays, self.codec, self.block)
+        self.residual = y - decode(arrays, self.codec, self.block, len(y))
         return arrays
 
 
@@ -199,7 +258,7 @@ def delta_encode(p_old: np.ndarray, p_new: np.ndarray, codec: str, block: int,
 def delta_apply(p_old: np.ndarray, arrays: dict, codec: str, block: int) -> np.ndarray:
     if codec == "none":
         return (p_old.view(np.uint32) ^ arrays["values"].view(np.uint32)).view(np.float32)
-    return p_old + decode(arrays, codec, block)
+    return p_old + decode(arrays, codec, block, len(p_old))
 
 
 def checksum(a: np.ndarray) -> str:
@@ -298,7 +357,7 @@ def read_vector(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range | Non
     arrays = read_vectors(bucket, [key], fmt, chunks, [checksums])[0]
     if isinstance(arrays, CorruptShard):
         raise arrays
-    return arrays if raw else decode(arrays, fmt.codec, fmt.block)
+    return arrays if raw else decode(arrays, fmt.codec, fmt.block, fmt.elements(chunks or range(fmt.n_chunks)))
 
 
 def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: range | None = None,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from benchmarks.scale import peer_samples, synthetic_gradient
-from dedloc_pipeline.model.albert import FlatLayout
+from dedloc_pipeline.model.flat import FlatLayout
 from dedloc_pipeline.protocol import aggregator
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run

@@ -47,8 +47,9 @@ def one_process(run, states: list[int], threads: int, micro_batch: int = 16) -> 
     """Parameters at ``states`` of the same pretraining in one process at the same samples."""
     import torch
 
-    from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
+    from dedloc_pipeline.model.albert import pretraining_loss_sum
     from dedloc_pipeline.model.data import make_source
+    from dedloc_pipeline.model.flat import FlatLayout
     from dedloc_pipeline.protocol.optim import lr_at
 
     torch.set_num_threads(threads)
@@ -82,7 +83,7 @@ def one_process(run, states: list[int], threads: int, micro_batch: int = 16) -> 
 
 
 def encoder_of(run, params: np.ndarray) -> dict:
-    from dedloc_pipeline.model.albert import FlatLayout
+    from dedloc_pipeline.model.flat import FlatLayout
     model = run.build_model()
     FlatLayout(model).set(params)
     return model.albert.state_dict()

@@ -224,22 +224,24 @@ def _change_roster(bucket: str, run: str, endpoint: str | None, organizer_key: s
 @app.command("eval")
 def eval_(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
           state: Optional[int] = typer.Option(None, help="committed state (default: the latest)"),
-          task: list[str] = typer.Option(["mlm-heldout", "ner", "news"], help="mlm-heldout | ner | news"),
+          task: Optional[list[str]] = typer.Option(
+              None, help="mlm-heldout | lm-heldout | ner | news (default: the run's held-out loss, and ner and "
+              "news for an ALBERT trained on text)"),
           source: str = typer.Option("offline", help="offline (the project's stand-in sets) | hub (WikiANN-bn, Soham)"),
           corpus_dir: str = typer.Option(".dedloc/corpus", help="the offline corpus (`make corpus`)"),
           epochs: int = typer.Option(20, help="most fine-tuning epochs (early stopping ends sooner)"),
           max_train: Optional[int] = typer.Option(None, help="fine-tune on at most N training examples"),
           verbose: bool = False):
-    """Score a committed state next to random init: held-out MLM loss, NER F1, news accuracy."""
+    """Score a committed state next to random init: held-out loss, NER F1, news accuracy."""
     _setup(verbose)
     from .evaluation import heldout as evaluation
     r = _open(bucket, run, endpoint_url)
     state = r.latest() if state is None else state
-    for name in task:
-        if name == "mlm-heldout":
+    for name in task or evaluation.default_tasks(r):
+        if name.endswith("heldout"):
             res = evaluation.evaluate(r, state)
-            typer.echo(f"mlm-heldout ({res['dataset']}): loss {res['loss']:.4f} "
-                       f"(random init {res['random_init_loss']:.4f})")
+            typer.echo(f"{res['task']} ({res['dataset']}): loss {res['loss']:.4f}, perplexity "
+                       f"{res['perplexity']:.1f} (random init {res['random_init_loss']:.4f})")
         else:
             res = evaluation.finetune_eval(r, state, name, source, corpus_dir, epochs=epochs,
                                            max_train=max_train)

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
+from dedloc_pipeline.model.albert import pretraining_loss_sum
 from dedloc_pipeline.model.data import make_source
+from dedloc_pipeline.model.flat import FlatLayout
 from dedloc_pipeline.protocol.optim import lr_at
 from dedloc_pipeline.storage import codec
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
 from dedloc_pipeline.model.data import make_source
+from dedloc_pipeline.model.families import loss_sum
+from dedloc_pipeline.model.flat import FlatLayout
 from dedloc_pipeline.protocol.optim import lr_at
 
 from .protocol_driver import collaborate
@@ -62,7 +63,7 @@ def reference(run, rounds: int) -> list[np.ndarray]:
                 model.zero_grad()
                 batches = [source.batch(s["data"]["stream"], i, 1) for i in ids]
                 batch = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
-                pretraining_loss_sum(model, batch).backward()
+                loss_sum(model, batch).backward()
                 grad += flat.grad()
         flat.set(thetas[r])
         g = (grad / close["samples"]).astype(np.float32)
@@ -111,6 +112,19 @@ def test_n_peers_equal_one_process(make_run, peers, optimizer, delayed):
     assert all(s["weight"] == s["samples"] for s in shards), "an honest volunteer's samples were capped"
     if delayed:
         assert any(s["stale_samples"] for s in shards), "delayed updates never produced a stale sample"
+
+
+def test_a_causal_decoder_in_n_peers_equals_one_process(make_run):
+    """The same invariant for the causal family (model/causal.py): next-token loss, Llama."""
+    rounds = 3
+    run = make_run(preset="causal-tiny", codec="none", optimizer={"lr": 3e-3, "warmup_steps": 2}, delayed_updates=True)
+    assert type(run.build_model()).__name__ == "LlamaForCausalLM"
+    collaborate(run, [("a", 4), ("b", 3), ("c", 5)], rounds)
+    thetas = reference(run, rounds)
+    for r in range(1, rounds + 1):
+        assert np.abs(run.load_params(r) - thetas[r]).max() <= 5e-6, f"state {r}"
+    losses = [run.commit_of(r)["loss"] for r in range(1, rounds + 1)]
+    assert losses[-1] < losses[0], losses
 
 
 def test_int8_loss_curve_stays_close_to_exact(bucket):

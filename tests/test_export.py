@@ -38,3 +38,28 @@ def test_export_loads_back_with_transformers(bengali, tmp_path):
     assert meta["state"] == 2 and meta["samples_seen"] == sum(run.commit_of(s)["samples"] for s in (1, 2))
     prefix = export_to_bucket(run, 1)
     assert {"config.json", "model.safetensors", "tokenizer.json", "dedloc.json"} <= set(run.bucket.list(prefix))
+
+
+def test_a_causal_decoder_exports_for_auto_model_for_causal_lm_and_generates(bengali, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM, pipeline
+
+    from dedloc_pipeline.evaluation.heldout import evaluate
+
+    url, name = bengali
+    run = init_run(Bucket(url), small_config("causal", preset="causal-tiny", data=name, optimizer={"lr": 3e-3}))
+    collaborate(run, [("a", 4), ("b", 4)], rounds=2)
+    scored = evaluate(run, 2, samples=16)  # the evaluate flow's held-out score: next-token loss
+    assert scored["task"] == "lm-heldout" and scored["loss"] < scored["random_init_loss"], scored
+    assert run.bucket.exists(run.keys.eval(2, "lm-heldout"))
+    out = export(run, None, tmp_path / "hf")
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(model, LlamaForCausalLM)
+    batch = PairSource(run.bucket, name, 0, causal=True).batch("~heldout", 0, 2)
+    with torch.no_grad():
+        want = model_at(run, 2)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.allclose(got, want, atol=1e-5)
+    generate = pipeline("text-generation", model=str(out), tokenizer=str(out), device="cpu")
+    # two rounds in, [SEP] (the end of a text) is its likeliest next token: ask for a few more first
+    text = generate("আমি", min_new_tokens=4, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    assert text.startswith("আমি") and len(text) > len("আমি")

@@ -207,8 +207,9 @@ def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, 
 # case 11: byzantine peers
 
 def _heldout_loss(run, state):
-    from dedloc_pipeline.model.albert import FlatLayout, pretraining_loss_sum
+    from dedloc_pipeline.model.albert import pretraining_loss_sum
     from dedloc_pipeline.model.data import make_source
+    from dedloc_pipeline.model.flat import FlatLayout
     model = run.build_model()
     FlatLayout(model).set(run.load_params(state))
     batch = make_source(run).batch("heldout", 0, 32)

@@ -1,10 +1,15 @@
 """Model presets and their run recipes (sahajBERT: ALBERT-large with LAMB, target batch 4096)."""
 
 import pytest
+import torch
+from transformers import LlamaForCausalLM
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.model.albert import FlatLayout, build_model
+from dedloc_pipeline.model.albert import build_model
+from dedloc_pipeline.model.causal import causal_config
+from dedloc_pipeline.model.flat import FlatLayout
+from dedloc_pipeline.monitoring.cost import n_params
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
@@ -41,3 +46,15 @@ def test_init_takes_the_recipe_of_its_preset(tmp_path):
     bad = CliRunner().invoke(app, ["init", "--bucket", url, "--run", "x", "--preset", "huge"])
     assert bad.exit_code != 0 and "unknown preset" in bad.output
     assert not Bucket(url).exists("runs/x/run.json")  # nothing written
+
+
+@pytest.mark.parametrize("preset,billions", [("causal-125m", 0.11), ("causal-1b", 1.1), ("causal-7b", 6.7)])
+def test_the_large_causal_presets_have_their_size_on_the_meta_device(preset, billions):
+    """Built without memory (torch's meta device): their shapes, and the count the cost model
+    and the scale table (docs/diloco.md) use."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(causal_config(preset))
+    n = sum(p.numel() for p in model.parameters())
+    assert n == n_params(preset)
+    assert abs(n / 1e9 - billions) / billions < 0.05, n
+    assert all(p.is_meta for p in model.parameters())

@@ -1,8 +1,10 @@
 """A committed state as a Hugging Face model directory: weights, config and the run's tokenizer.
 
-The directory loads with ``AutoModelForMaskedLM.from_pretrained`` (the sentence-order head is
-left out) or ``AlbertForPreTraining.from_pretrained`` (both heads), so the result of a volunteer
-run is used like any checkpoint on the hub.
+An ALBERT's directory loads with ``AutoModelForMaskedLM.from_pretrained`` (the sentence-order
+head is left out) or ``AlbertForPreTraining.from_pretrained`` (both heads); a causal decoder's
+with ``AutoModelForCausalLM`` and a ``text-generation`` pipeline (its tokenizer starts a prompt
+with [CLS] and leaves [SEP], the end of a text, to the model). So the result of a volunteer run
+is used like any checkpoint on the hub.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import tempfile
 from pathlib import Path
 
 from ..model import tokenizer
-from ..model.albert import FlatLayout
 from ..model.data import SYNTHETIC
+from ..model.flat import FlatLayout
+from ..model.presets import family
 from ..protocol.run import Run
 from ..storage.layout import DataLayout
 
@@ -41,6 +44,7 @@ def export(run: Run, state: int | None, dest: str | os.PathLike) -> Path:
     model_at(run, state).save_pretrained(dest)
     tok = run_tokenizer(run)
     if tok is not None:
+        tok = tokenizer.for_generation(tok) if family(run.config.preset) == "causal" else tok
         tok.model_max_length = run.seq_len
         tok.save_pretrained(dest)
     commit = run.commit_of(state)

@@ -1,7 +1,8 @@
 """Evaluation of committed states, always next to the same model at random initialisation.
 
-A state is scored by its masked-LM loss (and sentence-order accuracy, when the data has sentence
-pairs) on the data set's held-out split, which no peer trains on.
+A state is scored on the data set's held-out split, which no peer trains on: an ALBERT by its
+masked-LM loss (and sentence-order accuracy, when the data has sentence pairs), a causal decoder
+by its next-token loss (and so its perplexity).
 """
 
 from __future__ import annotations
@@ -11,13 +12,20 @@ import time
 
 import torch
 
-from ..model.albert import FlatLayout, pretraining_losses
 from ..model.data import HELDOUT, SYNTHETIC, make_source, read_card
+from ..model.families import losses as sample_losses
+from ..model.flat import FlatLayout
+from ..model.presets import family
 from ..protocol.run import Run
 
 
+def task_of(run: Run) -> str:
+    """The held-out score's name: ``mlm-heldout`` for an ALBERT, ``lm-heldout`` for a causal decoder."""
+    return "lm-heldout" if family(run.config.preset) == "causal" else "mlm-heldout"
+
+
 def heldout_scores(run: Run, params, samples: int, micro_batch: int = 16) -> tuple[float, float | None]:
-    """(mean masked-LM loss, sentence-order accuracy or None) over ``samples`` held-out samples."""
+    """(mean loss, sentence-order accuracy or None) over ``samples`` held-out samples."""
     model = run.build_model()
     FlatLayout(model).set(params)
     model.eval()
@@ -26,7 +34,7 @@ def heldout_scores(run: Run, params, samples: int, micro_batch: int = 16) -> tup
     with torch.no_grad():
         for start in range(0, samples, micro_batch):
             batch = source.batch(HELDOUT, start, min(micro_batch, samples - start))
-            losses, sop, sop_logits = pretraining_losses(model, batch)
+            losses, sop, sop_logits = sample_losses(model, batch)
             mlm += float(losses.sum())
             if sop is not None:
                 right += int((sop_logits.argmax(-1) == batch["sentence_order_label"]).sum())
@@ -42,13 +50,13 @@ def evaluate(run: Run, state: int | None = None, samples: int = 128,
     loss, sop = heldout_scores(run, run.load_params(state), samples)
     if random_init is None:
         random_init = (loss, sop) if state == 0 else heldout_scores(run, run.load_params(0), samples)
-    result = {"state": state, "task": "mlm-heldout", "dataset": f"{run.config.data} held-out split",
+    result = {"state": state, "task": task_of(run), "dataset": f"{run.config.data} held-out split",
               "samples": samples, "loss": loss, "perplexity": math.exp(min(loss, 50)),
               "random_init_loss": random_init[0], "sop_accuracy": sop, "random_init_sop_accuracy": random_init[1],
               "unigram_entropy": None if run.config.data == SYNTHETIC
               else read_card(run.bucket, run.config.data).get("unigram_entropy"),
               "evaluated_at": time.time()}
-    run.bucket.write_json(run.keys.eval(state, "mlm-heldout"), result)
+    run.bucket.write_json(run.keys.eval(state, result["task"]), result)
     return result
 
 
@@ -67,6 +75,12 @@ def curve(run: Run, samples: int = 128) -> list[dict]:
 
 
 DOWNSTREAM = ("ner", "news")  # WikiANN-bn NER and Soham news classification, or their stand-ins
+
+
+def default_tasks(run: Run) -> list[str]:
+    """The held-out score, and fine-tuning an ALBERT trained on text on the downstream tasks."""
+    text_encoder = family(run.config.preset) == "albert" and run.config.data != SYNTHETIC
+    return [task_of(run)] + (list(DOWNSTREAM) if text_encoder else [])
 
 
 def task_data(task: str, source: str = "offline", corpus_dir: str = ".dedloc/corpus"):
@@ -90,6 +104,9 @@ def finetune_eval(run: Run, state: int | None, task: str, source: str = "offline
     from . import downstream
     from .export import model_at, run_tokenizer
     _check(task, source)
+    if family(run.config.preset) != "albert":
+        raise ValueError(f"run {run.name!r} trains a causal decoder: the downstream tasks fine-tune an ALBERT "
+                         "encoder (score it with lm-heldout)")
     state = run.latest() if state is None else state
     tok = run_tokenizer(run)
     if tok is None:

@@ -1,7 +1,8 @@
 """Training samples, addressed as (stream, index) so every sample a round used can be named.
 
 Each peer reads its own stream (its peer id), and a manifest can list exactly which samples a
-shard was computed from.
+shard was computed from. A sample is masked for an ALBERT (BERT masking, drawn from the sample's
+own generator) and running text for a causal decoder (every token its own label).
 
 - ``PairSource``: a tokenized data set in the bucket (``packing``). A stream visits the data
   set's shards epoch after epoch in an order seeded by the run's seed and the stream's name, so
@@ -21,7 +22,7 @@ import numpy as np
 
 from ..storage.bucket import Bucket
 from ..storage.layout import DataLayout
-from .presets import PRESETS, SPECIAL_TOKENS
+from .presets import PRESETS, SPECIAL_TOKENS, family
 
 SYNTHETIC = "synthetic"
 HELDOUT = "~heldout"  # no peer id can start with "~": no peer ever trains on it
@@ -42,8 +43,8 @@ class SyntheticSource:
 
     n_special = len(SPECIAL_TOKENS)
 
-    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, successors: int = 4):
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+    def __init__(self, vocab_size: int, seq_len: int, seed: int = 0, successors: int = 4, causal: bool = False):
+        self.vocab_size, self.seq_len, self.seed, self.causal = vocab_size, seq_len, seed, causal
         rng = np.random.default_rng([seed, 1])
         n = vocab_size - self.n_special
         zipf = 1.0 / np.arange(1, n + 1)
@@ -59,7 +60,7 @@ class SyntheticSource:
         for i in range(1, n):
             toks[i] = self.next[toks[i - 1], picks[i]]
         ids = np.concatenate([[SPECIAL_TOKENS["cls"]], toks + self.n_special, [SPECIAL_TOKENS["sep"]]])
-        return _mask(ids, rng, self.vocab_size, self.n_special)
+        return (ids, ids.copy()) if self.causal else _mask(ids, rng, self.vocab_size, self.n_special)
 
     def batch(self, stream: str, start: int, count: int) -> dict:
         ids, labels = zip(*(self.sample(stream, i) for i in range(start, start + count)))
@@ -103,8 +104,8 @@ class PairSource:
 
     n_special = len(SPECIAL_TOKENS)
 
-    def __init__(self, bucket: Bucket, name: str, seed: int, pinned: str | None = None):
-        self.bucket, self.name, self.seed = bucket, name, seed
+    def __init__(self, bucket: Bucket, name: str, seed: int, pinned: str | None = None, causal: bool = False):
+        self.bucket, self.name, self.seed, self.causal = bucket, name, seed, causal
         self.card = read_card(bucket, name, pinned)
         self.seq_len, self.vocab_size = self.card["seq_len"], self.card["vocab_size"]
         self.train = self.card["splits"]["train"]["shards"]
@@ -150,12 +151,17 @@ class PairSource:
         z = self._shard(split, d)
         n = int(z["length"][pos])
         ids = z["input_ids"][pos].astype(np.int64)
+        present = (np.arange(len(ids)) < n).astype(np.int64)
+        if self.causal:  # running text: the two segments in document order
+            if z["sentence_order_label"][pos]:
+                b = int(z["b_start"][pos])
+                ids[1:n - 1] = np.concatenate([ids[b:n - 1], [SPECIAL_TOKENS["sep"]], ids[1:b - 1]])
+            return {"input_ids": ids, "labels": np.where(present > 0, ids, -100), "attention_mask": present}
         types = np.zeros_like(ids)
         types[int(z["b_start"][pos]):n] = 1
         masked, labels = _mask(ids, np.random.default_rng([self.seed, _stream_seed(stream), epoch + 1, d, pos]), self.vocab_size,
                                self.n_special)
-        return {"input_ids": masked, "labels": labels, "token_type_ids": types,
-                "attention_mask": (np.arange(len(ids)) < n).astype(np.int64),
+        return {"input_ids": masked, "labels": labels, "token_type_ids": types, "attention_mask": present,
                 "sentence_order_label": np.int64(z["sentence_order_label"][pos])}
 
     def batch(self, stream: str, start: int, count: int) -> dict:
@@ -207,9 +213,10 @@ def check_data(bucket: Bucket, data: str, preset: str, seq_len: int) -> None:
 def make_source(run):
     """The run's data: every stream of it, for training, replay and verification alike."""
     c = run.config
+    causal = family(c.preset) == "causal"
     if c.data == SYNTHETIC:
-        return SyntheticSource(PRESETS[c.preset]["vocab_size"], run.seq_len, c.seed)
-    return PairSource(run.bucket, c.data, c.seed, c.data_hash)
+        return SyntheticSource(PRESETS[c.preset]["vocab_size"], run.seq_len, c.seed, causal=causal)
+    return PairSource(run.bucket, c.data, c.seed, c.data_hash, causal=causal)
 
 
 def data_card(vocab_size: int, seq_len: int, seed: int) -> dict:

@@ -56,6 +56,18 @@ def train(texts: Iterable[str], vocab_size: int = 32000) -> PreTrainedTokenizerF
     return _wrap(tok)
 
 
+def for_generation(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """The same tokenizer for a causal decoder's prompts: ``[CLS]`` starts a text and nothing
+    ends it (``[SEP]``, which ends a segment, is the model's to generate: its eos)."""
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A", pair="[CLS] $A [SEP] $B:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    out = _wrap(backend)
+    out.bos_token, out.eos_token = "[CLS]", "[SEP]"
+    return out
+
+
 def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
                                    cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")

@@ -25,7 +25,7 @@ from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, computed_field
 
-from ..model.presets import PRESETS
+from ..model.presets import PRESETS, family
 from ..protocol.config import RunConfig
 from ..protocol.shard import DataRef, Manifest
 from ..protocol.view import View
@@ -182,8 +182,11 @@ REDUCE_S = (0.25, 1.1e-8)
 def n_params(preset: str, seq_len: int | None = None) -> int:
     """Parameters of a preset's ALBERT (masked-LM and sentence-order heads, one shared layer), as
     ``model/albert.py`` builds it: the MLM decoder's weight is the word embedding and its bias
-    ``predictions.bias``, so both count once. Positions: the preset's, or ``seq_len`` if longer."""
+    ``predictions.bias``, so both count once. Positions: the preset's, or ``seq_len`` if longer.
+    A causal decoder's: ``causal_params``."""
     c = PRESETS[preset]
+    if family(preset) == "causal":
+        return causal_params(preset)
     v, e, h, i = c["vocab_size"], c["embedding_size"], c["hidden_size"], c["intermediate_size"]
     positions = max(seq_len or 0, c["max_position_embeddings"])
     embeddings = (v + positions + 2) * e + 2 * e  # words, positions, 2 token types, LayerNorm
@@ -193,6 +196,16 @@ def n_params(preset: str, seq_len: int | None = None) -> int:
     mlm_head = v + (h * e + e) + 2 * e
     sop_head = 2 * h + 2
     return embeddings + mapping + layer + pooler + mlm_head + sop_head
+
+
+def causal_params(preset: str) -> int:
+    """A Llama preset's parameters, as ``model/causal.py`` builds it (rotary positions: none
+    stored; no biases; the output projection is the embedding when tied)."""
+    c = PRESETS[preset]
+    v, h, i, layers = c["vocab_size"], c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h  # q and o, k and v, the gated MLP, 2 norms
+    return v * h * (1 if c["tie_word_embeddings"] else 2) + layers * layer + h
 
 
 def _chunks(fmt: VectorFormat) -> list[int]:

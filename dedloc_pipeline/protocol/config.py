@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..model.presets import PRESETS
+from ..model.presets import PRESETS, family
 from ..storage.layout import LAYOUT_VERSION
 from ..trust.identity import check_public
 
@@ -185,6 +185,8 @@ class RunConfig(BaseModel):
                              "default algorithm's validator has no tolerance for it")
         if "sparse" in (self.codec, self.download_codec) and self.block_size % 256:  # 1/64 kept, 4 codes a byte
             raise ValueError("the sparse codec needs a block size that is a multiple of 256")
+        if self.unigram_bias and family(self.preset) == "causal":
+            raise ValueError("unigram_bias starts an ALBERT's masked-LM output bias; a causal decoder has none")
         if self.algorithm == "diloco" and self.optimizer.name == "lamb":
             raise ValueError("diloco's inner optimizer (on the volunteers) is adamw or sgd")
         if self.layout_version != LAYOUT_VERSION:
@@ -220,6 +222,13 @@ RECIPES: dict[str, dict] = {
     "sahajbert": {"target_batch_size": 4096, "unigram_bias": True,
                   "optimizer": {"name": "lamb", "lr": 0.00176, "warmup_steps": 5000, "weight_decay": 0.01,
                                 "eps": 1e-6, "clamp": 10000.0}},
+    # causal decoders: tiny as tiny ALBERT; the large ones with the learning rates their namesakes
+    # trained at (GPT-2 small 6e-4, TinyLlama 4e-4, Llama-2-7B 3e-4; not measured here), and the
+    # 1B and 7B in the local-steps mode with sparse updates (docs/diloco.md)
+    "causal-tiny": {"optimizer": {"lr": 1e-3, "warmup_steps": 20}},
+    "causal-125m": {"optimizer": {"lr": 6e-4, "warmup_steps": 20}},
+    "causal-1b": {"algorithm": "diloco", "codec": "sparse", "optimizer": {"lr": 4e-4, "warmup_steps": 5}},
+    "causal-7b": {"algorithm": "diloco", "codec": "sparse", "optimizer": {"lr": 3e-4, "warmup_steps": 5}},
 }
 
 

@@ -13,7 +13,7 @@ import math
 import numpy as np
 import torch
 
-from ..model.albert import FlatLayout
+from ..model.flat import FlatLayout
 from .config import OptimizerConfig
 
 STATE = OptimizerConfig().slots  # AdamW's (and LAMB's) moments, per element

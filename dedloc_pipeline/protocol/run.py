@@ -95,12 +95,12 @@ class Run:
 
     def build_model(self):
         """The model (torch is loaded here: reading a run's state and ledger does not need it)."""
-        from ..model.albert import build_model
+        from ..model.families import build_model
         return build_model(self.config.preset, self.config.seed, self.config.seq_len)
 
     @cached_property
     def flat(self):
-        from ..model.albert import FlatLayout
+        from ..model.flat import FlatLayout
         return FlatLayout(self.build_model())
 
     def _fmt(self, codec_name: str, whole: bool = False) -> VectorFormat:

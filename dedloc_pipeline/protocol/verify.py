@@ -120,7 +120,7 @@ class Recomputer:
     def __init__(self, run: Run, device: str | None = None, micro_batch: int | None = None, keep: int = 3):
         import torch
 
-        from ..model.albert import FlatLayout
+        from ..model.flat import FlatLayout
 
         self.run, self.keep = run, keep
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -159,7 +159,7 @@ class Recomputer:
         if self.run.config.algorithm == "diloco":
             raise Unverifiable("a diloco shard is where the volunteer's inner steps went, which depends on its "
                                "inner optimizer state (never uploaded): only its claims and norm are checked", fault=False)
-        from ..model.albert import pretraining_loss_sum
+        from ..model.families import loss_sum
 
         self.check_claim(entry)
         r, stream, stale = entry["round"], entry["data"]["stream"], entry["stale_samples"]
@@ -175,7 +175,7 @@ class Recomputer:
                 run_ = _runs(idx[lo:lo + self.micro_batch])
                 batches = [self.source.batch(stream, a, n) for a, n in run_]
                 for batch in batches:
-                    loss = pretraining_loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
+                    loss = loss_sum(self.model, {k: v.to(self.device) for k, v in batch.items()})
                     loss.backward()
         grad = self.flat.grad()
         grad /= entry["samples"]

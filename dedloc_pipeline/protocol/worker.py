@@ -37,8 +37,9 @@ from typing import Callable
 
 import torch
 
-from ..model.albert import FlatLayout, pretraining_loss_sum
 from ..model.data import make_source
+from ..model.families import loss_sum
+from ..model.flat import FlatLayout
 from ..storage.codec import CorruptShard, ErrorFeedback
 from ..trust import identity
 from . import optim, shard, view as published
@@ -463,7 +464,7 @@ class Worker:
         gradients summed into the model's; the summed loss. (The coordination benchmark
         replaces it with a timed sleep: everything else is the worker's own code.)"""
         batch = {k: v.to(self.device) for k, v in self.source.batch(self.peer, cursor, n).items()}
-        loss = pretraining_loss_sum(self.model, batch)
+        loss = loss_sum(self.model, batch)
         loss.backward()
         return loss.item()  # waits for the device: the caller's timer covers the whole step
 

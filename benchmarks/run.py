@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
-BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped")
+BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped", "local_steps")
 
 
 def _table(title: str, columns: list[str], rows: list[list]) -> Table:
@@ -113,6 +113,14 @@ def shaped_(out: dict) -> Table:
     return shaped.table(res)
 
 
+def local_steps_(out: dict) -> Table:
+    """The causal decoder on Bengali: default vs diloco vs diloco with sparse updates, equal samples."""
+    from . import local_steps
+
+    out["local_steps"] = res = local_steps.run()
+    return local_steps.table(res)
+
+
 def gpu(out: dict) -> Table:
     """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
     from . import collab
@@ -133,7 +141,8 @@ def soak_(out: dict) -> Table:
 
 
 RUNNERS = {"throughput": throughput, "wire": wire_, "aggregation": aggregation_, "compute": compute,
-           "scale": scale_, "coordination": coordination_, "shaped": shaped_, "gpu": gpu, "soak": soak_}
+           "scale": scale_, "coordination": coordination_, "shaped": shaped_, "local_steps": local_steps_,
+           "gpu": gpu, "soak": soak_}
 
 
 def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu, soak"),

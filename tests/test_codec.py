@@ -163,6 +163,9 @@ def test_sparse_keeps_the_largest_sixty_fourth_of_each_block_in_two_bits(bucket)
         assert set(kept) == set(np.argsort(-np.abs(xb), kind="stable")[:len(kept)])  # the largest
         assert np.all(np.sign(yb[kept]) == np.sign(xb[kept]))
         assert len(np.unique(np.abs(yb[kept]))) <= 2  # one of the block's two magnitudes
+    total = np.ones(n)  # an aggregator adds the kept positions alone
+    codec.accumulate(total, arrays, "sparse", block, 0.5)
+    assert np.array_equal(total, 1 + 0.5 * y.astype(np.float64))
     # the error feedback carries the rest: over many steps of one vector the sum catches up
     fb = codec.ErrorFeedback("sparse", block)
     total = sum(codec.decode(fb.encode(x), "sparse", block, n).astype(np.float64) for _ in range(128))

@@ -103,6 +103,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
                                                 "cadence, often near the target, seldom far from it)"),
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
+           precision: str = typer.Option("fp32", help="fp32, or bf16 (diloco runs): weights, gradients and the "
+                                         "inner optimizer in bfloat16, half the memory"),
            key: Optional[str] = typer.Option(None, envvar="DEDLOC_KEY",
                                              help="your private key: signs your shards (runs that require it)"),
            plain: bool = typer.Option(False, "--plain", help="plain progress lines, even in a terminal"),
@@ -114,7 +116,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     130); a second Ctrl-C quits at once."""
     _setup(verbose)
     from .monitoring.progress import make_worker, summary_text, volunteer
-    w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url)
+    w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision)
     s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))
     if s["ended"] in ("ctrl_c", "interrupted"):

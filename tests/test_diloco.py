@@ -152,3 +152,25 @@ def test_the_sparse_codec_is_for_diloco_and_whole_blocks():
         small_config(codec="sparse")
     with pytest.raises(ValueError, match="multiple of 256"):
         small_config(codec="sparse", algorithm="diloco", block_size=128, chunk_size=1 << 16)
+
+
+def test_a_bf16_volunteer_sends_only_what_its_inner_steps_moved(make_run):
+    """bfloat16 weights round state r; the pseudo-gradient is measured from the rounded start, so
+    a volunteer that took no step sends zeros, and one that did sends about what an fp32 one does."""
+    from dedloc_pipeline.protocol.worker import Worker
+
+    run = make_run(run="bf16", algorithm="diloco", inner_batch=8, optimizer={"name": "sgd", "lr": 0.5})
+    with pytest.raises(ValueError, match="bf16 is for diloco"):
+        Worker(make_run(run="plain"), "x", precision="bf16")
+    got = {}
+    for precision in ("fp32", "bf16"):
+        w = Worker(run, "p", micro_batch=4, threads=1, poll_s=0, precision=precision)  # the same samples
+        w.sync()
+        w._compute(0)  # 4 samples: no inner step yet
+        assert not np.any(w._base - w.flat.get())
+        w._compute(0)  # 8: one inner step
+        got[precision] = w._base - w.flat.get()
+        w._drop()
+    fp32, bf16 = got["fp32"], got["bf16"]
+    cos = float(fp32 @ bf16 / np.linalg.norm(fp32) / np.linalg.norm(bf16))
+    assert cos > 0.99 and abs(np.linalg.norm(bf16) / np.linalg.norm(fp32) - 1) < 0.05, cos

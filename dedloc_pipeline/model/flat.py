@@ -47,7 +47,7 @@ class FlatLayout:
     def get(self) -> np.ndarray:
         out = np.empty(self.n, np.float32)
         for t in self.tensors:
-            out[t.offset:t.offset + t.size] = self._params[t.name].detach().reshape(-1).cpu().numpy()
+            out[t.offset:t.offset + t.size] = self._params[t.name].detach().reshape(-1).float().cpu().numpy()
         return out
 
     def set(self, flat: np.ndarray) -> None:
@@ -61,5 +61,5 @@ class FlatLayout:
         for t in self.tensors:
             g = self._params[t.name].grad
             if g is not None:
-                out[t.offset:t.offset + t.size] = g.reshape(-1).cpu().numpy()
+                out[t.offset:t.offset + t.size] = g.reshape(-1).float().cpu().numpy()
         return out

@@ -390,7 +390,7 @@ def _import_tqdm_auto() -> None:
 
 def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
                 device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
-                poll: float | None = None, endpoint_url: str | None = None) -> Worker:
+                poll: float | None = None, endpoint_url: str | None = None, precision: str = "fp32") -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
     exists (default: the GPU when there is one), the key it signs with."""
     _import_tqdm_auto()
@@ -408,4 +408,4 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
         raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
     signer = identity.load(os.path.expanduser(key)) if key else None
     return Worker(Run(Bucket(bucket, endpoint_url=endpoint_url), run), peer_id, micro_batch, threads,
-                  poll_s=poll, device=device, signer=signer)
+                  poll_s=poll, device=device, signer=signer, precision=precision)

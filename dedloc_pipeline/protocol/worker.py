@@ -102,10 +102,12 @@ class Worker:
 
     def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
                  threads: int | None = None, delayed: bool | None = None, poll_s: float | None = None,
-                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None):
+                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None, precision: str = "fp32"):
         """``poll_s`` fixes the cadence: a round-view read every ``poll_s`` and a heartbeat every
         three (at most a third of ``peer_timeout_s``; 0: both every step, as lock-step tests
-        drive it); None follows the run's ``cadence``."""
+        drive it); None follows the run's ``cadence``. ``precision`` bf16 (diloco only) keeps
+        the weights, gradients and inner optimizer state in bfloat16: half the memory, so a
+        1B model's volunteer fits a 16 GB GPU (docs/diloco.md)."""
         self.run = run
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.signer = signer
@@ -124,9 +126,14 @@ class Worker:
         if threads:
             torch.set_num_threads(threads)
         self.device = torch.device(device)
-        self.model = run.build_model().to(self.device)
-        self.flat = FlatLayout(self.model)
         cfg = run.config
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision {precision!r}: fp32 or bf16")
+        if precision == "bf16" and cfg.algorithm != "diloco":
+            raise ValueError("bf16 is for diloco runs: the default algorithm sums a whole round's gradients, "
+                             "which bfloat16 would round away")
+        self.model = run.build_model().to(self.device, torch.bfloat16 if precision == "bf16" else torch.float32)
+        self.flat = FlatLayout(self.model)
         self.source = make_source(run)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
         # diloco: the inner optimizer and its state stay on this machine (a joiner starts fresh)
@@ -139,6 +146,7 @@ class Worker:
         self._state_hash = ""  # shard.commit_hash of state's COMMIT
         self.stopped = False  # the organizer wrote the run's STOP marker
         self.params = None
+        self._base = None  # diloco: where the model's inner steps started, as the model holds it
         self.acc: Accumulator | None = None
         self.cursor = 0
         self._view: RoundView | None = None  # round ``state`` as the last fresh round view showed it
@@ -215,9 +223,10 @@ class Worker:
         if self._closed_seen is not None:
             self._reduce_s, self._closed_seen = time.monotonic() - self._closed_seen, None
         # diloco: the inner steps not yet sent move with the state (their pseudo-gradient stays)
-        moved = self.flat.get() - self.params if self.inner is not None and self.acc is not None else None
+        moved = self.flat.get() - self._base if self.inner is not None and self.acc is not None else None
         self.params, self.state, self._state_hash = params, latest, shard.commit_hash(commit)
         self.flat.set(params if moved is None else params + moved)
+        self._base = self._held(params)
         self._view = None
         self._looked = float("-inf")  # the view read before this was of the old state
         self._uploaded = {x for x in self._uploaded if x >= latest}
@@ -475,7 +484,7 @@ class Worker:
         (round view), so nobody reads them as missing."""
         if self.inner is not None:  # diloco: the pseudo-gradient, state minus where the inner steps went
             self._inner_step()
-            update = self.params - self.flat.get()
+            update = self._base - self.flat.get()
         else:  # the gradient sum, divided by the samples on the transfer thread
             update = self.flat.grad()
         sent = _Sent(acc.round, acc.samples, state_hash=self._state_hash)  # acc.round is self.state
@@ -542,6 +551,15 @@ class Worker:
         self.model.zero_grad(set_to_none=False)
         if self.inner is not None and self.params is not None:
             self.flat.set(self.params)
+            self._base = self._held(self.params)
+
+    def _held(self, params):
+        """``params`` as the model holds them: themselves in float32, rounded in bfloat16 (so a
+        pseudo-gradient is only what the inner steps moved)."""
+        if self.inner is None:
+            return None
+        dtype = next(self.model.parameters()).dtype
+        return params if dtype == torch.float32 else torch.from_numpy(params).to(dtype).float().numpy()
 
     def _report(self, force: bool, round_: int | None = None) -> None:
         """Heartbeat for the round being accumulated: pending samples and speed."""

@@ -177,20 +177,20 @@ def main() -> int:
         if not state.is_completed():
             raise RuntimeError(f"pretrain flow run ended {state.name}; see the Prefect UI")
         minutes = (time.monotonic() - started) / 60
-        print(f"evaluate: held-out MLM loss of the kept states, fine-tuning at state {rounds}, each next to "
-              "random init", flush=True)
+        print(f"evaluate: held-out loss of the kept states, fine-tuning at state {rounds} (ALBERTs), each "
+              "next to random init", flush=True)
         ev = run_deployment("evaluate/local", parameters={"bucket": bucket, "run": run, "curve": True,
                                                           "corpus_dir": str(ROOT / ".dedloc/corpus"),
                                                           "finetune_options": _finetune_options(seq_len)},
                             timeout=3600, poll_interval=1, as_subflow=False)
         if not ev.state.is_completed():
             raise RuntimeError(f"evaluate flow ended {ev.state.name}")
-        from dedloc_pipeline.evaluation.heldout import kept_states
+        from dedloc_pipeline.evaluation.heldout import kept_states, task_of
         from dedloc_pipeline.monitoring import plots
         evals = {name[:-5]: b.read_json(f"runs/{run}/evals/{rounds:08d}/{name}")
                  for name in b.list(f"runs/{run}/evals/{rounds:08d}")}
-        result = evals["mlm-heldout"]
-        curve = [(s, b.read_json(r.keys.eval(s, "mlm-heldout"))["loss"]) for s in kept_states(r)]
+        result = evals[task_of(r)]  # the held-out loss: masked-LM, or next-token for a causal preset
+        curve = [(s, b.read_json(r.keys.eval(s, task_of(r)))["loss"]) for s in kept_states(r)]
         hist = [r.commit_of(s) for s in range(1, r.latest() + 1)]
         samples = sum(h["samples"] for h in hist)
         peers = sorted({p for h in hist for p in h["contributors"]})

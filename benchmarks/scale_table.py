@@ -24,8 +24,8 @@ LINKS = {"10/50": (10e6, 50e6), "100/500": (100e6, 500e6)}  # household up/down,
 H, INNER, SEQ = 100, 16, 1024  # inner steps per round, sequences per inner step, tokens per sequence
 
 # Bytes per parameter of a sparse shard and of a sparse delta as stored (lz4 and metadata included):
-# benchmark 9's causal-tiny pseudo-gradients and deltas (docs/benchmarks.md section 9).
-SPARSE_UP, SPARSE_DOWN = 0.036, 0.037
+# benchmark 9's causal-tiny pseudo-gradients and deltas, as the workers' buckets counted them (docs/benchmarks.md section 9).
+SPARSE_UP, SPARSE_DOWN = 0.031, 0.035
 # Aggregator CPU-seconds per parameter, one thread, file:// bucket (``--measure``, 2026-12-02, this
 # 2-core machine): reading and adding one sparse shard; then once per round the mean's write and
 # read, reading params, momentum and residual, the Nesterov step, the sparse delta with its error

@@ -330,8 +330,8 @@ HISTORICAL = ["--preset", "--target-batch", "--data", "--micro-batch", "--codec"
               "--lr", "--seed", "--seq-len", "--chunk-size", "--chunks-per-part", "--close-timeout",
               "--min-fraction", "--late-shards", "--delayed-updates", "--peer-timeout", "--organizer-key",
               "--aggregation"]
-RECIPE_FIELDS = {k for r in RECIPES.values() for k in r if k != "optimizer"} | {
-    f"optimizer.{k}" for r in RECIPES.values() for k in r.get("optimizer", {})}
+RECIPE_FIELDS = {k for r in RECIPES.values() for k, v in r.items() if not isinstance(v, dict)} | {
+    f"{k}.{leaf}" for r in RECIPES.values() for k, v in r.items() if isinstance(v, dict) for leaf in v}
 
 
 def _field(path):

@@ -163,9 +163,8 @@ class RunConfig(BaseModel):
     peer_timeout_s: float = Field(30.0, gt=0, description="seconds before a silent peer counts as gone",
                                   json_schema_extra={"flag": "--peer-timeout"})
     algorithm: Literal["dedloc", "diloco"] = Field(
-        "dedloc", description="dedloc: one optimizer step per filled batch, taken by the aggregators; diloco: "
-        "volunteers take optimizer steps on their own samples and send the distance they moved, the "
-        "aggregators take the outer step on its mean (for models whose gradient is too big to send each step)")
+        "dedloc", description="dedloc: one optimizer step per filled batch; diloco: local steps on each "
+        "volunteer, then an outer step on their mean (docs/diloco.md)")
     inner_batch: int = Field(64, gt=0, description="diloco: samples per optimizer step on a volunteer")
     cadence: Cadence = Cadence()
     optimizer: OptimizerConfig = OptimizerConfig()
@@ -224,18 +223,24 @@ RECIPES: dict[str, dict] = {
                                 "eps": 1e-6, "clamp": 10000.0}},
     # causal decoders: tiny as tiny ALBERT; the large ones with the learning rates their namesakes
     # trained at (GPT-2 small 6e-4, TinyLlama 4e-4, Llama-2-7B 3e-4; not measured here), and the
-    # 1B and 7B in the local-steps mode with sparse updates (docs/diloco.md)
+    # 1B and 7B in the local-steps mode with sparse updates, averaged (outer lr 1, no momentum:
+    # a sparse download cannot carry a dense momentum; benchmark 9, docs/diloco.md)
     "causal-tiny": {"optimizer": {"lr": 1e-3, "warmup_steps": 20}},
     "causal-125m": {"optimizer": {"lr": 6e-4, "warmup_steps": 20}},
-    "causal-1b": {"algorithm": "diloco", "codec": "sparse", "optimizer": {"lr": 4e-4, "warmup_steps": 5}},
-    "causal-7b": {"algorithm": "diloco", "codec": "sparse", "optimizer": {"lr": 3e-4, "warmup_steps": 5}},
+    "causal-1b": {"algorithm": "diloco", "codec": "sparse", "outer": {"lr": 1.0, "momentum": 0.0},
+                  "optimizer": {"lr": 4e-4, "warmup_steps": 5}},
+    "causal-7b": {"algorithm": "diloco", "codec": "sparse", "outer": {"lr": 1.0, "momentum": 0.0},
+                  "optimizer": {"lr": 3e-4, "warmup_steps": 5}},
 }
 
 
 def recipe_config(run: str, preset: str = "tiny", optimizer: dict | None = None, **fields) -> RunConfig:
-    """A RunConfig from the preset's recipe, with explicitly given values (not None) on top."""
-    base = RECIPES.get(preset, {})
-    opt = {**base.get("optimizer", {}), **{k: v for k, v in (optimizer or {}).items() if v is not None}}
-    given = {k: v for k, v in fields.items() if v is not None}
-    return RunConfig(run=run, preset=preset, **{**{k: v for k, v in base.items() if k != "optimizer"}, **given},
-                     optimizer=OptimizerConfig(**opt))
+    """A RunConfig from the preset's recipe, with explicitly given values (not None) on top; a
+    nested setting (the optimizer, the outer step) is merged field by field."""
+    merged = dict(RECIPES.get(preset, {}))
+    for k, v in {**fields, "optimizer": optimizer or {}}.items():
+        if isinstance(v, dict):
+            merged[k] = {**merged.get(k, {}), **{kk: vv for kk, vv in v.items() if vv is not None}}
+        elif v is not None:
+            merged[k] = v
+    return RunConfig(run=run, preset=preset, **merged)

@@ -11,7 +11,9 @@ delta), and leaves when the view says the run is stopped. If a peer vanishes, it
 goes stale, the scheduler stops counting it, and the others upload a second part as soon as
 their pending samples are needed: they make up the missing samples. With delayed updates on, a
 worker that is waiting for the next state keeps computing on the one it has and counts those
-samples (one step stale) toward the next round.
+samples (one step stale) toward the next round. In the local-steps mode (``algorithm: diloco``,
+docs/diloco.md) the same loop steps the volunteer's own optimizer every ``inner_batch`` samples,
+and a shard carries where those steps took the model: the state minus the local parameters.
 
 Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
 clock: no scheduler, or it died or is busy reducing), a worker keeps computing and heartbeating but uploads only what its

@@ -139,7 +139,7 @@ class Worker:
         self.source = make_source(run)
         self.feedback = ErrorFeedback(cfg.codec, cfg.block_size)
         # diloco: the inner optimizer and its state stay on this machine (a joiner starts fresh)
-        self.inner, self.inner_steps = None, 0
+        self.inner = None
         if cfg.algorithm == "diloco":
             named = dict(self.model.named_parameters())
             self.inner = optim.torch_optimizer(cfg.optimizer, [named[t.name] for t in self.flat.tensors if t.decay],
@@ -462,7 +462,6 @@ class Worker:
         with torch.no_grad():
             for p in self.model.parameters():  # one the batch never reached steps on zero, as at an aggregator
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.div_(acc.unstepped)
-        self.inner_steps += 1
         for group in self.inner.param_groups:
             group["lr"] = optim.lr_at(self.run.config.optimizer, self.state + 1)
         self.inner.step()

@@ -221,8 +221,8 @@ def squared_norm(arrays: dict[str, np.ndarray], codec: str, block: int) -> float
     if codec in ("none", "fp16"):
         v = arrays["values"].astype(np.float64)
         return float(v @ v)
-    if codec == "sparse":  # a short last block's padding counts too: kept only where it is
-        v = _sparse_decode(arrays, block).astype(np.float64)  # among the block's largest
+    if codec == "sparse":  # from the kept entries (a short last block's padding among them)
+        v = _sparse_entries(arrays, block)[1].astype(np.float64)
         return float(v @ v)
     scales = arrays["scales"].astype(np.float64)
     levels = _levels(arrays["codes"])

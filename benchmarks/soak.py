@@ -2,7 +2,7 @@
 bucket must stay bounded, and nothing may be lost (docs/soak.md).
 
 A scheduler and a changing set of ``Worker``s (poll 0, one torch thread) run in lock-step against
-a ``file://`` bucket in a temporary folder, as ``tests/protocol_driver.py`` does: every live worker
+a ``file://`` bucket in a temporary folder, as ``dedloc_pipeline/testing.py`` does: every live worker
 takes one step, and every second such step the scheduler takes one. Churn follows a fixed seeded
 schedule, once per cycle of ``every`` rounds (offsets within the cycle):
 
@@ -52,15 +52,11 @@ FD_SLACK, THREAD_SLACK, BUCKET_RATIO = 2, 1, 1.5
 
 
 def soak_config(run: str = "soak", **kw):
-    """tests/conftest.py's small_config, with int8 shards, delayed updates and pruning as in
-    production (benchmarks import nothing from tests/)."""
-    from dedloc_pipeline.protocol.config import CloseRule, OptimizerConfig, RunConfig
+    """The tests' small config (``dedloc_pipeline.testing``), with int8 shards, delayed updates
+    and pruning as in production."""
+    from dedloc_pipeline.testing import small_config
 
-    base = dict(run=run, seq_len=32, chunk_size=1 << 18, block_size=4096, chunks_per_part=3,
-                target_batch_size=24, micro_batch=4, codec="int8", delayed_updates=True,
-                keep_states=3, checkpoint_every=50, peer_timeout_s=30.0)
-    base.update(kw)
-    return RunConfig(**base, optimizer=OptimizerConfig(), close=CloseRule())
+    return small_config(run, **dict(dict(codec="int8", delayed_updates=True, keep_states=3, checkpoint_every=50), **kw))
 
 
 def schedule(rounds: int, every: int = 10) -> dict[int, str]:
@@ -222,7 +218,7 @@ def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3
     state, steps, last_commit = 0, -1, t0  # the scheduler steps on the first iteration, then every second
     try:
         with ThreadPoolExecutor(2) as pool:
-            while state < rounds:  # lock-step, as tests/protocol_driver.py
+            while state < rounds:  # lock-step, as dedloc_pipeline/testing.py
                 for w in list(live.values()):
                     w.step()
                     w.flush()

@@ -28,21 +28,17 @@ import time
 
 import numpy as np
 
-from tests.protocol_driver import collaborate
 from dedloc_pipeline.protocol import verify
-from dedloc_pipeline.protocol.config import CloseRule, OptimizerConfig, RunConfig
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import collaborate, small_config
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
-SMALL = dict(seq_len=32, chunk_size=1 << 18, block_size=4096, chunks_per_part=3, target_batch_size=24,
-             micro_batch=4, peer_timeout_s=30.0, keep_states=100)
 
 
 def make_run(codec_name: str):
-    cfg = RunConfig(run="bench", codec=codec_name, delayed_updates=True, **SMALL,
-                    optimizer=OptimizerConfig(), close=CloseRule())
+    cfg = small_config("bench", codec=codec_name, delayed_updates=True, keep_states=100)
     return init_run(Bucket(tempfile.mkdtemp(prefix="verify-bench-")), cfg)
 
 

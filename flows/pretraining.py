@@ -107,7 +107,7 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
     summaries: list[dict] = []
     with dask_address(runner, parallel, dask_scheduler) as address:
         one_round = round_flow.with_options(task_runner=task_runner(runner, parallel, address))
-        while (reason := engine.stop_reason(snap := sched.poll(), rounds, deadline)) is None:
+        while (reason := engine.stop_reason(snap := sched.poll(), rounds, deadline, time.monotonic())) is None:
             s = one_round(bucket, run, snap.state, poll_s=poll_s, runner=runner)
             if s is None:  # no round closed within the wait: check the stop rules again
                 continue

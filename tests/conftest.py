@@ -28,22 +28,11 @@ _SESSIONS_VAR = "DEDLOC_TEST_SESSIONS"
 _SESSION_ID = uuid.uuid4().hex[:12]
 os.environ[_SESSIONS_VAR] = ":".join(filter(None, [os.environ.get(_SESSIONS_VAR), _SESSION_ID]))
 
-from dedloc_pipeline.protocol.config import CloseRule, OptimizerConfig, RunConfig
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import SMALL, small_config
 
-# Small enough to be quick on 2 cores, big enough to cut the ~1.9M-parameter vector into
-# several chunks and several aggregator parts (one part straddles tensors).
-SMALL = dict(seq_len=32, chunk_size=1 << 18, block_size=4096, chunks_per_part=3)
-
-
-def small_config(run: str = "test", **kw) -> RunConfig:
-    opt = kw.pop("optimizer", {})
-    close = kw.pop("close", {})
-    base = dict(SMALL, run=run, target_batch_size=24, micro_batch=4, codec="none",
-                delayed_updates=False, peer_timeout_s=30.0)
-    base.update(kw)
-    return RunConfig(**base, optimizer=OptimizerConfig(**opt), close=CloseRule(**close))
+__all__ = ["SMALL", "small_config"]  # tests import both from here
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
-from .protocol_driver import stream_next
+from dedloc_pipeline.testing import stream_next
 
 
 def _noise(run, seed, scale=1e-3):

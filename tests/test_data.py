@@ -112,7 +112,7 @@ def test_bad_data_is_a_clear_error(bengali, tmp_path):
 def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
     from dedloc_pipeline.evaluation.heldout import heldout_scores
 
-    from .protocol_driver import collaborate
+    from dedloc_pipeline.testing import collaborate
 
     url, name = bengali
     run = init_run(Bucket(url), small_config("learn", data=name, codec="int8", optimizer={"lr": 3e-3}))

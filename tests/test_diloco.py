@@ -25,7 +25,7 @@ from dedloc_pipeline.storage import codec
 
 from dedloc_pipeline.protocol import shard
 
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 from .test_equivalence import reference
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]

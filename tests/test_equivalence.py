@@ -17,7 +17,7 @@ from dedloc_pipeline.model.families import loss_sum
 from dedloc_pipeline.model.flat import FlatLayout
 from dedloc_pipeline.protocol.optim import lr_at
 
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 
 def _lamb_step(params, decay, state, cfg, lr, step):

@@ -13,7 +13,7 @@ from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 
 def test_export_loads_back_with_transformers(bengali, tmp_path):

@@ -19,7 +19,7 @@ from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
 from .faults import Faults, inject
-from .protocol_driver import collaborate, stream_next
+from dedloc_pipeline.testing import collaborate, stream_next
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 

@@ -18,7 +18,7 @@ from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 from .conftest import small_config
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 ROUNDS = 3
 PEERS = [("ann", 4), ("bob", 8), ("cy", 4)]

@@ -20,7 +20,7 @@ from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 
 def test_display_shows_the_worker_and_the_ledger(make_run):

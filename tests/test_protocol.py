@@ -19,7 +19,7 @@ from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
-from .protocol_driver import collaborate, stream_next
+from dedloc_pipeline.testing import collaborate, stream_next
 
 
 def put_shard(run, r, peer, grad=None, samples=4, part="0001", manifest=None):
@@ -428,9 +428,9 @@ def test_a_round_closed_before_stop_is_still_committed(make_run):
     assert sched.try_close(0) is not None
     run.bucket.create_json(run.keys.stop(), {"reason": "test"})
     snap = sched.poll()
-    assert snap.stopped and snap.close is not None and stop_reason(snap, deadline=0.0) is None
+    assert snap.stopped and snap.close is not None and stop_reason(snap, deadline=0.0, now=1.0) is None
     assert sched.serve(until_round=5) == 1 and run.commit_of(1)["samples"] >= 24
-    assert stop_reason(sched.poll(), deadline=0.0) == "wall time"
+    assert stop_reason(sched.poll(), deadline=0.0, now=1.0) == "wall time"
     assert stop_reason(sched.poll()) == "STOP marker" and stop_reason(sched.poll(), until_state=1) == "rounds"
 
 

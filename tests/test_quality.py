@@ -9,7 +9,7 @@ import numpy as np
 
 from benchmarks.quality import one_process
 
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 
 def test_one_process_at_the_same_samples_is_the_collaboration_without_its_approximations(make_run):

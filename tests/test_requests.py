@@ -17,7 +17,7 @@ from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import _free_port, small_config
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 _LINE = re.compile(r'"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP/[\d.]+" (\d{3})')
 

@@ -15,7 +15,7 @@ from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.trust import identity
 
-from .protocol_driver import collaborate
+from dedloc_pipeline.testing import collaborate
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 

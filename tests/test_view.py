@@ -136,7 +136,7 @@ def test_the_view_module_needs_no_torch():
 # claims nobody validated
 
 def _drive(run, peers, rounds, attack, max_steps=400):
-    """protocol_driver.collaborate's lock-step, with ``attack(i, r)`` run before every iteration."""
+    """testing.collaborate's lock-step, with ``attack(i, r)`` run before every iteration."""
     workers = [Worker(run, name, micro_batch=mb, threads=1, poll_s=0) for name, mb in peers]
     sched = Scheduler(run, parallel=2, poll_s=0)
     with ThreadPoolExecutor(2) as pool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import numpy as np
 
@@ -167,7 +166,7 @@ def commit_state(run: Run, r: int) -> dict:
             "loss": loss, "contributors": sorted({s["peer"] for s in shards}), "shards": shards,
             "rejected": close["rejected"], "lr": optim.lr_at(run.config.aggregator_optimizer, r + 1),
             "opened_at": close.get("opened_at"), "closed_at": close["closed_at"],
-            "committed_at": time.time(),
+            "committed_at": run.clock.time(),
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
                           "delta": delta_sums},
         }

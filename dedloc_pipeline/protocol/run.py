@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from functools import cached_property
 
 import numpy as np
@@ -16,6 +15,7 @@ from ..storage.bucket import Bucket
 from ..storage.codec import VectorFormat
 from ..storage.layout import LAYOUT_VERSION, DataLayout, RunLayout
 from ..trust import identity
+from .clock import REAL, Clock
 from .config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,8 @@ class Run:
     it and checked by every reader."""
 
     def __init__(self, bucket: Bucket, name: str, config: RunConfig | None = None,
-                 organizer: identity.Ed25519PrivateKey | None = None):
-        self.bucket, self.keys = bucket, RunLayout(name)
+                 organizer: identity.Ed25519PrivateKey | None = None, clock: Clock = REAL):
+        self.bucket, self.keys, self.clock = bucket, RunLayout(name), clock
         if config is None:
             try:
                 raw = bucket.read_json(self.keys.config)
@@ -240,7 +240,7 @@ def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519Priva
         codec.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks
     bucket.create_json(keys.commit(0), run.record("COMMIT of state 0", {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
-        "checksums": {"params": sums["values"]}, "committed_at": time.time(),
+        "checksums": {"params": sums["values"]}, "committed_at": run.clock.time(),
         "n_params": run.flat.n}))
     bucket.write_json(keys.latest, run.record("LATEST", {"state": 0}))
     log.info("initialised run %s in %s: %d parameters", config.run, bucket.url, run.flat.n)

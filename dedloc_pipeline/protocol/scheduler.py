@@ -4,7 +4,7 @@ Its steps are plain calls that return data, so ``dedloc aggregate`` (``Scheduler
 Prefect round flow (``flows/pretraining.py``, which adds tasks, mapping, retries and artifacts)
 drive the same loop::
 
-    while stop_reason(snap := scheduler.poll(), until_state, deadline) is None:
+    while stop_reason(snap := scheduler.poll(), until_state, deadline, clock.monotonic()) is None:
         close = snap.close or scheduler.wait_close(snap.state, deadline_of_the_wait)
         if close:  prepare(r); reduce_part(r, k) for every part; apply_part(r, k) ...; commit(r)
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import aggregator, verify, view
+from .clock import Clock
 from .run import Run, RunError
 from .shard import Rejected, commit_hash, manifest_limit, validate
 
@@ -52,14 +52,16 @@ class Snapshot:
     stopped: bool  # the organizer wrote the run's STOP marker
 
 
-def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float | None = None) -> str | None:
+def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float | None = None,
+                now: float | None = None) -> str | None:
     """Why the round loop ends now, or None to go on. A round already closed is still committed
-    after STOP or past the deadline (``time.monotonic()``): its volunteers' work is not lost."""
+    after STOP or past the deadline (a ``clock.monotonic()``, compared with ``now``): its volunteers'
+    work is not lost."""
     if until_state is not None and snap.state >= until_state:
         return "rounds"
     if snap.close is not None:
         return None
-    if deadline is not None and time.monotonic() > deadline:
+    if deadline is not None and now > deadline:
         return "wall time"
     if snap.stopped:
         return "STOP marker"
@@ -73,9 +75,10 @@ def close_summary(close: dict) -> dict:
 
 
 class Scheduler:
-    def __init__(self, run: Run, parallel: int = 2, poll_s: float | None = None):
+    def __init__(self, run: Run, parallel: int = 2, poll_s: float | None = None, clock: Clock | None = None):
         """``poll_s`` fixes the seconds between polls; None follows the run's ``cadence``."""
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
+        self.clock = run.clock if clock is None else clock
         self._seen: dict[str, tuple[object, dict | str]] = {}  # manifest key -> (version, verdict)
         self._beats = view.Heartbeats()
         self._opened: dict[int, Opening] = {}
@@ -286,7 +289,7 @@ class Scheduler:
         """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one. Either
         way, publish the round view (one PUT): what volunteers read instead of the bucket."""
         bucket, keys, rule = self.run.bucket, self.run.keys, self.run.config.close
-        at = time.time() if now is None else now
+        at = self.clock.time() if now is None else now
         close = self._existing_close(r)
         if close is not None:
             self._publish(r, at, close=close)
@@ -304,7 +307,7 @@ class Scheduler:
         accepted, samples = self._weigh(r, accepted, live)
         target = self.run.config.target_batch_size
         opened = self._opening(r).at
-        now = time.time() if now is None else now
+        now = self.clock.time() if now is None else now
         timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
 
         def met(samples: int) -> bool:
@@ -370,7 +373,7 @@ class Scheduler:
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped, eta_s=self._eta, at=at,
-                          written_at=max(at, time.time()))
+                          written_at=max(at, self.clock.time()))
             view.write(bucket, keys, v)
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
@@ -390,7 +393,7 @@ class Scheduler:
 
     def wait_close(self, r: int, deadline: float | None = None) -> dict | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
-        (``time.monotonic()``) passes, so the loop can check its stop rules again. By default
+        (``clock.monotonic()``) passes, so the loop can check its stop rules again. By default
         it polls every ``cadence.scheduler_poll_s``, faster near the target: each poll reads
         only the heartbeats and manifests written since the last one."""
         while True:
@@ -399,10 +402,10 @@ class Scheduler:
                 return close
             if self._stopped:
                 return None
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and self.clock.monotonic() > deadline:
                 return None
             wait = self.run.config.cadence.scheduler_s(self._eta) if self.poll_s is None else self.poll_s
-            time.sleep(wait if deadline is None else max(0.0, min(wait, deadline - time.monotonic())))
+            self.clock.sleep(wait if deadline is None else max(0.0, min(wait, deadline - self.clock.monotonic())))
 
     def finish(self, r: int, pool: Executor) -> dict:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat
@@ -428,11 +431,11 @@ class Scheduler:
         within ``max_wait_s`` raises TimeoutError."""
         with ThreadPoolExecutor(self.parallel) as pool:
             while (reason := stop_reason(snap := self.poll(), until_round)) is None:
-                wait = None if max_wait_s is None else time.monotonic() + max_wait_s
+                wait = None if max_wait_s is None else self.clock.monotonic() + max_wait_s
                 close = snap.close or self.wait_close(snap.state, wait)
                 if close is not None:
                     self.finish(snap.state, pool)
-                elif wait is not None and time.monotonic() > wait:
+                elif wait is not None and self.clock.monotonic() > wait:
                     raise TimeoutError(f"round {snap.state} did not fill within {max_wait_s:.0f}s")
         if reason == "STOP marker":
             log.info("run %s stopped at state %d", self.run.name, snap.state)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
@@ -94,7 +93,7 @@ def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, l
     m = Manifest(layout_version=LAYOUT_VERSION, run=run.name, round=r, peer=peer, part=part,
                  codec=fmt.codec, n=fmt.n, chunk_size=fmt.chunk_size, block=fmt.block,
                  samples=samples, loss=loss, stale_samples=stale_samples, data=data, checksums=sums,
-                 state_hash=state_hash or commit_hash(run.commit_of(r)), created_at=time.time())
+                 state_hash=state_hash or commit_hash(run.commit_of(r)), created_at=run.clock.time())
     if signer is not None:
         m.signature = identity.sign(signer, m.payload())
     run.bucket.write_json(run.keys.manifest(key), m.model_dump(mode="json"))

@@ -351,7 +351,7 @@ class Verifier:
         organizer's key was given."""
         flag = {"volunteer": v["volunteer"], "peer": v["peer"], "round": r, "shard": v["key"],
                 "verdict": v["verdict"], "reason": v["reason"], "cosine": v["cosine"], "norm_ratio": v["norm_ratio"],
-                "flagged_at": time.time()}
+                "flagged_at": self.run.clock.time()}
         self.run.bucket.create_json(self.run.keys.flag(v["volunteer"]), self.run.record(f"flag of {v['volunteer']}", flag))
         log.warning("round %d: volunteer %s flagged: %s", r, v["volunteer"], v["reason"])
         if self.revoke:
@@ -374,7 +374,7 @@ class Verifier:
                 continue
             if self.run.bucket.exists(self.run.keys.stop()) and not self.run.bucket.exists(self.run.keys.close(r)):
                 break
-            time.sleep(self.poll_s)
+            self.run.clock.sleep(self.poll_s)
         return r
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage.bucket import Bucket
 from ..storage.layout import RunLayout, volunteer_of
+from .clock import REAL, Clock
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +82,11 @@ class Reader:
     needs no agreement between the two machines' clocks. The first view read is judged by its
     own ``at`` (no change seen yet)."""
 
-    def __init__(self, timeout: float) -> None:
-        self.timeout = timeout
+    def __init__(self, timeout: float, clock: Clock = REAL) -> None:
+        self.timeout, self.clock = timeout, clock
         self.view: View | None = None
         self._tag: str | None = None
-        self._changed = float("-inf")  # time.monotonic() of the last change seen
+        self._changed = float("-inf")  # clock.monotonic() of the last change seen
 
     def read(self, bucket: Bucket, keys: RunLayout) -> View | None:
         """The newest view (None if there is none or it is unusable); ``fresh`` says whether it
@@ -99,13 +99,13 @@ class Reader:
         if got.changed:
             first = self._tag is None
             self._tag, self.view = got.tag, parse(got.data)
-            if self.view is not None and not (first and abs(time.time() - self.view.at) >= self.timeout):
-                self._changed = time.monotonic()
+            if self.view is not None and not (first and abs(self.clock.time() - self.view.at) >= self.timeout):
+                self._changed = self.clock.monotonic()
         return self.view
 
     @property
     def fresh(self) -> bool:
-        return self.view is not None and time.monotonic() - self._changed < self.timeout
+        return self.view is not None and self.clock.monotonic() - self._changed < self.timeout
 
 
 def parse(raw: bytes | None) -> View | None:

@@ -45,6 +45,7 @@ from ..model.flat import FlatLayout
 from ..storage.codec import CorruptShard, ErrorFeedback
 from ..trust import identity
 from . import optim, shard, view as published
+from .clock import Clock
 from .run import Run, RunError
 from .view import RoundView
 
@@ -59,7 +60,7 @@ class _Sent:
     samples: int
     at: float = math.inf
     job: Future | None = None
-    started: float = field(default_factory=time.time)
+    started: float = 0.0  # when it was handed to the transfer thread (the worker's clock)
     state_hash: str = ""  # the COMMIT of the state it was computed on (round ``round``'s)
 
 
@@ -104,13 +105,15 @@ class Worker:
 
     def __init__(self, run: Run, peer_id: str | None = None, micro_batch: int | None = None,
                  threads: int | None = None, delayed: bool | None = None, poll_s: float | None = None,
-                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None, precision: str = "fp32"):
+                 device: str = "cpu", signer: identity.Ed25519PrivateKey | None = None, precision: str = "fp32",
+                 clock: Clock | None = None):
         """``poll_s`` fixes the cadence: a round-view read every ``poll_s`` and a heartbeat every
         three (at most a third of ``peer_timeout_s``; 0: both every step, as lock-step tests
         drive it); None follows the run's ``cadence``. ``precision`` bf16 (diloco only) keeps
         the weights, gradients and inner optimizer state in bfloat16: half the memory, so a
         1B model's volunteer fits a 16 GB GPU (docs/diloco.md)."""
         self.run = run
+        self.clock = run.clock if clock is None else clock
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
         self.signer = signer
         _check_enrolled(run, self.peer, signer)
@@ -119,7 +122,7 @@ class Worker:
         self.cadence = run.config.cadence
         self.poll_s = poll_s  # None: adaptive
         self.fallback_s = self.cadence.poll_max_s if poll_s is None else 5 * poll_s
-        self._reader = published.Reader(run.config.peer_timeout_s)
+        self._reader = published.Reader(run.config.peer_timeout_s, self.clock)
         self._speed = 0.0  # this peer's samples per second of wall time (moving average)
         self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
         self._behind = False  # the fresh view is of an older state than this worker's
@@ -152,7 +155,7 @@ class Worker:
         self.acc: Accumulator | None = None
         self.cursor = 0
         self._view: RoundView | None = None  # round ``state`` as the last fresh round view showed it
-        self._looked = float("-inf")  # time.monotonic() of the last round-view read
+        self._looked = float("-inf")  # clock.monotonic() of the last round-view read
         self._beats: deque[tuple[float, int, int, float, float]] = deque(maxlen=64)  # (time, round, samples, rate, next_s)
         self._sent: deque[_Sent] = deque(maxlen=64)  # this peer's recent uploads
         self._sending: list[_Sent] = []  # those under way
@@ -166,13 +169,13 @@ class Worker:
         self._short_since: tuple[int, float] | None = None  # (round, since when) a second part looked needed
         self._last_progress = 0.0
         self._last_sync = 0.0
-        self._rate = (time.monotonic(), 0)
+        self._rate = (self.clock.monotonic(), 0)
         self.activity = "starting"
         self.uploads: list[tuple[int, str, int]] = []  # (round, shard key, samples) of every upload
         self.uploaded_samples = 0
         self.computed_samples = 0
         self.compute_s = 0.0  # in forward and backward: the share of wall time that is training
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
 
     # state
     def sync(self, latest: int | None = None) -> bool:
@@ -181,7 +184,7 @@ class Worker:
         waits for the download: the round view's new states are fetched in the background
         (``_prefetch``) instead."""
         if latest is None:
-            self._last_sync = time.time()
+            self._last_sync = self.clock.time()
             self.stopped = self.run.bucket.exists(self.run.keys.stop())
             latest = self.run.latest()
         if self.state is not None and latest <= self.state:
@@ -223,7 +226,7 @@ class Worker:
         elif latest > self.state + 1 and self.acc is not None:
             self._drop()  # more than one step behind: those gradients are too stale to use
         if self._closed_seen is not None:
-            self._reduce_s, self._closed_seen = time.monotonic() - self._closed_seen, None
+            self._reduce_s, self._closed_seen = self.clock.monotonic() - self._closed_seen, None
         # diloco: the inner steps not yet sent move with the state (their pseudo-gradient stays)
         moved = self.flat.get() - self._base if self.inner is not None and self.acc is not None else None
         self.params, self.state, self._state_hash = params, latest, shard.commit_hash(commit)
@@ -284,9 +287,9 @@ class Worker:
         itself every ``fallback_s``."""
         if self.state is None:
             self.sync()
-        if time.monotonic() - self._looked < self.poll_every():
+        if self.clock.monotonic() - self._looked < self.poll_every():
             return self._view
-        self._looked = time.monotonic()
+        self._looked = self.clock.monotonic()
         bucket, keys = self.run.bucket, self.run.keys
         v = self._reader.read(bucket, keys)
         fresh = self._reader.fresh
@@ -295,9 +298,9 @@ class Worker:
             if v.state > self.state:  # a state once committed stays committed
                 self._prefetch(v.state)
             elif v.state == self.state and v.closed and self._closed_seen is None:
-                self._closed_seen = time.monotonic()
+                self._closed_seen = self.clock.monotonic()
         if not (fresh and v.state == self.state) and self._fetching is None \
-                and time.time() - self._last_sync >= self.fallback_s:
+                and self.clock.time() - self._last_sync >= self.fallback_s:
             self.sync()
         usable = v is not None and v.state == self.state and (fresh or v.closed)
         self._view = self._mine(v) if usable else None
@@ -309,7 +312,7 @@ class Worker:
         samples and everyone's pending ones lack, at everyone's speed; None if nobody computes."""
         v = self._projected(self._view) if self._view is not None else self._alone(self.state)
         if v.closed:  # being reduced: as long as the last reduction took (unknown: soon)
-            since = time.monotonic() - (self._closed_seen or time.monotonic())
+            since = self.clock.monotonic() - (self._closed_seen or self.clock.monotonic())
             return max(0.0, (self._reduce_s or 0.0) - since)
         acc = self.acc
         mine = acc.samples if acc is not None and acc.round == self.state else 0
@@ -318,7 +321,7 @@ class Worker:
         mine_eta = 0.0 if lacking <= 0 else (lacking / speed if speed > 0 else None)
         if v.eta_s is None:  # before the others' heartbeats count, the scheduler may know better
             return mine_eta
-        theirs = max(0.0, v.eta_s - max(0.0, time.time() - v.at))
+        theirs = max(0.0, v.eta_s - max(0.0, self.clock.time() - v.at))
         return theirs if mine_eta is None else min(mine_eta, theirs)
 
     def poll_every(self) -> float:
@@ -353,21 +356,21 @@ class Worker:
 
     def _alone(self, r: int) -> RoundView:
         """Round r without a fresh view: nobody's counts but this peer's own shards."""
-        return RoundView(manifest_samples=sum(x.samples for x in self._sent if x.round == r), at=time.time())
+        return RoundView(manifest_samples=sum(x.samples for x in self._sent if x.round == r), at=self.clock.time())
 
     def _projected(self, v: RoundView) -> RoundView:
         """The others' pending samples grow at their speed since the scheduler counted them
         (``v.at``, until their next heartbeats are due: at most ``heartbeat_max_s``, so a skewed
         clock costs little): between reads, and with a view a scheduler poll old, a worker still
         sees the round fill."""
-        grown = published.project(v.fresh_samples, v.samples_per_s, time.time() - v.at,
+        grown = published.project(v.fresh_samples, v.samples_per_s, self.clock.time() - v.at,
                                   v.horizon_s, self.run.config.target_batch_size)
         return dataclasses.replace(v, fresh_samples=grown)
 
     def _note_speed(self, n: int) -> None:
         """This peer's speed for the ETA: samples per second of wall time, uploads and waits
         included, smoothed over about ten micro-batches."""
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self._computed_at is not None:
             rate = n / max(1e-6, now - self._computed_at)
             self._speed = rate if self._speed == 0 else 0.9 * self._speed + 0.1 * rate
@@ -414,7 +417,7 @@ class Worker:
         CLOSE. A first part goes at once; so does any part in lock-step (``poll_s`` 0)."""
         if r not in self._uploaded or self.poll_s == 0:
             return True
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if self._short_since is None or self._short_since[0] != r:
             self._short_since = (r, now)
         return now - self._short_since[1] >= 2 * self._upload_s
@@ -488,7 +491,7 @@ class Worker:
             update = self._base - self.flat.get()
         else:  # the gradient sum, divided by the samples on the transfer thread
             update = self.flat.grad()
-        sent = _Sent(acc.round, acc.samples, state_hash=self._state_hash)  # acc.round is self.state
+        sent = _Sent(acc.round, acc.samples, started=self.clock.time(), state_hash=self._state_hash)  # acc.round is self.state
         self._uploaded.add(acc.round)
         self._short_since = None
         self._sent.append(sent)
@@ -507,10 +510,10 @@ class Worker:
         if self.inner is None:
             update /= samples  # the mean gradient
         arrays = self.feedback.encode(update)
-        part = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
+        part = f"{int(self.clock.time() * 1000):013d}-{uuid.uuid4().hex[:6]}"
         key = shard.upload(self.run, r, self.peer, part, arrays, samples, loss, data, stale_samples=stale,
                            signer=self.signer, abandoned=self._abandon.is_set, state_hash=sent.state_hash)
-        sent.at = time.time()
+        sent.at = self.clock.time()
         return key
 
     def _settle(self, wait: bool = False) -> None:
@@ -564,14 +567,14 @@ class Worker:
 
     def _report(self, force: bool, round_: int | None = None) -> None:
         """Heartbeat for the round being accumulated: pending samples and speed."""
-        now = time.time()
+        now = self.clock.time()
         if not force and now - self._last_progress < self.heartbeat_every():
             return
         acc = self.acc
         r = round_ if round_ is not None else (acc.round if acc is not None else self.state)
         t0, c0 = self._rate
-        rate = (self.computed_samples - c0) / max(1e-9, time.monotonic() - t0)
-        self._rate = (time.monotonic(), self.computed_samples)
+        rate = (self.computed_samples - c0) / max(1e-9, self.clock.monotonic() - t0)
+        self._rate = (self.clock.monotonic(), self.computed_samples)
         io = self.run.bucket.stats
         sending = sum(x.samples for x in self._sending if x.round == r)  # pending until their manifests land
         samples = (acc.samples if acc and acc.round == r else 0) + sending
@@ -580,7 +583,7 @@ class Worker:
         self.run.bucket.write_json(self.run.keys.progress(r, self.peer), {
             "peer": self.peer, "round": r, "samples": samples, "sending": sending,
             "samples_per_s": rate, "next_s": next_s, "time": now, "uploaded_samples": self.uploaded_samples,
-            "compute_s": self.compute_s, "wall_s": time.monotonic() - self.started,
+            "compute_s": self.compute_s, "wall_s": self.clock.monotonic() - self.started,
             "bytes_up": io.bytes_written, "bytes_down": io.bytes_read})
         self._last_progress = now
 
@@ -614,14 +617,14 @@ class Worker:
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Work until state ``until_round`` is committed, the run is stopped, or ``stop()`` says
         so (asked between steps: an upload under way completes first); returns the last state."""
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
         self.sync()
         try:
             while not (self.stopped or (until_round is not None and self.state >= until_round)
                        or (stop is not None and stop())):
                 if not self.step():
                     self._computed_at = None  # waiting is not computing: the speed counts work only
-                    time.sleep(self.poll_every() / 4)
+                    self.clock.sleep(self.poll_every() / 4)
         finally:
             self.leave()
         return self.state

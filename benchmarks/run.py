@@ -100,10 +100,10 @@ def gpu(out: dict) -> Table:
 
 def soak_(out: dict) -> Table:
     """Not in the default set: 300 rounds with churn; memory, fds and the bucket stay bounded (docs/soak.md)."""
-    from . import soak
+    from . import soak, soak_verdict
 
     out["soak"] = r = soak.soak()
-    return soak.table(r)
+    return soak_verdict.table(r)
 
 
 RUNNERS = {"throughput": throughput_, "wire": wire_, "aggregation": aggregation_, "compute": compute,

@@ -51,7 +51,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     starts with; ``env`` is added to every process's environment (S3 credentials); ``config``
     holds further RunConfig fields (a data set in ``url``'s bucket, the optimizer, ...)."""
     from dedloc_pipeline.protocol.config import recipe_config
-    from dedloc_pipeline.protocol.run import Run, init_run
+    from dedloc_pipeline.protocol.run import init_run
     from dedloc_pipeline.storage.bucket import Bucket
 
     tmp = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))

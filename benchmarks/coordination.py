@@ -211,10 +211,11 @@ def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, r
     landed = {k: t for h in hosts_out for k, t in h["landed"].items()}
     latency, uploading, closing = [], [], []
     for r in range(warmup, max(at)):
-        batches = sorted(when[s["data"]["stream"], c] for s in closes[r]["accepted"]
-                         for a, k in s["data"]["ranges"] for c in range(a, a + k, MICRO_BATCH) if (s["data"]["stream"], c) in when)
+        accepted = closes[r]["accepted"]
+        batches = sorted(when[s["data"]["stream"], c] for s in accepted for a, k in s["data"]["ranges"]
+                         for c in range(a, a + k, MICRO_BATCH) if (s["data"]["stream"], c) in when)
         reached = _reached(batches, target)
-        full = _reached(sorted((landed[s["key"]], s["samples"]) for s in closes[r]["accepted"] if s["key"] in landed), target)
+        full = _reached(sorted((landed[s["key"]], s["samples"]) for s in accepted if s["key"] in landed), target)
         if reached is not None:
             latency.append(closes[r]["closed_at"] - reached)
         if reached is not None and full is not None:

@@ -24,7 +24,8 @@ LINKS = {"10/50": (10e6, 50e6), "100/500": (100e6, 500e6)}  # household up/down,
 H, INNER, SEQ = 100, 16, 1024  # inner steps per round, sequences per inner step, tokens per sequence
 
 # Bytes per parameter of a sparse shard and of a sparse delta as stored (lz4 and metadata included):
-# benchmark 9's causal-tiny pseudo-gradients and deltas, as the workers' buckets counted them (docs/benchmarks.md section 9).
+# benchmark 9's causal-tiny pseudo-gradients and deltas, as the workers' buckets counted them
+# (docs/benchmarks.md section 9).
 SPARSE_UP, SPARSE_DOWN = 0.031, 0.035
 # Aggregator CPU-seconds per parameter, one thread, file:// bucket (``--measure``, 2026-12-02, this
 # 2-core machine): reading and adding one sparse shard; then once per round the mean's write and
@@ -138,7 +139,8 @@ def measure() -> dict:
     arrays, total, state = codec.encode(x, "sparse", 4096), np.zeros(n), {"momentum_buffer": np.zeros(n, np.float32)}
     codec.create_vector(b, "v", dense)
     codec.write_vector(b, "s", shard, arrays)
-    write, read = best(lambda: codec.write_vector(b, "v", dense, {"values": p})), best(lambda: codec.read_vector(b, "v", dense))
+    write = best(lambda: codec.write_vector(b, "v", dense, {"values": p}))
+    read = best(lambda: codec.read_vector(b, "v", dense))
     per_shard = best(lambda: codec.read_vector(b, "s", shard, raw=True)) + best(
         lambda: codec.accumulate(total, arrays, "sparse", 4096, 1.0))
     apply = best(lambda: optim.apply(Outer().optimizer(), One(), 0, p, state, x, 1))

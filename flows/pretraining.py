@@ -10,8 +10,12 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
@@ -19,7 +23,6 @@ from dedloc_pipeline.protocol import aggregator, scheduler as engine
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
-
 from flows.aggregators import apply_part, reduce_part, run_parts
 from flows.common import artifact_key, dask_address, open_run, scheduler, task_runner
 

@@ -139,7 +139,7 @@ TOP_FORBIDDEN = {"flows": ("dedloc_pipeline.testing",)}
 
 
 @pytest.mark.parametrize("top", sorted(TOP_ALLOWED))
-def test_flows_and_benchmarks_import_only_the_package(top):
+def test_flows_and_benchmarks_import_only_the_package_below_them(top):
     bad = {}
     for name, path in _modules().items():
         if name.split(".")[0] != top:

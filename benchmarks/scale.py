@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.synthetic_round import io_delta, peer_samples, synthetic_gradient, vector_run
+from dedloc_pipeline.protocol.clock import REAL, Clock
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.codec import VectorFormat, encode
 from dedloc_pipeline.storage.layout import RunLayout
@@ -54,6 +55,7 @@ class ShardTarget:
     name: str
     grad_format: VectorFormat
     state_hash: str  # of the COMMIT round ROUND is computed on
+    clock: Clock = REAL  # the manifest's creation time
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,111 @@
+"""The docs stay true: the configuration reference is what RunConfig generates, every relative
+link (and its anchor) resolves inside the repository, and the commands they show exist."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from pathlib import Path
+
+import pytest
+
+from dedloc_pipeline.protocol import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = sorted([ROOT / "README.md", ROOT / "infra" / "README.md", *(ROOT / "docs").rglob("*.md")])
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+CODE_SPAN = re.compile(r"`[^`\n]+`")
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The text outside code: links inside code blocks and spans are examples, not links."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def _code(text: str) -> str:
+    """The text inside code blocks and spans: where commands are shown."""
+    return "\n".join([m.group(0) for m in FENCE.finditer(text)] + CODE_SPAN.findall(text))
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces as dashes."""
+    text = re.sub(r"`|\*\*?|__?", "", heading)
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).strip().lower()
+    kept = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in HEADING.findall(FENCE.sub("", path.read_text())):
+        s = slug(heading)
+        out.add(s if s not in seen else f"{s}-{seen[s]}")
+        seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def test_the_configuration_reference_is_what_runconfig_generates():
+    doc = ROOT / "docs" / "configuration.md"
+    assert doc.read_text() == reference.markdown(), (
+        "docs/configuration.md: rerun python -m dedloc_pipeline.protocol.reference > docs/configuration.md")
+
+
+def test_every_field_of_runconfig_is_in_the_reference():
+    text = reference.markdown()
+    from dedloc_pipeline.protocol.config import RunConfig
+    paths = [name for name in RunConfig.model_fields] + [
+        f"{name}.{leaf}" for name, model in reference.nested(RunConfig) for leaf in model.model_fields]
+    assert [p for p in paths if f"| `{p}` |" not in text] == []
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves_inside_the_repository(doc):
+    bad = []
+    for target in LINK.findall(_prose(doc.read_text())):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.is_relative_to(ROOT) or not path.exists():
+            bad.append(f"{target}: no such file in the repository")
+        elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+            bad.append(f"{target}: no heading #{anchor} in {path.relative_to(ROOT)}")
+    assert bad == [], f"{doc.relative_to(ROOT)}: {bad}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_doc_refers_outside_the_repository(doc):
+    assert "../shared" not in doc.read_text() and "DESIGN.md" not in doc.read_text()
+
+
+def test_the_link_check_sees_a_broken_link_and_anchor(tmp_path):
+    """The check itself: slugs as GitHub makes them, and a missing anchor is found."""
+    assert slug("8. Does pretraining pay? (`benchmarks/quality.py`, `make quality`)") == (
+        "8-does-pretraining-pay-benchmarksqualitypy-make-quality")
+    assert "configuration-reference" in anchors(ROOT / "docs" / "configuration.md")
+    assert "nowhere" not in anchors(ROOT / "docs" / "configuration.md")
+    assert LINK.findall(_prose("see [a](b.md#c) and `[x](y.md)`")) == ["b.md#c"]
+
+
+def _makefile_targets() -> set[str]:
+    return set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def _dedloc_commands() -> set[str]:
+    import typer
+
+    from dedloc_pipeline.cli import app
+    return set(typer.main.get_command(app).commands)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_commands_the_docs_show_exist(doc):
+    """Every `make TARGET` and `dedloc COMMAND` in a doc's code is a Makefile target or a CLI command."""
+    code = _code(doc.read_text())
+    makes = set(re.findall(r"(?<![\w-])make ([a-z][\w-]*)", code)) - _makefile_targets()
+    commands = set(re.findall(r"(?<![\w-])dedloc ([a-z][\w-]*)", code)) - _dedloc_commands()
+    assert (makes, commands) == (set(), set())

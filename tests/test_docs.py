@@ -82,30 +82,53 @@ def test_no_doc_refers_outside_the_repository(doc):
     assert "../shared" not in doc.read_text() and "DESIGN.md" not in doc.read_text()
 
 
-def test_the_link_check_sees_a_broken_link_and_anchor(tmp_path):
-    """The check itself: slugs as GitHub makes them, and a missing anchor is found."""
+def test_the_checks_see_what_they_look_for():
+    """The checks themselves: slugs as GitHub makes them, a missing anchor, links in code left out,
+    a command's continuation lines read, an unknown option found."""
     assert slug("8. Does pretraining pay? (`benchmarks/quality.py`, `make quality`)") == (
         "8-does-pretraining-pay-benchmarksqualitypy-make-quality")
     assert "configuration-reference" in anchors(ROOT / "docs" / "configuration.md")
     assert "nowhere" not in anchors(ROOT / "docs" / "configuration.md")
     assert LINK.findall(_prose("see [a](b.md#c) and `[x](y.md)`")) == ["b.md#c"]
+    shown = _dedloc_lines(".venv/bin/dedloc worker --bogus 1 \\\n    --key K\nnext --x\n")
+    assert shown == [("worker", " --bogus 1 \\     --key K")]
+    assert "--key" in _dedloc_commands()["worker"] and "--bogus" not in _dedloc_commands()["worker"]
 
 
 def _makefile_targets() -> set[str]:
     return set(re.findall(r"^([a-z][\w-]*):", (ROOT / "Makefile").read_text(), re.M))
 
 
-def _dedloc_commands() -> set[str]:
+def _dedloc_commands() -> dict[str, set[str]]:
+    """Each ``dedloc`` command and the options it takes."""
     import typer
 
     from dedloc_pipeline.cli import app
-    return set(typer.main.get_command(app).commands)
+    return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+            for name, cmd in typer.main.get_command(app).commands.items()}
+
+
+def _dedloc_lines(code: str) -> list[tuple[str, str]]:
+    """(command, the rest of its line with its continuation lines) for each ``dedloc COMMAND`` shown."""
+    lines = code.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        for m in re.finditer(r"(?<![\w/.-])(?:\S*/)?dedloc ([a-z][\w-]*)(.*)", line):
+            rest, j = m.group(2), i + 1
+            while j < len(lines) and (lines[j - 1].rstrip().endswith("\\") or lines[j].startswith(" ")):
+                rest, j = rest + " " + lines[j], j + 1
+            found.append((m.group(1), rest.split(" dedloc ")[0]))
+    return found
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_commands_the_docs_show_exist(doc):
-    """Every `make TARGET` and `dedloc COMMAND` in a doc's code is a Makefile target or a CLI command."""
+    """Every `make TARGET` and `dedloc COMMAND --option` in a doc's code is a Makefile target, or a
+    CLI command and one of its options."""
     code = _code(doc.read_text())
     makes = set(re.findall(r"(?<![\w-])make ([a-z][\w-]*)", code)) - _makefile_targets()
-    commands = set(re.findall(r"(?<![\w-])dedloc ([a-z][\w-]*)", code)) - _dedloc_commands()
-    assert (makes, commands) == (set(), set())
+    known = _dedloc_commands()
+    wrong = {f"dedloc {cmd} {opt}" for cmd, rest in _dedloc_lines(code)
+             for opt in (re.findall(r"(?<![\w-])--[a-z][\w-]*", rest) if cmd in known else ["(no such command)"])
+             if opt not in known.get(cmd, ()) and opt != "--help"}
+    assert (makes, wrong) == (set(), set())

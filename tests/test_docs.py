@@ -32,7 +32,7 @@ def _code(text: str) -> str:
 
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces as dashes."""
-    text = re.sub(r"`|\*\*?|__?", "", heading)
+    text = re.sub(r"[`*]", "", heading)
     text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", text).strip().lower()
     kept = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
     return kept.replace(" ", "-")
@@ -87,6 +87,8 @@ def test_the_checks_see_what_they_look_for():
     a command's continuation lines read, an unknown option found."""
     assert slug("8. Does pretraining pay? (`benchmarks/quality.py`, `make quality`)") == (
         "8-does-pretraining-pay-benchmarksqualitypy-make-quality")
+    assert slug("The local-steps mode: `algorithm: diloco`") == "the-local-steps-mode-algorithm-diloco"
+    assert slug("`close.max_parts` and **peers**") == "closemax_parts-and-peers"
     assert "configuration-reference" in anchors(ROOT / "docs" / "configuration.md")
     assert "nowhere" not in anchors(ROOT / "docs" / "configuration.md")
     assert LINK.findall(_prose("see [a](b.md#c) and `[x](y.md)`")) == ["b.md#c"]

@@ -13,6 +13,8 @@ and checked in the bucket is ``vector``'s.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -21,35 +23,36 @@ SPARSE_KEEP = 64  # sparse: one element in this many of each block is kept
 Arrays = dict[str, np.ndarray]
 
 
-class Codec:
+class Codec(ABC):
     """One way to store a flat float32 vector. ``exact`` codecs drop nothing: no error feedback,
     and a parameter delta can be the XOR of the fp32 bit patterns they store as ``values``."""
 
     name: str
     exact = False
 
+    @abstractmethod
     def arrays(self, n: int, chunk_size: int, block: int) -> dict[str, tuple[str, int, int]]:
         """name -> (dtype, length, chunk length) of what a vector of ``n`` elements is stored as."""
-        raise NotImplementedError
 
     def encode(self, x: np.ndarray, block: int) -> Arrays:
         return self._encode(np.ascontiguousarray(x, dtype=np.float32), block)
 
+    @abstractmethod
     def _encode(self, x: np.ndarray, block: int) -> Arrays:
-        raise NotImplementedError
+        """The arrays for ``x``, already contiguous float32."""
 
+    @abstractmethod
     def decode(self, arrays: Arrays, block: int, n: int | None = None) -> np.ndarray:
         """Exact inverse of the codec's rounding: deterministic, so every peer gets the same bits.
         ``n``: the elements the arrays hold (needed by ``sparse``, whose blocks are stored whole)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def accumulate(self, total: np.ndarray, arrays: Arrays, block: int, weight: float) -> None:
         """``total += weight * decode(arrays)`` in float64, in as few passes over memory as it takes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def squared_norm(self, arrays: Arrays, block: int) -> float:
         """||decode(arrays)||², without decoding where the codec allows."""
-        raise NotImplementedError
 
 
 class _Dense(Codec):

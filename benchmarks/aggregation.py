@@ -35,7 +35,7 @@ from dedloc_pipeline.protocol import aggregator
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import DataRef, upload
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 
 ROUND = 0
@@ -173,7 +173,7 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
                 repeats, reset=reset_reduced, bucket=bucket)
             reduce_serial = best_of(lambda: [aggregator.reduce_part(vrun, ROUND, k) for k in parts],
                                     repeats, reset=reset_reduced, bucket=bucket)
-            reduced = codec.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
+            reduced = vector.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
             expected = numpy_reduce(root, vrun, close["accepted"])
             disagreement = float(np.abs(reduced - expected).max() / np.abs(expected).max())
 

@@ -36,8 +36,9 @@ import numpy as np
 from benchmarks.synthetic_round import io_delta, peer_samples, synthetic_gradient, vector_run
 from dedloc_pipeline.protocol.clock import REAL, Clock
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.storage.codec import VectorFormat, encode
+from dedloc_pipeline.storage.codec import encode
 from dedloc_pipeline.storage.layout import RunLayout
+from dedloc_pipeline.storage.vector import VectorFormat
 
 ROUND = 0
 # build_model("sahajbert", 0): sum of parameter sizes (measured once; building it takes ~30 s here).

@@ -23,7 +23,8 @@ ALLOWED = {
     "monitoring": {"storage", "trust", "model", "protocol"},
     "evaluation": {"storage", "model", "protocol"},
 }
-TORCH_FREE = ["storage.layout", "storage.bucket", "storage.codec", "protocol.config", "protocol.shard",
+TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats",
+              "storage.codec", "storage.vector", "protocol.config", "protocol.shard",
               "protocol.run", "monitoring.status", "monitoring.cost", "trust.identity", "trust.policy",
               "model.presets", "cli"]
 

@@ -29,7 +29,7 @@ from ..model.presets import PRESETS, family
 from ..protocol.config import RunConfig
 from ..protocol.shard import DataRef, Manifest
 from ..protocol.view import View
-from ..storage.codec import VectorFormat
+from ..storage.vector import VectorFormat
 from ..storage.layout import LAYOUT_VERSION
 
 HOUR, DAY, MONTH_DAYS = 3600.0, 86400.0, 30.0

@@ -1,4 +1,5 @@
-"""Benchmarks 1 and 4: a real collaboration on this machine, and the machine's limit beside it.
+"""A real collaboration on this machine, and the machine's limit beside it: what benchmarks 1 and 4
+(benchmarks/throughput.py), 6 (shaped.py), 9 (local_steps.py) and the quality benchmark measure.
 
 ``collaborate`` runs the way volunteers do: one ``dedloc aggregate`` and N ``dedloc worker``
 processes (one torch thread each) over a ``file://`` bucket. Throughput is the samples committed

@@ -15,6 +15,7 @@ from typer.core import TyperGroup
 
 from .init_options import config_args, describe, one_line, with_settings
 from .model.data import DataError
+from .model.presets import PRESETS
 from .protocol.config import recipe_config
 from .protocol.run import ORGANIZER_KEY_ENV, Run, RunError, init_run
 from .storage.bucket import Bucket, StorageError
@@ -279,7 +280,7 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 @app.command("cost")
 def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
           days: float = typer.Option(..., help="length of the run"),
-          preset: Optional[str] = typer.Option(None, help="tiny | small | sahajbert (default tiny; not with --bucket)"),
+          preset: Optional[str] = typer.Option(None, help=f"{' | '.join(PRESETS)} (default tiny; not with --bucket)"),
           samples_per_s: Optional[float] = typer.Option(
               None, "--samples-per-s", help="one volunteer's samples/s (default: the preset's measured speed)"),
           target_batch: Optional[int] = typer.Option(None, help="samples per round (default: the preset's recipe)"),
@@ -298,7 +299,9 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object")):
     """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""
     _setup(False)
-    from .monitoring import cost as pricing
+    from .planning.display import show
+    from .planning.estimate import estimate
+    from .planning.prices import PRICES, load_prices
     if bucket is not None or run is not None:
         if bucket is None or run is None:
             raise ValueError("--bucket and --run go together: the run whose config is priced")
@@ -307,15 +310,14 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
         config = _open(bucket, run, endpoint_url).config
     else:
         config = recipe_config("plan", preset or "tiny", target_batch_size=target_batch)
-    table = pricing.load_prices(prices) if prices else pricing.PRICES
-    e = pricing.estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s,
-                         uplink_mbit_s=uplink_mbit, scheduler_poll_s=scheduler_poll, micro_batch=micro_batch,
-                         scheduler_egress=not scheduler_in_region)
+    table = load_prices(prices) if prices else PRICES
+    e = estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s, uplink_mbit_s=uplink_mbit,
+                 scheduler_poll_s=scheduler_poll, micro_batch=micro_batch, scheduler_egress=not scheduler_in_region)
     if as_json:
         typer.echo(e.model_dump_json())
         return
     from rich.console import Console
-    pricing.show(e, table, Console())
+    show(e, table, Console())
 
 
 @app.command()

@@ -18,11 +18,12 @@ ALLOWED = {
     "model": {"storage"},
     "protocol": {"storage", "trust", "model"},
     "monitoring": {"storage", "trust", "model", "protocol"},
+    "planning": {"storage", "trust", "model", "protocol", "monitoring"},
     "evaluation": {"storage", "model", "protocol"},
 }
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.codec", "protocol.config", "protocol.shard",
-              "protocol.run", "monitoring.status", "monitoring.cost", "trust.identity", "trust.policy",
-              "model.presets", "cli"]
+              "protocol.run", "monitoring.status", "planning.prices", "planning.planned", "planning.requests",
+              "planning.estimate", "planning.display", "trust.identity", "trust.policy", "model.presets", "cli"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -116,7 +116,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     Ctrl-C finishes an upload under way, leaves, and prints what you contributed (exit status
     130); a second Ctrl-C quits at once."""
     _setup(verbose)
-    from .monitoring.progress import make_worker, summary_text, volunteer
+    from .monitoring.volunteer import make_worker, summary_text, volunteer
     w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision)
     s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))

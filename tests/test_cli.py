@@ -50,8 +50,9 @@ def error_line(result) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run with ROUNDS committed rounds from two in-process peers, and a fresh heartbeat each
-    in the open round. Returns (bucket URL, Run, pending samples per peer)."""
+    """A run with ROUNDS committed rounds from two in-process peers, a fresh heartbeat each in the
+    open round, and the scheduler's round view of them. Returns (bucket URL, Run, pending samples
+    per peer)."""
     url = f"file://{tmp_path_factory.mktemp('cli')}/bucket"
     run = init_run(Bucket(url), small_config("cli-run"))
     workers = [Worker(run, p, micro_batch=mb, threads=1, poll_s=0) for p, mb in MICRO.items()]
@@ -73,6 +74,7 @@ def trained(tmp_path_factory):
         w.flush()
     pending = {w.peer: w.acc.samples for w in workers}
     assert all(w.acc.round == ROUNDS for w in workers) and sum(pending.values()) < 24
+    assert sched.try_close(ROUNDS) is None  # the view: what status reads of the open round
     return url, run, pending
 
 

@@ -22,7 +22,6 @@ from .storage.bucket import Bucket, StorageError
 from .trust import identity
 from .trust.identity import IdentityError
 
-
 # click's exceptions, wherever this typer takes click from (recent typers vendor it)
 _cx = importlib.import_module(typer.BadParameter.__module__)
 _PASS = tuple({typer.Exit, typer.Abort, *(getattr(_cx, n) for n in ("Exit", "Abort", "NoArgsIsHelpError")
@@ -284,11 +283,13 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
           samples_per_s: Optional[float] = typer.Option(
               None, "--samples-per-s", help="one volunteer's samples/s (default: the preset's measured speed)"),
           target_batch: Optional[int] = typer.Option(None, help="samples per round (default: the preset's recipe)"),
-          prices: Optional[str] = typer.Option(None, help="a JSON price table replacing the built-in one (docs/cost.md)"),
+          prices: Optional[str] = typer.Option(None, help="a JSON price table replacing the built-in one "
+                                               "(docs/cost.md)"),
           bucket: Optional[str] = typer.Option(None, help="read the config of --run in this bucket instead"),
           run: Optional[str] = typer.Option(None, help="with --bucket: the run whose config is priced"),
           endpoint_url: Optional[str] = EndpointOpt,
-          reduce_s: Optional[float] = typer.Option(None, help="seconds from CLOSE to COMMIT (default: benchmark 5's fit)"),
+          reduce_s: Optional[float] = typer.Option(None, help="seconds from CLOSE to COMMIT (default: benchmark "
+                                                   "5's fit)"),
           micro_batch: Optional[int] = typer.Option(None, help="the volunteers' micro-batch (default: the run's): "
                                                     "a worker polls and heartbeats between micro-batches"),
           uplink_mbit: float = typer.Option(20.0, help="a volunteer's upload speed, Mbit/s"),
@@ -297,7 +298,7 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
           scheduler_in_region: bool = typer.Option(False, help="the scheduler runs in the provider's region: "
                                                    "its reads are no egress"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object")):
-    """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""
+    """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""  # noqa: E501
     _setup(False)
     from .planning.display import show
     from .planning.estimate import estimate

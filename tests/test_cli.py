@@ -18,7 +18,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from .conftest import small_config
 import dedloc_pipeline.cli as dedloc_cli
 from dedloc_pipeline import init_options
 from dedloc_pipeline.cli import app
@@ -28,6 +27,8 @@ from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
+
+from .conftest import small_config
 
 ROUNDS = 3
 MICRO = {"p0": 4, "p1": 8}  # different micro-batches, so the peers' sample counts differ

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.planning.estimate import SAMPLES_PER_S, _count, estimate, measured
 from dedloc_pipeline.planning import prices
+from dedloc_pipeline.planning.estimate import SAMPLES_PER_S, _count, estimate, measured
 from dedloc_pipeline.planning.planned import PlannedRun, n_params
 from dedloc_pipeline.planning.requests import PRUNE_WINDOW, Requests, Traffic
 from dedloc_pipeline.protocol import scheduler, shard, view

@@ -16,11 +16,12 @@ from dedloc_pipeline.cli import app
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol import view
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
-from .conftest import small_config
 from dedloc_pipeline.testing import collaborate
+
+from .conftest import small_config
 
 ROUNDS = 3
 PEERS = [("ann", 4), ("bob", 8), ("cy", 4)]

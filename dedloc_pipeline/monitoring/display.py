@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.filesize import decimal
-from rich.logging import RichHandler
 from rich.live import Live
+from rich.logging import RichHandler
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table

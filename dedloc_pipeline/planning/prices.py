@@ -14,6 +14,7 @@ from typing import Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, computed_field
 
+
 class Provider(BaseModel):
     """One provider's list prices, keyed by ``IOStats``' request kinds (get, put, head, list,
     delete, and ``other`` for any kind not named)."""

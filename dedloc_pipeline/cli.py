@@ -159,9 +159,8 @@ def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          reason: str = typer.Option("stopped by the organizer", help="recorded in the marker")):
     """End a run: schedulers and the pretrain flow stop after the open round."""
     _setup(False)
-    import time
     r = _open(bucket, run, endpoint_url)
-    r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": time.time(), "state": r.latest()})
+    r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": r.clock.time(), "state": r.latest()})
     typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
 
 

@@ -38,7 +38,7 @@ from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import DataRef, upload
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 
 ROUND = 0
@@ -57,9 +57,9 @@ def vector_run(bucket: Bucket, name: str, n: int, **fields) -> Run:
     keys = run.keys
     bucket.create_json(keys.config, cfg.model_dump(mode="json"))
     p0 = np.random.default_rng(n).standard_normal(n, dtype=np.float32) * 0.02
-    sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
+    sums = vector.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
     for state in ("exp_avg", "exp_avg_sq", "residual"):
-        codec.create_vector(bucket, keys.optim(0, state), run.dense_format)
+        vector.create_vector(bucket, keys.optim(0, state), run.dense_format)
     bucket.create_json(keys.commit(0), {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": time.time(), "n_params": n})
@@ -209,7 +209,7 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
                 repeats, reset=reset_reduced, bucket=bucket)
             reduce_serial = best_of(lambda: [aggregator.reduce_part(vrun, ROUND, k) for k in parts],
                                     repeats, reset=reset_reduced, bucket=bucket)
-            reduced = codec.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
+            reduced = vector.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
             expected = numpy_reduce(root, vrun, close["accepted"])
             disagreement = float(np.abs(reduced - expected).max() / np.abs(expected).max())
 

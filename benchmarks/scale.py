@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.storage.codec import VectorFormat, encode
+from dedloc_pipeline.storage.codec import encode
+from dedloc_pipeline.storage.vector import VectorFormat
 from dedloc_pipeline.storage.layout import RunLayout
 
 ROUND = 0

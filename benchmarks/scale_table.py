@@ -113,7 +113,7 @@ def measure() -> dict:
     from dedloc_pipeline.model.flat import Tensor
     from dedloc_pipeline.protocol import optim
     from dedloc_pipeline.protocol.config import Outer
-    from dedloc_pipeline.storage import codec
+    from dedloc_pipeline.storage import codec, vector
     from dedloc_pipeline.storage.bucket import Bucket
 
     torch.set_num_threads(1)
@@ -135,12 +135,12 @@ def measure() -> dict:
             yield Tensor("w", (n,), 0, n, True), lo, hi
 
     b = Bucket(f"file://{tempfile.mkdtemp()}/b")
-    dense, shard = codec.VectorFormat("none", n, n, 4096), codec.VectorFormat("sparse", n, n, 4096, whole=True)
+    dense, shard = vector.VectorFormat("none", n, n, 4096), vector.VectorFormat("sparse", n, n, 4096, whole=True)
     arrays, total, state = codec.encode(x, "sparse", 4096), np.zeros(n), {"momentum_buffer": np.zeros(n, np.float32)}
-    codec.create_vector(b, "v", dense)
-    codec.write_vector(b, "s", shard, arrays)
-    write, read = best(lambda: codec.write_vector(b, "v", dense, {"values": p})), best(lambda: codec.read_vector(b, "v", dense))
-    per_shard = best(lambda: codec.read_vector(b, "s", shard, raw=True)) + best(
+    vector.create_vector(b, "v", dense)
+    vector.write_vector(b, "s", shard, arrays)
+    write, read = best(lambda: vector.write_vector(b, "v", dense, {"values": p})), best(lambda: vector.read_vector(b, "v", dense))
+    per_shard = best(lambda: vector.read_vector(b, "s", shard, raw=True)) + best(
         lambda: codec.accumulate(total, arrays, "sparse", 4096, 1.0))
     apply = best(lambda: optim.apply(Outer().optimizer(), One(), 0, p, state, x, 1))
     delta = best(lambda: codec.delta_encode(p, p + x, "sparse", 4096, None))

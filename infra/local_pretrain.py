@@ -4,7 +4,7 @@ Starts (or reuses) the local Prefect server, serves the flows, runs ``tokenize``
 ``pretrain`` on the bucket, starts local volunteer workers, waits for the flow run, runs
 ``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C. The run
 is a signed one, as a public run would be: an organizer key and a key per local volunteer in
-``.dedloc/keys/``, the volunteers enrolled in the run's roster (README, "Running a collaboration").
+``.dedloc/keys/``, the volunteers enrolled in the run's roster (docs/organizer.md, "Signed runs").
 Settings come from the environment (the Makefile's variables; MAX_DOCS caps the corpus,
 EVAL_EPOCHS and EVAL_TRAIN the fine-tuning, for quick runs).
 """
@@ -107,7 +107,7 @@ def main() -> int:
     preset, target = env("PRESET", "tiny"), int(env("TARGET", "128"))
     data, seq_len = env("DATA", "bengali"), int(env("SEQ", "64"))
     from dedloc_pipeline.model.presets import PRESETS
-    # tiny learns context fastest per CPU second from a 2000-token vocabulary (README, "The first run")
+    # tiny learns context fastest per CPU second from a 2000-token vocabulary (docs/first-run.md)
     vocab = int(env("VOCAB", "2000" if preset == "tiny" else str(PRESETS[preset]["vocab_size"])))
     port, home = int(env("PREFECT_PORT", "4200")), env("DEDLOC_PREFECT_HOME", str(ROOT / ".dedloc/prefect"))
     logs = Path(env("LOGS", str(ROOT / ".dedloc/logs")))

@@ -21,7 +21,8 @@ ALLOWED = {
     "planning": {"storage", "trust", "model", "protocol", "monitoring"},
     "evaluation": {"storage", "model", "protocol"},
 }
-TORCH_FREE = ["storage.layout", "storage.bucket", "storage.codec", "protocol.config", "protocol.shard",
+TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats",
+              "storage.codec", "storage.vector", "protocol.config", "protocol.shard",
               "protocol.run", "monitoring.status", "planning.prices", "planning.planned", "planning.requests",
               "planning.estimate", "planning.display", "trust.identity", "trust.policy", "model.presets", "cli"]
 

@@ -15,8 +15,8 @@ from dataclasses import astuple, dataclass, fields
 
 from ..protocol.run import Run
 from ..protocol.shard import DataRef, Manifest
-from ..storage.codec import VectorFormat
 from ..storage.layout import LAYOUT_VERSION
+from ..storage.vector import VectorFormat
 
 CHECKSUM_JSON_BYTES = 38  # one chunk's 32-hex checksum in indented JSON (COMMIT, CLOSE)
 SHARD_ENTRY_BYTES = 250  # a shard's entry in a COMMIT (key, peer, samples, loss, manifest hash)

@@ -8,7 +8,7 @@ A volunteer's round: ``H`` inner steps of ``INNER`` sequences of ``SEQ`` tokens,
 ``C = H * INNER * SEQ / tokens_per_s`` seconds. With delayed updates a volunteer computes while
 its shard uploads, the round is reduced and the next state downloads, so a round lasts
 ``max(C, up + aggregate + down)`` and the compute use is ``C`` over that; without them the two add.
-Requests come from the cost model (``monitoring/cost.py``: the cadence's reads and heartbeats
+Requests come from the cost model (``planning/``: the cadence's reads and heartbeats
 for a round of that length, and every object of the shard and delta layouts).
 ``python -m benchmarks.scale_table`` prints the table docs/diloco.md holds (a test keeps them equal);
 ``--measure`` times the aggregator's unit costs on this machine again.
@@ -53,11 +53,12 @@ def _activations(c: dict) -> float:
 
 def row(model: str, volunteers: int, link: str) -> dict:
     from dedloc_pipeline.model.presets import PRESETS
-    from dedloc_pipeline.monitoring import cost
+    from dedloc_pipeline.planning.estimate import HOUR, estimate
+    from dedloc_pipeline.planning.planned import n_params
     from dedloc_pipeline.protocol.config import recipe_config
 
     preset = MODELS[model]
-    n, c = cost.n_params(preset), PRESETS[preset]
+    n, c = n_params(preset), PRESETS[preset]
     up_bps, down_bps = LINKS[link]
     tokens_per_s = GPU_FLOPS / (6 * n)
     compute_s = H * INNER * SEQ / tokens_per_s
@@ -69,9 +70,9 @@ def row(model: str, volunteers: int, link: str) -> dict:
     round_s = max(compute_s, settle_s)
     config = recipe_config("paper", preset, seq_len=SEQ, inner_batch=INNER, target_batch_size=volunteers * H * INNER,
                            micro_batch=INNER, chunk_size=PART)
-    e = cost.estimate(config, volunteers, days=1, samples_per_s=tokens_per_s / SEQ, n=n, reduce_s=aggregate_s,
-                      uplink_mbit_s=up_bps / 1e6, shard_bytes_per_param=SPARSE_UP, delta_bytes_per_param=SPARSE_DOWN)
-    per_round = e.round_s / cost.HOUR
+    e = estimate(config, volunteers, days=1, samples_per_s=tokens_per_s / SEQ, n=n, reduce_s=aggregate_s,
+                 uplink_mbit_s=up_bps / 1e6, shard_bytes_per_param=SPARSE_UP, delta_bytes_per_param=SPARSE_DOWN)
+    per_round = e.round_s / HOUR
     return {"model": model, "n_params": n, "volunteers": volunteers, "link": link,
             "up_MB": up_b / 1e6, "down_MB": down_b / 1e6, "compute_s": compute_s, "up_s": up_s, "down_s": down_s,
             "aggregate_s": aggregate_s, "round_s": round_s, "compute_use": compute_s / round_s,

@@ -21,12 +21,13 @@ ALLOWED = {
     "model": {"storage"},
     "protocol": {"storage", "trust", "model"},
     "monitoring": {"storage", "trust", "model", "protocol"},
+    "planning": {"storage", "trust", "model", "protocol", "monitoring"},
     "evaluation": {"storage", "model", "protocol"},
 }
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats",
               "storage.codec", "storage.vector", "protocol.config", "protocol.shard",
-              "protocol.run", "monitoring.status", "monitoring.cost", "trust.identity", "trust.policy",
-              "model.presets", "cli"]
+              "protocol.run", "monitoring.status", "planning.prices", "planning.planned", "planning.requests",
+              "planning.estimate", "planning.display", "trust.identity", "trust.policy", "model.presets", "cli"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from .protocol import shard
 from .protocol.clock import Clock
 from .protocol.config import CloseRule, OptimizerConfig, RunConfig
+from .protocol.run import Run
 from .protocol.scheduler import Scheduler
 from .protocol.worker import Worker
 
@@ -51,30 +53,81 @@ class FakeClock(Clock):
             self._now += max(0.0, seconds)
 
 
+def on_clock(run: Run, clock: Clock | None = None, organizer=None) -> Run:
+    """``run`` read through ``clock`` (default: a FakeClock starting at state 0's COMMIT, so a
+    round opened by ``init_run`` is no older than the clock says)."""
+    clock = clock or FakeClock(epoch=run.commit_of(0)["committed_at"])
+    return Run(run.bucket, run.name, run.config, organizer=organizer, clock=clock)
+
+
+class LockStep:
+    """A collaboration stepped by hand in one process. ``tick`` steps every worker once (its
+    transfers landing before the next one moves: deterministic), the scheduler (if any) on every
+    ``scheduler_every``-th tick, then moves the run's clock ``step_s`` seconds (a FakeClock's: so
+    every micro-batch takes ``step_s``, and speeds, heartbeat ages and timeouts are exact). A
+    worker ``kill``-ed is no longer stepped: it stops heartbeating and uploading, as a SIGKILL
+    would. ``poll_s`` is the workers' fixed cadence (0: they read the view and heartbeat every
+    step, and send a second part at once; a timing case wants it above 0)."""
+
+    def __init__(self, run: Run, poll_s: float = 0, step_s: float = 0.0, scheduler: bool = True,
+                 scheduler_every: int = 2, delayed: bool | None = None):
+        self.run, self.poll_s, self.step_s, self.delayed = run, poll_s, step_s, delayed
+        self.scheduler_every, self.ticks = scheduler_every, 0
+        self.scheduler = Scheduler(run, parallel=2, poll_s=poll_s) if scheduler else None
+        self.workers: dict[str, Worker] = {}
+        self._pool = ThreadPoolExecutor(2)
+
+    def __enter__(self) -> "LockStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown()
+
+    def join(self, peer: str, micro_batch: int, signer=None, tamper: Callable | None = None) -> Worker:
+        """A volunteer that is stepped from the next tick on. ``tamper``: what it does to its
+        gradient before uploading (a byzantine peer)."""
+        w = Worker(self.run, peer, micro_batch=micro_batch, threads=1, delayed=self.delayed, poll_s=self.poll_s,
+                   signer=signer)
+        if tamper is not None:
+            honest = w.flat.grad
+            w.flat.grad = lambda: tamper(honest())
+        self.workers[peer] = w
+        return w
+
+    def kill(self, peer: str) -> Worker:
+        """Stop stepping ``peer``: no leave, no last heartbeat."""
+        return self.workers.pop(peer)
+
+    def tick(self) -> None:
+        for w in list(self.workers.values()):
+            w.step()
+            w.flush()
+        if self.scheduler is not None and self.ticks % self.scheduler_every == 0:
+            self.scheduler.step(self._pool)
+        self.ticks += 1
+        if self.step_s:
+            self.run.clock.sleep(self.step_s)
+
+    def until(self, done: Callable[[], object], max_ticks: int = 2000, what: str = "the condition"):
+        """Tick until ``done()`` is truthy (checked before each tick); its value."""
+        for _ in range(max_ticks):
+            if got := done():
+                return got
+            self.tick()
+        raise AssertionError(f"{what} not reached in {max_ticks} ticks (state {self.run.latest()})")
+
+
 def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | None = None,
                 max_steps: int = 2000, scheduler_every: int = 2, signers: dict | None = None,
                 tamper: dict | None = None) -> list[Worker]:
     """Every worker takes one step, and every few such steps the scheduler one (so workers see
     full rounds that are not yet committed), until state ``rounds`` is committed. ``tamper``
     maps a peer to what it does to its gradient before uploading (a byzantine peer)."""
-    signers = signers or {}
-    workers = [Worker(run, name, micro_batch=mb, threads=1, delayed=delayed, poll_s=0, signer=signers.get(name))
-               for name, mb in peers]
-    for w in workers:
-        if w.peer in (tamper or {}):
-            honest, attack = w.flat.grad, tamper[w.peer]
-            w.flat.grad = lambda honest=honest, attack=attack: attack(honest())
-    sched = Scheduler(run, parallel=2, poll_s=0)
-    with ThreadPoolExecutor(2) as pool:
-        for i in range(max_steps):
-            if run.latest() >= rounds:
-                return workers
-            for w in workers:
-                w.step()
-                w.flush()  # its transfers land before anyone's next move: deterministic
-            if i % scheduler_every == 0:
-                sched.step(pool)
-    raise AssertionError(f"state {rounds} not reached in {max_steps} steps")
+    signers, tamper = signers or {}, tamper or {}
+    with LockStep(run, scheduler_every=scheduler_every, delayed=delayed) as c:
+        workers = [c.join(name, mb, signer=signers.get(name), tamper=tamper.get(name)) for name, mb in peers]
+        c.until(lambda: run.latest() >= rounds, max_steps, f"state {rounds}")
+    return workers
 
 
 def stream_next(run, r, peer):

@@ -7,8 +7,12 @@ timeout) is a sequence of steps with exact assertions, not real processes and re
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 from typing import Callable
 
 from .protocol import shard
@@ -130,6 +134,16 @@ def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | 
     return workers
 
 
+def assert_counted_once(run: Run) -> None:
+    """No sample of any stream counts in two accepted shards, over every committed round."""
+    seen: set[tuple[str, int]] = set()
+    for r in range(run.latest()):
+        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            got = {(s["data"]["stream"], i) for a, n in s["data"]["ranges"] for i in range(a, a + n)}
+            assert not got & seen, f"round {r}: {s['key']} counts samples already counted"
+            seen |= got
+
+
 def stream_next(run, r, peer):
     """Where an honest ``peer``'s next shard of round r starts: after its counted samples and
     its other parts of the round."""
@@ -137,3 +151,41 @@ def stream_next(run, r, peer):
     for raw in run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r, peer))).values():
         ends.append(shard.Manifest.model_validate_json(raw).data.end())
     return max(ends)
+
+
+# moto's request log, a line per request it answered: [01/Dec/2026 11:22:40] "GET /bkt/p/k?x HTTP/1.1" 200 -
+_MOTO_LINE = re.compile(r'\[(\d\d/\w\w\w/\d{4} \d\d:\d\d:\d\d)\] "(\w+) ([^ ?"]*)(\?[^ "]*)? HTTP')
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One request as moto's server logged it."""
+
+    at: float  # the second it was answered in (the log has whole seconds)
+    method: str
+    path: str
+    query: str  # with its leading "?", or ""
+    kind: str  # as the Bucket counts it (IOStats): get, put, head, list or delete
+
+
+def request_kind(method: str, query: str) -> str:
+    """The Bucket's request kind of an S3 request: a GET with ``list-type`` (or a v1 ``prefix``
+    listing) is a LIST, a POST ``?delete`` a multi-object DELETE."""
+    if method == "GET":
+        return "list" if "list-type=" in query or query.startswith("?prefix") else "get"
+    if method == "POST" and "delete" in query:
+        return "delete"
+    return method.lower()
+
+
+def moto_log(path: str | Path) -> list[Logged]:
+    """Every request in moto's log at ``path``, in the order answered (the server's own count,
+    against which the Bucket's counters are checked and benchmark 7 measures)."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for m in map(_MOTO_LINE.search, f):
+            if m:
+                at = datetime.strptime(m.group(1), "%d/%b/%Y %H:%M:%S").timestamp()
+                query = m.group(4) or ""
+                out.append(Logged(at, m.group(2), m.group(3), query, request_kind(m.group(2), query)))
+    return out

@@ -14,7 +14,7 @@ import pytest
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import Manifest
-from dedloc_pipeline.testing import LockStep, on_clock, small_config
+from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config
 
 POLL_S = 1.0  # a worker's view read (a heartbeat every 3 of them at most)
 STEP_S = 1.0  # one micro-batch
@@ -43,16 +43,6 @@ def holds(run: Run, r: int, peer: str, n: int):
         p = heartbeat(run, r, peer)
         return p if p and p["round"] == r and p["samples"] - p["sending"] >= n else None
     return check
-
-
-def assert_counted_once(run: Run) -> None:
-    """No sample of any stream counts in two accepted shards, over every committed round."""
-    seen: set[tuple[str, int]] = set()
-    for r in range(run.latest()):
-        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
-            got = {(s["data"]["stream"], i) for a, n in s["data"]["ranges"] for i in range(a, a + n)}
-            assert not got & seen, f"round {r}: {s['key']} counts samples already counted"
-            seen |= got
 
 
 def test_a_silent_peer_counts_until_peer_timeout_then_the_others_make_it_up(fake_run):

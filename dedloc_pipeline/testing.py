@@ -57,11 +57,11 @@ class FakeClock(Clock):
             self._now += max(0.0, seconds)
 
 
-def on_clock(run: Run, clock: Clock | None = None, organizer=None) -> Run:
+def on_clock(run: Run, clock: Clock | None = None) -> Run:
     """``run`` read through ``clock`` (default: a FakeClock starting at state 0's COMMIT, so a
     round opened by ``init_run`` is no older than the clock says)."""
     clock = clock or FakeClock(epoch=run.commit_of(0)["committed_at"])
-    return Run(run.bucket, run.name, run.config, organizer=organizer, clock=clock)
+    return Run(run.bucket, run.name, run.config, clock=clock)
 
 
 class LockStep:
@@ -70,8 +70,9 @@ class LockStep:
     ``scheduler_every``-th tick, then moves the run's clock ``step_s`` seconds (a FakeClock's: so
     every micro-batch takes ``step_s``, and speeds, heartbeat ages and timeouts are exact). A
     worker ``kill``-ed is no longer stepped: it stops heartbeating and uploading, as a SIGKILL
-    would. ``poll_s`` is the workers' fixed cadence (0: they read the view and heartbeat every
-    step, and send a second part at once; a timing case wants it above 0)."""
+    would; the ``scheduler`` set to None has died. ``poll_s`` is the workers' fixed cadence (0:
+    they read the view and heartbeat every step, and send a second part at once; a timing case
+    wants it above 0)."""
 
     def __init__(self, run: Run, poll_s: float = 0, step_s: float = 0.0, scheduler: bool = True,
                  scheduler_every: int = 2, delayed: bool | None = None):

@@ -8,7 +8,9 @@ peer's would). The defended run (centered_clip, capped claims, the validator rec
 shard as each round commits) must end where the same run without mallory ends, within 2% of
 the held-out loss. The control is the same attack on the plain mean without a validator: it
 keeps less than a third of what the honest run learned. The driver is lock-step, so each run's
-losses are the same on every machine whatever its load (measured: see ``test_...``'s asserts).
+losses are the same on every machine whatever its load (measured at 6 rounds: held-out 9.03 at
+the start, honest 7.46, attacked 7.50, control 9.82). The real processes, command line and
+signed roster of a signed run are `make pretrain`'s (tests/test_deployment.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ ROUNDS = 6
 HONEST = ("w0", "w1", "w2")
 CLAIM = 8  # mallory claims this many times the samples it computed
 MICRO_BATCH = 4
+
+# three runs of six signed rounds, one with every shard recomputed: minutes on two cores, so out of
+# the fast tier, though it starts no process
+pytestmark = pytest.mark.slow
 
 
 def _collaboration(url: str, keys: dict, mallory: bool, aggregation: str = "mean", verify: bool = False) -> Run:
@@ -63,7 +69,6 @@ def test_one_malicious_volunteer_in_four_changes_the_loss_by_under_two_percent(t
     start, h, a, u = (_heldout(honest, 0), _heldout(honest, ROUNDS), _heldout(attacked, ROUNDS),
                       _heldout(control, ROUNDS))
     losses = {"start": start, "honest": h, "attacked": a, "control": u}
-    print(losses)
     assert h < start - 0.1, losses
     assert abs(a - h) <= 0.02 * h, losses
     assert start - u < (start - h) / 3, losses  # undefended

@@ -39,7 +39,8 @@ def _collaboration(url: str, keys: dict, mallory: bool, aggregation: str = "mean
     cfg = small_config("hostile", target_batch_size=24, aggregation=aggregation, organizer_key=identity.public(org),
                        optimizer={"lr": 2e-3, "warmup_steps": 0}, close={"late_shards": "fold"})
     run = init_run(Bucket(url), cfg, organizer=org)
-    identity.update_roster(run.bucket, run.name, org, enroll={p: identity.public(keys[p]) for p in (*HONEST, "mallory")})
+    enroll = {p: identity.public(keys[p]) for p in (*HONEST, "mallory")}
+    identity.update_roster(run.bucket, run.name, org, enroll=enroll)
     validator = Verifier(run, fraction=1.0, device="cpu") if verify else None
     verified = 0
     with LockStep(run) as c:

@@ -18,9 +18,9 @@ from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import collaborate
 
 from .conftest import small_config
-from dedloc_pipeline.testing import collaborate
 
 
 class Lines(io.StringIO):

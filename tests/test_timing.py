@@ -196,7 +196,8 @@ def test_a_round_short_of_its_target_closes_at_the_close_timeout(fake_run, min_f
     at least min_fraction of the target (0.5); otherwise (0.75) it stays open until the others'
     own samples fill it."""
     close_s = 8.0
-    run = fake_run(target_batch_size=48, peer_timeout_s=60.0, close={"timeout_s": close_s, "min_fraction": min_fraction})
+    run = fake_run(target_batch_size=48, peer_timeout_s=60.0,
+                   close={"timeout_s": close_s, "min_fraction": min_fraction})
     with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
         for peer, mb in (("a", 4), ("b", 4), ("victim", 16)):
             c.join(peer, mb)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import statistics
@@ -33,35 +32,19 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from datetime import datetime
 from pathlib import Path
+
+from dedloc_pipeline.testing import moto_log
 
 ROOT = Path(__file__).resolve().parents[1]
 MICRO_BATCH = 8
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", AWS_ACCESS_KEY_ID="testing",
            AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1", PYTHONUNBUFFERED="1")
-# moto's log: [01/Dec/2026 11:22:40] "GET /bkt/p/k?x HTTP/1.1" 200 -
-_LINE = re.compile(r'\[(\d\d/\w\w\w/\d{4} \d\d:\d\d:\d\d)\] "(\w+) ([^ ?"]*)(\?[^ "]*)? HTTP')
-
-
-def _kind(method: str, query: str | None) -> str:
-    q = query or ""
-    if method == "GET":
-        return "list" if "list-type" in q or q.startswith("?prefix") else "get"
-    if method == "POST" and "delete" in q:
-        return "delete"
-    return {"PUT": "put", "HEAD": "head", "DELETE": "delete"}.get(method, method.lower())
 
 
 def server_log(path: Path) -> list[tuple[float, str]]:
     """(unix second, request class) of every request moto answered."""
-    out = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for m in map(_LINE.search, f):
-            if m:
-                t = datetime.strptime(m.group(1), "%d/%b/%Y %H:%M:%S").timestamp()
-                out.append((t, _kind(m.group(2), m.group(4))))
-    return out
+    return [(x.at, x.kind) for x in moto_log(path)]
 
 
 def _free_port() -> int:

@@ -7,12 +7,18 @@ timeout) is a sequence of steps with exact assertions, not real processes and re
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Callable
 
 from .protocol import shard
 from .protocol.clock import Clock
 from .protocol.config import CloseRule, OptimizerConfig, RunConfig
+from .protocol.run import Run
 from .protocol.scheduler import Scheduler
 from .protocol.worker import Worker
 
@@ -51,30 +57,92 @@ class FakeClock(Clock):
             self._now += max(0.0, seconds)
 
 
+def on_clock(run: Run, clock: Clock | None = None) -> Run:
+    """``run`` read through ``clock`` (default: a FakeClock starting at state 0's COMMIT, so a
+    round opened by ``init_run`` is no older than the clock says)."""
+    clock = clock or FakeClock(epoch=run.commit_of(0)["committed_at"])
+    return Run(run.bucket, run.name, run.config, clock=clock)
+
+
+class LockStep:
+    """A collaboration stepped by hand in one process. ``tick`` steps every worker once (its
+    transfers landing before the next one moves: deterministic), the scheduler (if any) on every
+    ``scheduler_every``-th tick, then moves the run's clock ``step_s`` seconds (a FakeClock's: so
+    every micro-batch takes ``step_s``, and speeds, heartbeat ages and timeouts are exact). A
+    worker ``kill``-ed is no longer stepped: it stops heartbeating and uploading, as a SIGKILL
+    would; the ``scheduler`` set to None has died. ``poll_s`` is the workers' fixed cadence (0:
+    they read the view and heartbeat every step, and send a second part at once; a timing case
+    wants it above 0)."""
+
+    def __init__(self, run: Run, poll_s: float = 0, step_s: float = 0.0, scheduler: bool = True,
+                 scheduler_every: int = 2, delayed: bool | None = None):
+        self.run, self.poll_s, self.step_s, self.delayed = run, poll_s, step_s, delayed
+        self.scheduler_every, self.ticks = scheduler_every, 0
+        self.scheduler = Scheduler(run, parallel=2, poll_s=poll_s) if scheduler else None
+        self.workers: dict[str, Worker] = {}
+        self._pool = ThreadPoolExecutor(2)
+
+    def __enter__(self) -> "LockStep":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown()
+
+    def join(self, peer: str, micro_batch: int, signer=None, tamper: Callable | None = None) -> Worker:
+        """A volunteer that is stepped from the next tick on. ``tamper``: what it does to its
+        gradient before uploading (a byzantine peer)."""
+        w = Worker(self.run, peer, micro_batch=micro_batch, threads=1, delayed=self.delayed, poll_s=self.poll_s,
+                   signer=signer)
+        if tamper is not None:
+            honest = w.flat.grad
+            w.flat.grad = lambda: tamper(honest())
+        self.workers[peer] = w
+        return w
+
+    def kill(self, peer: str) -> Worker:
+        """Stop stepping ``peer``: no leave, no last heartbeat."""
+        return self.workers.pop(peer)
+
+    def tick(self) -> None:
+        for w in list(self.workers.values()):
+            w.step()
+            w.flush()
+        if self.scheduler is not None and self.ticks % self.scheduler_every == 0:
+            self.scheduler.step(self._pool)
+        self.ticks += 1
+        if self.step_s:
+            self.run.clock.sleep(self.step_s)
+
+    def until(self, done: Callable[[], object], max_ticks: int = 2000, what: str = "the condition"):
+        """Tick until ``done()`` is truthy (checked before each tick); its value."""
+        for _ in range(max_ticks):
+            if got := done():
+                return got
+            self.tick()
+        raise AssertionError(f"{what} not reached in {max_ticks} ticks (state {self.run.latest()})")
+
+
 def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | None = None,
                 max_steps: int = 2000, scheduler_every: int = 2, signers: dict | None = None,
                 tamper: dict | None = None) -> list[Worker]:
     """Every worker takes one step, and every few such steps the scheduler one (so workers see
     full rounds that are not yet committed), until state ``rounds`` is committed. ``tamper``
     maps a peer to what it does to its gradient before uploading (a byzantine peer)."""
-    signers = signers or {}
-    workers = [Worker(run, name, micro_batch=mb, threads=1, delayed=delayed, poll_s=0, signer=signers.get(name))
-               for name, mb in peers]
-    for w in workers:
-        if w.peer in (tamper or {}):
-            honest, attack = w.flat.grad, tamper[w.peer]
-            w.flat.grad = lambda honest=honest, attack=attack: attack(honest())
-    sched = Scheduler(run, parallel=2, poll_s=0)
-    with ThreadPoolExecutor(2) as pool:
-        for i in range(max_steps):
-            if run.latest() >= rounds:
-                return workers
-            for w in workers:
-                w.step()
-                w.flush()  # its transfers land before anyone's next move: deterministic
-            if i % scheduler_every == 0:
-                sched.step(pool)
-    raise AssertionError(f"state {rounds} not reached in {max_steps} steps")
+    signers, tamper = signers or {}, tamper or {}
+    with LockStep(run, scheduler_every=scheduler_every, delayed=delayed) as c:
+        workers = [c.join(name, mb, signer=signers.get(name), tamper=tamper.get(name)) for name, mb in peers]
+        c.until(lambda: run.latest() >= rounds, max_steps, f"state {rounds}")
+    return workers
+
+
+def assert_counted_once(run: Run) -> None:
+    """No sample of any stream counts in two accepted shards, over every committed round."""
+    seen: set[tuple[str, int]] = set()
+    for r in range(run.latest()):
+        for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            got = {(s["data"]["stream"], i) for a, n in s["data"]["ranges"] for i in range(a, a + n)}
+            assert not got & seen, f"round {r}: {s['key']} counts samples already counted"
+            seen |= got
 
 
 def stream_next(run, r, peer):
@@ -84,3 +152,41 @@ def stream_next(run, r, peer):
     for raw in run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r, peer))).values():
         ends.append(shard.Manifest.model_validate_json(raw).data.end())
     return max(ends)
+
+
+# moto's request log, a line per request it answered: [01/Dec/2026 11:22:40] "GET /bkt/p/k?x HTTP/1.1" 200 -
+_MOTO_LINE = re.compile(r'\[(\d\d/\w\w\w/\d{4} \d\d:\d\d:\d\d)\] "(\w+) ([^ ?"]*)(\?[^ "]*)? HTTP')
+
+
+@dataclass(frozen=True)
+class Logged:
+    """One request as moto's server logged it."""
+
+    at: float  # the second it was answered in (the log has whole seconds)
+    method: str
+    path: str
+    query: str  # with its leading "?", or ""
+    kind: str  # as the Bucket counts it (IOStats): get, put, head, list or delete
+
+
+def request_kind(method: str, query: str) -> str:
+    """The Bucket's request kind of an S3 request: a GET with ``list-type`` (or a v1 ``prefix``
+    listing) is a LIST, a POST ``?delete`` a multi-object DELETE."""
+    if method == "GET":
+        return "list" if "list-type=" in query or query.startswith("?prefix") else "get"
+    if method == "POST" and "delete" in query:
+        return "delete"
+    return method.lower()
+
+
+def moto_log(path: str | Path) -> list[Logged]:
+    """Every request in moto's log at ``path``, in the order answered (the server's own count,
+    against which the Bucket's counters are checked and benchmark 7 measures)."""
+    out = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for m in map(_MOTO_LINE.search, f):
+            if m:
+                at = datetime.strptime(m.group(1), "%d/%b/%Y %H:%M:%S").timestamp()
+                query = m.group(4) or ""
+                out.append(Logged(at, m.group(2), m.group(3), query, request_kind(m.group(2), query)))
+    return out

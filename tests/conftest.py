@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -54,13 +55,16 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """moto's standalone S3 server on loopback, as s3fs's own tests use."""
-    port = _free_port()
+def s3_server(tmp_path_factory) -> SimpleNamespace:
+    """moto's standalone S3 server on loopback, as s3fs's own tests use, one per test session
+    (each case makes its own bucket); ``log`` is its request log, a line per request answered
+    (``dedloc_pipeline.testing.moto_log`` reads it)."""
+    port, log = _free_port(), tmp_path_factory.mktemp("moto") / "moto.log"
     env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_DEFAULT_REGION="us-east-1")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               AWS_DEFAULT_REGION="us-east-1", PYTHONUNBUFFERED="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 30
     while time.time() < deadline:
@@ -72,9 +76,22 @@ def s3_endpoint():
     else:
         proc.kill()
         raise RuntimeError("moto server did not start")
-    yield url
+    yield SimpleNamespace(url=url, log=log)
     proc.terminate()
     proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(s3_server) -> str:
+    return s3_server.url
+
+
+def pytest_collection_modifyitems(items):
+    """A case on moto's server is a server case: slow (the fast tier, ``-m "not slow"``, starts
+    no process)."""
+    for item in items:
+        if "s3_server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

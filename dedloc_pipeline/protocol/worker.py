@@ -4,24 +4,24 @@ The only coordination is through the bucket, and a volunteer reads one object of
 the round view the scheduler publishes (``protocol/view.py``: the newest state, the samples of
 the shards it validated, the live peers' pending samples, closed, stopped). A worker uploads
 what it has once the validated samples plus the other peers' pending samples plus its own reach
-the target; it writes only its own heartbeat and its shards. How often it reads and heartbeats
-follows the round (the run's ``cadence``): a share of the time until the round can fill, so
-often near the target and seldom far from it. It moves to a new state when the view names one (reading that COMMIT and its
-delta), and leaves when the view says the run is stopped. If a peer vanishes, its heartbeat
-goes stale, the scheduler stops counting it, and the others upload a second part as soon as
-their pending samples are needed: they make up the missing samples. With delayed updates on, a
-worker that is waiting for the next state keeps computing on the one it has and counts those
-samples (one step stale) toward the next round. In the local-steps mode (``algorithm: diloco``,
-docs/diloco.md) the same loop steps the volunteer's own optimizer every ``inner_batch`` samples,
-and a shard carries where those steps took the model: the state minus the local parameters.
+the target (``protocol/upload_policy.py``); it writes only its own heartbeat
+(``protocol/heartbeat.py``) and its shards. How often it reads and heartbeats follows the round
+(the run's ``cadence``): a share of the time until the round can fill, so often near the target
+and seldom far from it. If a peer vanishes, its heartbeat goes stale, the scheduler stops
+counting it, and the others upload a second part as soon as their pending samples are needed:
+they make up the missing samples.
+
+This module is the loop (``step``, ``serve``, ``leave``) over its pieces: the state it follows
+and the round view of it (``protocol/follower.py``: new states, STOP, the stale-view fallback),
+what it accumulated (``protocol/accumulator.py``: gradient sums, diloco's inner steps, samples
+carried once as one step stale with delayed updates), its transfers on one background thread
+(``protocol/transfers.py``) and the upload rule (``protocol/upload_policy.py``).
 
 Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
-clock: no scheduler, or it died or is busy reducing), a worker keeps computing and heartbeating but uploads only what its
-own samples decide: nothing until its own pending samples alone fill the round (a round it could
-fill alone needs nobody's count); it holds them. It still notices new states and the STOP marker
-by reading LATEST and STOP itself every ``fallback_s`` (``cadence.poll_max_s``), and once a scheduler publishes
-again it uploads as the fresh view says. What a stale view still proves is used: a state newer
-than the worker's, a closed round, STOP.
+clock: no scheduler, or it died or is busy reducing), a worker keeps computing and heartbeating
+but uploads only what its own samples decide: nothing until its own pending samples alone fill
+the round (a round it could fill alone needs nobody's count); it holds them. Once a scheduler
+publishes again it uploads as the fresh view says.
 """
 
 from __future__ import annotations

@@ -27,19 +27,21 @@ from pathlib import Path
 
 import psutil
 
+from dedloc_pipeline.protocol import heartbeat
+from dedloc_pipeline.protocol.heartbeat import Heartbeat
+
 DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, dict]:
+def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, Heartbeat]:
     """Each peer's newest heartbeat, whatever round it was written for."""
-    found: dict[str, dict] = {}
+    found: dict[str, Heartbeat] = {}
     progress = [k for k in bucket.find(f"{keys.root}/rounds") if "/progress/" in k]
     for raw in bucket.read_many(progress).values():
-        if raw:
-            hb = json.loads(raw)
-            if hb["peer"] in peers and hb["time"] > found.get(hb["peer"], {}).get("time", 0):
-                found[hb["peer"]] = hb
+        hb = heartbeat.parse(raw)
+        if hb is not None and hb.peer in peers and hb.time > (found[hb.peer].time if hb.peer in found else 0):
+            found[hb.peer] = hb
     return found
 
 
@@ -101,7 +103,8 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     span = commits[-1]["committed_at"] - commits[0]["committed_at"]
     samples = sum(c["samples"] for c in commits[1:])
     n = run.flat.n
-    window = {p: {k: stop[p][k] - start[p][k] for k in ("compute_s", "wall_s", "bytes_up", "bytes_down")}
+    totals = ("compute_s", "wall_s", "bytes_up", "bytes_down")
+    window = {p: {k: getattr(stop[p], k) - getattr(start[p], k) for k in totals}
               for p in names if p in start and p in stop}
     return {
         "system": "dedloc-pipeline", "preset": preset, "peers": peers, "micro_batch": micro_batch, "target": target,

@@ -24,10 +24,11 @@ ALLOWED = {
     "planning": {"storage", "trust", "model", "protocol", "monitoring"},
     "evaluation": {"storage", "model", "protocol"},
 }
-TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats",
-              "storage.codec", "storage.vector", "protocol.config", "protocol.shard",
-              "protocol.run", "monitoring.status", "planning.prices", "planning.planned", "planning.requests",
-              "planning.estimate", "planning.display", "trust.identity", "trust.policy", "model.presets", "cli"]
+TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats", "storage.codec",
+              "storage.vector", "storage.part", "protocol.config", "protocol.shard", "protocol.run",
+              "protocol.heartbeat", "protocol.upload_policy", "protocol.transfers", "monitoring.status",
+              "planning.prices", "planning.planned", "planning.requests", "planning.estimate", "planning.display",
+              "trust.identity", "trust.policy", "model.presets", "cli"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

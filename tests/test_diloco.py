@@ -167,10 +167,10 @@ def test_a_bf16_volunteer_sends_only_what_its_inner_steps_moved(make_run):
         w = Worker(run, "p", micro_batch=4, threads=1, poll_s=0, precision=precision)  # the same samples
         w.sync()
         w._compute(0)  # 4 samples: no inner step yet
-        assert not np.any(w._base - w.flat.get())
+        assert not np.any(w.local.base - w.flat.get())
         w._compute(0)  # 8: one inner step
-        got[precision] = w._base - w.flat.get()
-        w._drop()
+        got[precision] = w.local.base - w.flat.get()
+        w.local.drop(w.params)
     fp32, bf16 = got["fp32"], got["bf16"]
     cos = float(fp32 @ bf16 / np.linalg.norm(fp32) / np.linalg.norm(bf16))
     assert cos > 0.99 and abs(np.linalg.norm(bf16) / np.linalg.norm(fp32) - 1) < 0.05, cos

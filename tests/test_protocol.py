@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.protocol import aggregator, shard
+from dedloc_pipeline.protocol import aggregator, shard, upload_policy
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
@@ -411,9 +411,9 @@ def test_stop_marker_sends_workers_and_scheduler_home(make_run):
     (16, 2, 4, False, False),   # still short even with mine: keep computing
 ])
 def test_when_a_worker_uploads(manifests, fresh, mine, first, upload):
-    from dedloc_pipeline.protocol.worker import RoundView
+    from dedloc_pipeline.protocol.view import RoundView
     v = RoundView(manifest_samples=manifests, fresh_samples=fresh)
-    assert Worker._should_upload(v, mine, target=24, first=first) is upload
+    assert upload_policy.should_upload(v, mine, target=24, first=first) is upload
 
 
 # the round engine: one loop, whichever driver

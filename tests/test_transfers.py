@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol import shard, upload_policy
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 
@@ -44,7 +44,8 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     for _ in range(3):
         assert w.step()  # computing, the upload still held
     assert w.computed_samples == computed + 12 and w.acc.round == 1
-    assert w._alone(0).manifest_samples == 24  # its own count has the shard on the way ...
+    own = upload_policy.alone(0, w.transfers.sent, 0.0)
+    assert own.manifest_samples == 24  # its own count has the shard on the way ...
     beat = run.bucket.read_json(run.keys.progress(0, "a"))  # ... and so do the others'
     assert beat["sending"] == beat["samples"] == 24
     release.set()
@@ -67,14 +68,14 @@ def test_a_new_state_downloads_while_the_worker_computes(make_run, monkeypatch):
     assert Scheduler(run, 1, 0).try_close(0) is not None
     finish(run, 0)
     Scheduler(run, 1, 0).try_close(1)  # the view now names state 1
-    gate, load = threading.Event(), w._load
+    gate, load = threading.Event(), w.follower.load
 
     def held(*a):
         assert gate.wait(30)
         return load(*a)
 
-    monkeypatch.setattr(w, "_load", held)
-    assert w.step() and w.state == 0 and w._fetching is not None
+    monkeypatch.setattr(w.follower, "load", held)
+    assert w.step() and w.state == 0 and w.transfers.fetching is not None
     assert w.acc.round == 1 and w.acc.stale_samples == 4  # computed on state 0, toward round 1
     gate.set()
     w.flush()
@@ -110,22 +111,22 @@ def test_a_second_part_waits_for_the_others_uploads_to_land(make_run):
                                                       "samples_per_s": 0.0, "next_s": 0.0, "time": time.time()})
     sched.try_close(0)
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0.01)
-    while 0 not in w._uploaded:
+    while 0 not in w.parts.uploaded:
         w.step()
     w.flush()
     assert [n for _, _, n in w.uploads] == [12]
     sched.try_close(0)  # 12 validated, b's 12 still pending
-    w._upload_s = 3600.0  # as if a's upload had taken an hour: b's is surely still under way
+    w.transfers.upload_s = 3600.0  # as if a's upload had taken an hour: b's is surely still under way
     for _ in range(6):
         w.step()
         w.flush()
     assert len(w.uploads) == 1 and w.acc.samples >= 12  # needed by the count, held back
-    w._upload_s = 0.0
+    w.transfers.upload_s = 0.0
     w.step()
     w.flush()
     assert len(w.uploads) == 2
 
     lockstep = Worker(run, "c", micro_batch=4, threads=1, poll_s=0)
-    lockstep._uploaded.add(0)  # as if its first part were in: the second is not held
-    lockstep._upload_s = 3600.0
-    assert lockstep._still_short(0)
+    lockstep.parts.uploaded.add(0)  # as if its first part were in: the second is not held
+    lockstep.transfers.upload_s = 3600.0
+    assert lockstep.parts.still_short(0, lockstep.transfers.upload_s)

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.protocol import view
+from dedloc_pipeline.protocol import heartbeat, view
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
@@ -29,6 +29,10 @@ TARGET = 24  # conftest's small_config
 def _beat(run, r, peer, samples, speed=1.0, at=None):
     run.bucket.write_json(run.keys.progress(r, peer), {"peer": peer, "round": r, "samples": samples,
                                                         "samples_per_s": speed, "time": at or time.time()})
+
+
+def _counted(raw, r, now, timeout, target, ahead_s=0.0):
+    return heartbeat.counted(heartbeat.parse(raw), r, now, timeout, target, ahead_s)
 
 
 def _published(run) -> view.View:
@@ -74,7 +78,7 @@ def test_the_view_is_what_the_scheduler_validated(make_run):
     assert (v.state, v.round, v.target, v.closed, v.stopped) == (0, 0, TARGET, False, False)
     assert (v.validated_samples, v.shards, v.rejected) == (10, 3, 3)
     assert (v.pending_samples, v.peers, v.ignored_heartbeats) == (5 + TARGET, 3, 1)
-    assert v.samples_per_s == pytest.approx(2.0 + view.MAX_PEER_SPEED + 1.0 + 0.0)
+    assert v.samples_per_s == pytest.approx(2.0 + heartbeat.MAX_PEER_SPEED + 1.0 + 0.0)
     assert v.eta_s == 0.0 and v.at <= v.written_at and abs(v.at - time.time()) < 30
 
     for p in ("p2", "p3"):
@@ -106,11 +110,11 @@ def test_a_view_out_of_bounds_is_no_view(make_run):
     assert view.parse(good[:-1] + b" " * view.MAX_VIEW_BYTES + b"}") is None
     assert view.parse(b"{not json") is None
     assert view.parse(good.replace(b'"pending_samples":0', b'"pending_samples":-5')) is None
-    assert view.heartbeat(b'{"round": 0, "samples": 1e400, "time": 1.0}', 0, 1.0, 10, 24) is None
-    assert view.heartbeat(b'{"round": 0, "samples": 30, "time": 1.0, "samples_per_s": NaN}', 0, 1.0, 10, 24) \
+    assert _counted(b'{"round": 0, "samples": 1e400, "time": 1.0}', 0, 1.0, 10, 24) is None
+    assert _counted(b'{"round": 0, "samples": 30, "time": 1.0, "samples_per_s": NaN}', 0, 1.0, 10, 24) \
         == (24, 0.0, 0.0)
-    assert view.heartbeat(b"[1, 2]", 0, 1.0, 10, 24) is None
-    assert view.heartbeat(b"[" * 100000, 0, 1.0, 10, 24) is None
+    assert _counted(b"[1, 2]", 0, 1.0, 10, 24) is None
+    assert _counted(b"[" * 100000, 0, 1.0, 10, 24) is None
 
 
 def test_a_heartbeat_is_projected_until_its_next_one_is_due():
@@ -118,7 +122,7 @@ def test_a_heartbeat_is_projected_until_its_next_one_is_due():
     the scheduler's bound; a peer that heartbeats every step is never projected."""
     def beat(**extra):
         fields = {"round": 0, "samples": 10, "time": 100.0, "samples_per_s": 4.0, **extra}
-        return view.heartbeat(json.dumps(fields).encode(), 0, 105.0, 30, 1000, ahead_s=6.0)
+        return _counted(json.dumps(fields).encode(), 0, 105.0, 30, 1000, ahead_s=6.0)
 
     assert beat(next_s=2.0) == (18, 4.0, 2.0)
     assert beat() == (30, 4.0, 6.0)  # an older worker's heartbeat: the scheduler's bound
@@ -127,8 +131,26 @@ def test_a_heartbeat_is_projected_until_its_next_one_is_due():
     assert beat(next_s=-3.0)[0] == 10 and beat(next_s=float("nan"))[0] == 10
 
 
+def test_a_heartbeat_is_written_and_parsed_as_one_record(make_run):
+    """The worker's heartbeat in the bucket has the fields it always had, and parses back to
+    itself; a claim out of bounds is clamped, a total that is no number reads as 0."""
+    run = make_run()
+    w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
+    w.step()
+    raw = run.bucket.read_bytes(run.keys.progress(0, "a"))
+    assert set(json.loads(raw)) == {"peer", "round", "samples", "sending", "samples_per_s", "next_s", "time",
+                                    "uploaded_samples", "compute_s", "wall_s", "bytes_up", "bytes_down"}
+    assert heartbeat.parse(raw) == w._beats[-1]
+    odd = heartbeat.parse(b'{"round": 2, "time": 5, "samples_per_s": 1e12, "compute_s": "x", "bytes_up": 1e999}')
+    assert (odd.round, odd.samples, odd.samples_per_s, odd.next_s) == (2, 0, heartbeat.MAX_PEER_SPEED, None)
+    assert (odd.compute_s, odd.bytes_up, odd.peer) == (0.0, 0, "")
+    assert heartbeat.parse(b'{"round": 0.5, "time": 1}') is None
+    assert heartbeat.parse(b" " * (heartbeat.MAX_HEARTBEAT_BYTES + 1)) is None
+
+
 def test_the_view_module_needs_no_torch():
-    code = "import sys, dedloc_pipeline.protocol.view; print('torch' in sys.modules)"
+    code = ("import sys, dedloc_pipeline.protocol.view, dedloc_pipeline.protocol.heartbeat, "
+            "dedloc_pipeline.protocol.upload_policy; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

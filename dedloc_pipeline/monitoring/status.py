@@ -4,15 +4,14 @@ Every number of a closed round comes from its COMMIT (the ledger). The open roun
 ETA come from the round view the scheduler publishes (``protocol/view.py``): samples of the shards
 it validated, and the live peers' pending samples and speed. Manifests are not added up here:
 their counts are claims until the scheduler has validated the shards. The peers' last-seen times
-come from their heartbeats, which any peer writes about itself, read with the view's bounds.
+come from their heartbeats, which any peer writes about itself, read with their bounds.
 """
 
 from __future__ import annotations
 
 import json
-import math
 
-from ..protocol import view
+from ..protocol import heartbeat, view
 from ..protocol.run import Run
 
 
@@ -26,22 +25,20 @@ def _commits(run: Run) -> dict[int, dict]:
 
 def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
     """Round r's heartbeats by peer: when each was written, and whether it counts as live at
-    ``now`` (the scheduler's rule, ``view.heartbeat``). The peer is the key's name, which the
+    ``now`` (the scheduler's rule, ``heartbeat.counted``). The peer is the key's name, which the
     volunteer's bucket policy binds to it, not the body's claim; a key that is no peer's
-    heartbeat, or one above the view's size bound, is not read; an unreadable one is skipped."""
+    heartbeat, or one above its size bound, is not read; an unreadable one (``heartbeat.parse``)
+    is skipped."""
     keys, cfg = run.keys, run.config
     listed = run.bucket.listing(keys.progress_dir(r))
     small = [k for k, (n, _) in listed.items()
-             if n <= view.MAX_HEARTBEAT_BYTES and k == keys.progress(r, keys.peer_of_progress(k))]
+             if n <= heartbeat.MAX_HEARTBEAT_BYTES and k == keys.progress(r, keys.peer_of_progress(k))]
     beats = {}
     for key, raw in run.bucket.read_many(small).items():
-        try:
-            written = float(json.loads(raw)["time"])
-        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError):
-            continue
-        if math.isfinite(written):
-            live = view.heartbeat(raw, r, now, cfg.peer_timeout_s, cfg.target_batch_size) is not None
-            beats[keys.peer_of_progress(key)] = (written, live)
+        beat = heartbeat.parse(raw)
+        if beat is not None:
+            live = heartbeat.counted(beat, r, now, cfg.peer_timeout_s, cfg.target_batch_size) is not None
+            beats[keys.peer_of_progress(key)] = (beat.time, live)
     return beats
 
 

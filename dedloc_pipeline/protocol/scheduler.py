@@ -25,7 +25,7 @@ import numpy as np
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import aggregator, verify, view
+from . import aggregator, heartbeat, verify, view
 from .clock import Clock
 from .run import Run, RunError
 from .shard import Rejected, commit_hash, manifest_limit, validate
@@ -80,7 +80,7 @@ class Scheduler:
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self.clock = run.clock if clock is None else clock
         self._seen: dict[str, tuple[object, dict | str]] = {}  # manifest key -> (version, verdict)
-        self._beats = view.Heartbeats()
+        self._beats = heartbeat.Heartbeats()
         self._opened: dict[int, Opening] = {}
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
@@ -357,7 +357,7 @@ class Scheduler:
             return None
 
     def _publish(self, r: int, at: float, samples: int = 0, shards: int = 0, rejected: int = 0,
-                 pending: view.Pending = view.Pending(), close: dict | None = None) -> None:
+                 pending: heartbeat.Pending = heartbeat.Pending(), close: dict | None = None) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats). A failed
         write is logged, never raised: volunteers treat a view gone stale as no view."""
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size

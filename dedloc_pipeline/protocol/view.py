@@ -8,34 +8,28 @@ round's heartbeats once per poll (O(peers)), bounds them, and writes ``runs/RUN/
 samples of the shards it accepted (after the norm screen), the live peers' pending samples and
 speed, closed and stopped, an ETA. A volunteer reads that one object per poll (one GET).
 
-Every value a volunteer writes is a claim, so a heartbeat is bounded before it counts: one above
-``MAX_HEARTBEAT_BYTES`` is not read, a malformed one is skipped, pending samples are clamped to
-``[0, target]`` and speed to ``[0, MAX_PEER_SPEED]``, and one older than the run's
-``peer_timeout_s`` (or as far in the future) is a peer gone. The view itself is bounded too
-(``MAX_VIEW_BYTES``, its schema) and read defensively: a missing or unreadable view is no view.
+Every value a volunteer writes is a claim, so a heartbeat is bounded before it counts
+(``protocol/heartbeat.py``). The view itself is bounded too (``MAX_VIEW_BYTES``, its schema) and
+read defensively: a missing or unreadable view is no view.
 
 Torch-free: the scheduler, ``dedloc status`` and the volunteer's display import it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage.bucket import Bucket
-from ..storage.layout import RunLayout, volunteer_of
+from ..storage.layout import RunLayout
 from .clock import REAL, Clock
 
 log = logging.getLogger(__name__)
 
 VIEW_VERSION = 1
 MAX_VIEW_BYTES = 4096  # an honest view is ~400 bytes; anything larger is not parsed
-MAX_HEARTBEAT_BYTES = 4096  # an honest heartbeat is ~300 bytes (peer ids are at most 64 characters)
-MAX_PEER_SPEED = 1e5  # samples/s one peer may claim (display and ETA only; never an upload decision)
 
 
 class View(BaseModel):
@@ -125,85 +119,10 @@ def write(bucket: Bucket, keys: RunLayout, view: View) -> None:
     bucket.write_bytes(keys.view, view.model_dump_json().encode())
 
 
-# heartbeats, as the scheduler counts them
-
-def heartbeat(raw: bytes | None, r: int, now: float, timeout: float, target: int,
-              ahead_s: float = 0.0) -> tuple[int, float, float] | None:
-    """One heartbeat's (pending samples, samples/s, horizon) for round r at ``now``, bounded;
-    None if it does not count: unreadable, another round, or older (or further ahead) than
-    ``timeout``. The pending samples are projected to ``now`` at the peer's speed until its next
-    heartbeat is due (its ``next_s``, at most ``ahead_s`` seconds): heartbeats can then be seldom
-    without the count lagging behind the work, and a peer that heartbeats every step (lock-step
-    tests) is never projected, so what it counts does not depend on the machine's load."""
-    if raw is None or len(raw) > MAX_HEARTBEAT_BYTES:
-        return None
-    try:
-        p = json.loads(raw)
-        if not isinstance(p, dict) or p.get("round") != r:
-            return None
-        t = float(p["time"])
-        if not math.isfinite(t) or abs(now - t) >= timeout:
-            return None
-        samples = p.get("samples", 0)
-        if isinstance(samples, bool) or not isinstance(samples, (int, float)) or not math.isfinite(samples):
-            return None
-        samples = int(samples)
-        speed = float(p.get("samples_per_s", 0.0))
-        horizon = float(p.get("next_s", ahead_s))
-    except (ValueError, KeyError, TypeError, OverflowError, RecursionError):
-        return None
-    speed = min(max(speed, 0.0), MAX_PEER_SPEED) if math.isfinite(speed) else 0.0
-    horizon = min(max(horizon, 0.0), ahead_s) if math.isfinite(horizon) else 0.0
-    return project(samples, speed, now - t, horizon, target), speed, horizon
-
-
-def project(samples: int, speed: float, since_s: float, ahead_s: float, target: int) -> int:
-    """Pending samples ``since_s`` seconds after they were counted, at ``speed``, projected for
-    at most ``ahead_s`` seconds; within [0, target]."""
-    return min(max(int(samples + speed * min(max(since_s, 0.0), ahead_s)), 0), target)
-
-
-@dataclass(frozen=True)
-class Pending:
-    samples: int = 0
-    samples_per_s: float = 0.0
-    peers: int = 0
-    ignored: int = 0
-    horizon_s: float = 0.0  # the longest of the counted heartbeats' horizons
-    volunteers: frozenset[str] = frozenset()  # whose heartbeats counted
-
-
-class Heartbeats:
-    """A round's heartbeats as the scheduler last read them. Each poll lists the folder (one
-    LIST, with sizes and version tags) and GETs only the heartbeats written since: a peer's
-    heartbeat is read about once per write, not once per poll. Any other key under the folder,
-    and one above ``MAX_HEARTBEAT_BYTES``, is not read."""
-
-    def __init__(self) -> None:
-        self._raw: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (tag, bytes)
-
-    def pending(self, bucket: Bucket, keys: RunLayout, r: int, now: float, timeout: float,
-                target: int, ahead_s: float = 0.0) -> Pending:
-        listed = bucket.listing(keys.progress_dir(r))
-        beats = {k: e for k, e in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
-        small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
-        known = {k: v for k, v in self._raw.items() if k in small}  # other rounds', and deleted ones, go
-        changed = [k for k, tag in small.items() if tag is None or known.get(k, (None,))[0] != tag]
-        for k, raw in bucket.read_many(changed).items():
-            known[k] = (small[k], raw)
-        self._raw = known
-        samples, speed, peers, horizon, names = 0, 0.0, 0, 0.0, set()
-        for k, (_, raw) in known.items():
-            got = heartbeat(raw, r, now, timeout, target, ahead_s)
-            if got is not None:
-                samples, speed, peers, horizon = samples + got[0], speed + got[1], peers + 1, max(horizon, got[2])
-                names.add(volunteer_of(keys.peer_of_progress(k)))
-        return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small),
-                       horizon_s=horizon, volunteers=frozenset(names))
-
-
 def eta(target: int, validated: int, pending: int, samples_per_s: float, closed: bool) -> float | None:
-    """Seconds until the round can fill at the live peers' speed; 0 once closed or full."""
+    """Seconds until the round can fill at ``samples_per_s``; 0 once closed or full; None if
+    nobody computes. The one ETA: the scheduler's view, the worker, its display and ``dedloc
+    status`` all ask it."""
     remaining = max(0, target - validated - pending)
     if closed or remaining == 0:
         return 0.0

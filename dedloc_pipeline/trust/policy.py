@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..storage import vector
+from ..storage import part, vector
 from ..storage.layout import PEER_ID, ROUND_FOLDERS, DataLayout, RunLayout, is_name
 
 FORMATS = ("aws", "minio", "r2")
@@ -37,8 +37,8 @@ _R2_BUCKET = re.compile(r"^[a-z0-9][a-z0-9-]{1,61}[a-z0-9]$")
 # pattern), no '$' (IAM policy variables), no empty, '.' or '..' segments.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_=+-][A-Za-z0-9._=+-]*$")
 
-# A shard's part name as worker._upload makes it: 13 digits of milliseconds, '-', 6 hex digits.
-PART = "?" * 13 + "-" + "?" * 6
+# A shard's part name (storage/part.py) as IAM wildcards: one '?' per character of its fixed width.
+PART = "?" * part.MS_DIGITS + "-" + "?" * part.TOKEN_HEX
 
 R2_MAX_TTL_S = 604800  # R2's limit: 7 days
 PARENT_KEY_PLACEHOLDER = "<PARENT_ACCESS_KEY_ID>"

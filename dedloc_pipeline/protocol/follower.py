@@ -1,0 +1,172 @@
+"""Which state a volunteer computes on, and the round view of it.
+
+A worker moves to a new state when the round view names one (reading that COMMIT and its delta,
+in the background while it computes on), and leaves when the view says the run is stopped.
+Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
+clock: no scheduler, or it died or is busy reducing) it still notices new states and the STOP
+marker by reading LATEST and STOP itself every ``fallback_s``. What a stale view still proves is
+used: a state newer than the worker's, a closed round, STOP.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..storage.vector import CorruptShard
+from ..trust import identity
+from . import shard, view as published
+from .accumulator import Accumulation
+from .clock import Clock
+from .run import Run, RunError
+from .transfers import Transfers
+from .upload_policy import Parts
+from .view import RoundView, View
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """The state computed on (``state``, its ``params`` and COMMIT hash), STOP as seen, and
+    round ``state`` as the last fresh round view showed it (``view``). A new state is installed
+    into ``local`` (the model, what it accumulated, the stream's position) and ``parts``."""
+
+    def __init__(self, run: Run, peer: str, clock: Clock, transfers: Transfers, local: Accumulation,
+                 parts: Parts, delayed: bool, fallback_s: float) -> None:
+        self.run, self.peer, self.clock, self.transfers = run, peer, clock, transfers
+        self.local, self.parts, self.delayed, self.fallback_s = local, parts, delayed, fallback_s
+        self.reader = published.Reader(run.config.peer_timeout_s, clock)
+        self.state: int | None = None
+        self.params = None
+        self.state_hash = ""  # shard.commit_hash of state's COMMIT
+        self.stopped = False  # the organizer wrote the run's STOP marker
+        self.view: RoundView | None = None
+        self.looked = float("-inf")  # clock.monotonic() of the last round-view read
+        self.behind = False  # the fresh view is of an older state than this worker's
+        self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
+        self._reduce_s: float | None = None  # from then to the next state, last time
+        self._last_sync = 0.0
+
+    def sync(self, latest: int | None = None) -> bool:
+        """Move to the newest committed state (LATEST and the COMMITs say which; STOP is read
+        too), or to state ``latest`` when the round view names it; True if it changed. This
+        waits for the download: the round view's new states are fetched in the background
+        (``prefetch``) instead."""
+        if latest is None:
+            self._last_sync = self.clock.time()
+            self.stopped = self.run.bucket.exists(self.run.keys.stop())
+            latest = self.run.latest()
+        if self.state is not None and latest <= self.state:
+            return False
+        try:
+            loaded = self.load(latest, self.state, self.params)
+        except CorruptShard:
+            if self.run.latest() == latest:
+                raise
+            return self.sync()  # pruned under our feet by newer commits: take the newest
+        return loaded is not None and self.install(latest, *loaded)
+
+    def load(self, latest: int, state: int | None, base) -> tuple[object, dict] | None:
+        """The parameters of committed state ``latest`` and its COMMIT: from ``base`` (those of
+        ``state``) and the delta when it is the next state, else the snapshot; None if it is not
+        committed. Touches nothing of the follower's, so it runs on the transfer thread too."""
+        try:
+            commit = self.run.commit_of(latest)
+        except RunError:  # the view named a state whose COMMIT is not there: only COMMITs count
+            log.warning("%s: the round view names state %d, which is not committed", self.peer, latest)
+            return None
+        except identity.IdentityError as exc:  # a forged COMMIT is no state: keep computing on ours
+            log.error("%s: %s", self.peer, exc)
+            return None
+        if state is not None and latest == state + 1:
+            try:
+                return self.run.apply_delta(latest, base, commit), commit
+            except Exception as exc:  # any mismatch: the snapshot is the truth
+                log.warning("%s: delta of state %d unusable (%s); reading the snapshot", self.peer, latest, exc)
+        return self.run.load_params(latest, commit), commit
+
+    def install(self, latest: int, params, commit: dict) -> bool:
+        """Make state ``latest`` the one computed on (between micro-batches); its shards will
+        name its COMMIT's hash. The first one resumes this peer's stream; gradients more than
+        one step behind are too stale to use, the rest is carried once or dropped."""
+        if self.state is None:
+            self.local.cursor = self.resume_cursor(latest)
+        elif latest <= self.state:
+            return False
+        elif latest > self.state + 1 and self.local.acc is not None:
+            self.local.drop(self.params)
+        if self._closed_seen is not None:
+            self._reduce_s, self._closed_seen = self.clock.monotonic() - self._closed_seen, None
+        self.local.rebase(params)
+        self.params, self.state, self.state_hash = params, latest, shard.commit_hash(commit)
+        self.view = None
+        self.looked = float("-inf")  # the view read before this was of the old state
+        self.parts.forget_before(latest)
+        self.local.retarget(latest, params, self.delayed, self.peer)
+        log.info("%s: at state %d", self.peer, latest)
+        return True
+
+    def prefetch(self, latest: int) -> None:
+        """Download state ``latest`` on the transfer thread while the worker computes; installed
+        by the first step after it lands (``take_fetched``)."""
+        if latest > self.state:
+            self.transfers.fetch(latest, self.load, latest, self.state, self.params)
+
+    def take_fetched(self, wait: bool) -> None:
+        """Install the state downloaded in the background, once it is (waiting with ``wait``)."""
+        got = self.transfers.fetched(wait)
+        if got is None:
+            return
+        latest, job = got
+        try:
+            loaded = job.result()
+        except CorruptShard:
+            self.sync()  # pruned under our feet by newer commits: take the newest
+            return
+        if loaded is not None:
+            self.install(latest, *loaded)
+
+    def resume_cursor(self, r: int) -> int:
+        """Continue this peer's stream after the samples it already uploaded: those counted up
+        to state r (its streams record), and those in manifests of rounds not yet committed."""
+        keys = self.run.keys
+        end = int(self.run.stream_ends(r).get(self.peer, 0))
+        for rr in (r - 1, r):
+            if rr < 0:
+                continue
+            mkeys = self.run.bucket.find(keys.manifests_dir(rr, self.peer))
+            for raw in self.run.bucket.read_many(mkeys).values():
+                try:
+                    m = shard.Manifest.model_validate_json(raw)
+                    end = max([end] + [a + c for a, c in m.data.ranges])
+                except ValueError:
+                    continue
+        return end
+
+    def read(self, mine: Callable[[View], RoundView]) -> RoundView | None:
+        """Read the round view again (one conditional GET): round ``state`` as ``mine`` makes it
+        this peer's, or None without a fresh view of this state. It moves this peer to a newer
+        state the view names, marks it stopped when the view says so, and, with no fresh view,
+        reads LATEST and STOP itself every ``fallback_s``."""
+        self.looked = self.clock.monotonic()
+        v = self.reader.read(self.run.bucket, self.run.keys)
+        fresh = self.reader.fresh
+        if v is not None:
+            self.stopped = self.stopped or v.stopped  # facts even in a stale view: STOP stays,
+            if v.state > self.state:  # a state once committed stays committed
+                self.prefetch(v.state)
+            elif v.state == self.state and v.closed and self._closed_seen is None:
+                self._closed_seen = self.clock.monotonic()
+        if not (fresh and v.state == self.state) and self.transfers.fetching is None \
+                and self.clock.time() - self._last_sync >= self.fallback_s:
+            self.sync()
+        usable = v is not None and v.state == self.state and (fresh or v.closed)
+        self.view = mine(v) if usable else None
+        self.behind = fresh and v.state < self.state  # not published since this state: look again soon
+        return self.view
+
+    def reduce_left(self) -> float:
+        """Round ``state`` closed: how long until its state, if it is reduced as fast as the last
+        one was (unknown: soon)."""
+        since = self.clock.monotonic() - (self._closed_seen or self.clock.monotonic())
+        return max(0.0, (self._reduce_s or 0.0) - since)

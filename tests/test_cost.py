@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.monitoring import cost
-from dedloc_pipeline.protocol import optim, scheduler, shard, view
+from dedloc_pipeline.protocol import ledger, optim, scheduler, shard, view
 from dedloc_pipeline.protocol.config import RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage import codec
@@ -117,7 +117,7 @@ def test_parameter_counts_from_the_preset_alone(preset, seq_len):
 
 def test_the_constants_the_model_copies_from_torch_modules():
     assert cost.OPTIM_STATE == optim.STATE
-    assert inspect.signature(scheduler.prune).parameters["window"].default == cost.PRUNE_WINDOW
+    assert inspect.signature(ledger.prune).parameters["window"].default == cost.PRUNE_WINDOW
 
 
 def _requests(bucket) -> Counter:
@@ -173,8 +173,8 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     p0 = run.load_params(0)
     counted("download", lambda: run.apply_delta(1, p0, run.commit_of(1)))
     counted("between rounds", sched.poll)
-    counted("prune state 1", lambda: scheduler.prune(run, 1 + config.keep_states))
-    counted("prune again", lambda: scheduler.prune(run, 4 + config.keep_states))
+    counted("prune state 1", lambda: ledger.prune(run, 1 + config.keep_states))
+    counted("prune again", lambda: ledger.prune(run, 4 + config.keep_states))
     yield run, cost.Layout(config), steps
     mp.undo()
 

@@ -180,16 +180,15 @@ class Scheduler:
             return self._reject(r, shard, f"could not be judged: {type(exc).__name__}: {exc}")
 
     @staticmethod
-    def _reject(r: int, shard: str, reason: str, data: DataRef | None = None) -> Rejection:
-        """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
-        log.warning("round %d: rejected shard %s: %s", r, shard, reason)
-        return Rejection(key=shard, reason=reason, data=data)
-
-    @staticmethod
     def _logged(r: int, rejected: list[Rejection]) -> list[Rejection]:
+        """Every rejection is logged as it is decided, naming the shard and why."""
         for x in rejected:
             log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
         return rejected
+
+    def _reject(self, r: int, shard: str, reason: str, data: DataRef | None = None) -> Rejection:
+        """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
+        return self._logged(r, [Rejection(key=shard, reason=reason, data=data)])[0]
 
     def _late(self, r: int) -> list[Entry]:
         """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``)."""

@@ -1,4 +1,4 @@
-# dedloc-pipeline: `make test` checks everything; `make install` sets up .venv/.
+# dedloc-pipeline: `make test` checks everything (lint, then the whole suite); `make install` sets up .venv/.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -16,18 +16,20 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ VOCAB PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install browser corpus test bench quality pretrain worker eval status server stop clean
+.PHONY: install lock lint browser corpus test test-fast bench quality pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
-# torch is pinned through constraints.txt to the CPU wheel this machine carries; elsewhere the
-# same version comes from PyPI.
-$(STAMP): pyproject.toml constraints.txt
+# Every version comes from requirements.lock, so a fresh machine installs the set the tests ran
+# with. torch is pinned through constraints.txt to the CPU wheel this machine carries; elsewhere
+# the same version comes from PyPI.
+PIP_INSTALL = $(BIN)/pip install -q -c constraints.txt -c requirements.lock
+$(STAMP): pyproject.toml constraints.txt requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale,eval]'
+	$(PIP_INSTALL) -e '.[test,scale,eval]'
 	touch $(STAMP)
 
-# The embedded Bengali corpus, extracted from registry packages (dedloc_pipeline/corpus.py).
+# The embedded Bengali corpus, extracted from registry packages (dedloc_pipeline/model/corpus.py).
 CORPUS := .dedloc/corpus
 corpus: $(CORPUS)/PROVENANCE.json
 $(CORPUS)/PROVENANCE.json: | $(STAMP)
@@ -39,17 +41,36 @@ browser:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium; }
 
-test: install corpus browser
+# The linter (ruff, configured in pyproject.toml): pyflakes, pycodestyle, import order.
+lint: install
+	$(BIN)/ruff check .
+
+test: lint corpus browser
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
+
+# The fast tier: everything but the multi-process cases marked slow. test_monitoring's report
+# page is rendered by chromium, so the browser is still needed.
+test-fast: install corpus browser
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not slow" tests
 
 # Every benchmark in one run (docs/benchmarks.md): tables on screen, numbers in .dedloc/bench/.
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e '.[test,scale,eval,bench]'
+	$(PIP_INSTALL) -e '.[test,scale,eval,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# Refresh the lock from .venv after changing a dependency (to upgrade one package:
+# .venv/bin/pip install -c constraints.txt -U NAME, then make lock). It holds the bench extra too (hivemind adds packages and pins none of the others), so
+# `make bench` installs a locked set as well. The local label of torch's CPU wheel (+cpu) is
+# dropped: PyPI's 2.13.0 satisfies the same line.
+lock: $(BENCH_STAMP)
+	{ echo "# Every installed version: written by make lock from .venv, read by make install."; \
+	  $(BIN)/pip freeze --exclude-editable | sed -E 's/\+[[:alnum:].]+$$//'; } > requirements.lock.tmp
+	mv requirements.lock.tmp requirements.lock
+	touch $(STAMP) $(BENCH_STAMP)
 
 # Does pretraining pay? A 2-volunteer collaboration next to one process, then fine-tuning (~1 h here).
 quality: $(BENCH_STAMP) corpus

@@ -29,42 +29,16 @@ from pathlib import Path
 import numcodecs
 import numcodecs.blosc
 import numpy as np
-import torch
 
-from benchmarks.scale import peer_samples, synthetic_gradient
-from dedloc_pipeline.model.flat import FlatLayout
+from benchmarks.synthetic_round import io_delta, peer_samples, synthetic_gradient, vector_run
 from dedloc_pipeline.protocol import aggregator
-from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import DataRef, upload
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 
 ROUND = 0
-
-
-def vector_run(bucket: Bucket, name: str, n: int, **fields) -> Run:
-    """A run whose flat vector is one parameter of ``n`` elements, with state 0 committed.
-
-    ``init_run`` builds the preset's model; this writes the same run.json, parameters, empty
-    optimizer state, COMMIT(0) and LATEST for a vector of any size. The returned Run must be the
-    one every benchmark step uses: read back from run.json it would take the preset's size.
-    """
-    cfg = recipe_config(name, "tiny", codec="int8", **fields)
-    run = Run(bucket, name, cfg)
-    run.flat = FlatLayout(torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(n))}))
-    keys = run.keys
-    bucket.create_json(keys.config, cfg.model_dump(mode="json"))
-    p0 = np.random.default_rng(n).standard_normal(n, dtype=np.float32) * 0.02
-    sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
-    for state in ("exp_avg", "exp_avg_sq", "residual"):
-        codec.create_vector(bucket, keys.optim(0, state), run.dense_format)
-    bucket.create_json(keys.commit(0), {
-        "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
-        "checksums": {"params": sums["values"]}, "committed_at": time.time(), "n_params": n})
-    bucket.write_json(keys.latest, {"state": 0})
-    return run
 
 
 def reset_round(run: Run, r: int, keep_close: bool = False) -> None:
@@ -75,16 +49,6 @@ def reset_round(run: Run, r: int, keep_close: bool = False) -> None:
     bucket.delete(f"{keys.round(r)}/reduced")
     bucket.delete(keys.state(r + 1))
     bucket.write_json(keys.latest, {"state": r})
-
-
-def io_delta(before: dict, after: dict) -> dict:
-    """Requests (by kind) and bytes between two ``IOStats.snapshot()`` calls."""
-    kinds = sorted(set(before["requests"]) | set(after["requests"]))
-    requests = {k: after["requests"].get(k, 0) - before["requests"].get(k, 0) for k in kinds}
-    return {"requests": {k: v for k, v in requests.items() if v},
-            "requests_total": sum(requests.values()),
-            "bytes_read": after["bytes_read"] - before["bytes_read"],
-            "bytes_written": after["bytes_written"] - before["bytes_written"]}
 
 
 def best_of(fn, repeats: int, reset=None, bucket: Bucket | None = None) -> dict:
@@ -209,7 +173,7 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
                 repeats, reset=reset_reduced, bucket=bucket)
             reduce_serial = best_of(lambda: [aggregator.reduce_part(vrun, ROUND, k) for k in parts],
                                     repeats, reset=reset_reduced, bucket=bucket)
-            reduced = codec.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
+            reduced = vector.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
             expected = numpy_reduce(root, vrun, close["accepted"])
             disagreement = float(np.abs(reduced - expected).max() / np.abs(expected).max())
 
@@ -261,6 +225,14 @@ def _chunk_files(root: str, vrun: Run) -> list[Path]:
     """The zarr chunk files of the round's shards (what the lower bound reads)."""
     return [p for p in Path(root, vrun.keys.shards_dir(ROUND)).rglob("*")
             if p.is_file() and p.parent.name == "c"]
+
+
+def table(res: dict):
+    from . import tables
+
+    rows = [[k, v["seconds"], v.get("ratio", "-")] for k, v in res["timings"].items()]
+    return tables.table("3. aggregation: 16 int8 shards of 10M parameters, file://",
+                        ["step", "seconds", "× lower bound"], rows)
 
 
 if __name__ == "__main__":

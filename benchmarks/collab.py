@@ -1,4 +1,5 @@
-"""Benchmarks 1 and 4: a real collaboration on this machine, and the machine's limit beside it.
+"""A real collaboration on this machine, and the machine's limit beside it: what benchmarks 1 and 4
+(benchmarks/throughput.py), 6 (shaped.py), 9 (local_steps.py) and the quality benchmark measure.
 
 ``collaborate`` runs the way volunteers do: one ``dedloc aggregate`` and N ``dedloc worker``
 processes (one torch thread each) over a ``file://`` bucket. Throughput is the samples committed
@@ -51,7 +52,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     starts with; ``env`` is added to every process's environment (S3 credentials); ``config``
     holds further RunConfig fields (a data set in ``url``'s bucket, the optimizer, ...)."""
     from dedloc_pipeline.protocol.config import recipe_config
-    from dedloc_pipeline.protocol.run import Run, init_run
+    from dedloc_pipeline.protocol.run import init_run
     from dedloc_pipeline.storage.bucket import Bucket
 
     tmp = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))

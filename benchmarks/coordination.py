@@ -16,7 +16,7 @@ Measured between the warm-up's COMMIT and the last one:
 - close latency: when the samples each round's CLOSE accepted, taken in the order they were
   computed, reached the target, and how long after that the CLOSE was written; median, worst;
   split at the moment the shards making the target had all landed (uploading, then closing);
-- the bill of those requests per volunteer-day (monitoring/cost.py).
+- the bill of those requests per volunteer-day (planning/estimate.py).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def case(peers: int, round_s: float = 40.0, step_s: float = 0.5, warmup: int = 1
 
 
 def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, requests) -> dict:
-    from dedloc_pipeline.monitoring import cost
+    from dedloc_pipeline.planning.estimate import measured
 
     at = {m["state"]: m for m in marks}
     first, last = at[warmup], at[max(at)]
@@ -211,17 +211,18 @@ def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, r
     landed = {k: t for h in hosts_out for k, t in h["landed"].items()}
     latency, uploading, closing = [], [], []
     for r in range(warmup, max(at)):
-        batches = sorted(when[s["data"]["stream"], c] for s in closes[r]["accepted"]
-                         for a, k in s["data"]["ranges"] for c in range(a, a + k, MICRO_BATCH) if (s["data"]["stream"], c) in when)
+        accepted = closes[r]["accepted"]
+        batches = sorted(when[s["data"]["stream"], c] for s in accepted for a, k in s["data"]["ranges"]
+                         for c in range(a, a + k, MICRO_BATCH) if (s["data"]["stream"], c) in when)
         reached = _reached(batches, target)
-        full = _reached(sorted((landed[s["key"]], s["samples"]) for s in closes[r]["accepted"] if s["key"] in landed), target)
+        full = _reached(sorted((landed[s["key"]], s["samples"]) for s in accepted if s["key"] in landed), target)
         if reached is not None:
             latency.append(closes[r]["closed_at"] - reached)
         if reached is not None and full is not None:
             uploading.append(full - reached)
             closing.append(closes[r]["closed_at"] - full)
     per_vol_s = {k: v / peers / window for k, v in sorted(volunteer.items())}
-    billed = cost.measured({"requests": dict(volunteer), "bytes_read": 0, "bytes_written": 0}, window, peers)
+    billed = measured({"requests": dict(volunteer), "bytes_read": 0, "bytes_written": 0}, window, peers)
     client = Counter()
     for h in hosts_out:
         for s in h["requests"]:

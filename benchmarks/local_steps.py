@@ -88,5 +88,6 @@ def table(res: dict):
         t.add_column(c, justify="left" if c == "algorithm" else "right")
     for c in res["cases"]:
         t.add_row(c["name"], str(c["rounds"]), f"{c['heldout_loss']:.4f}", f"{c['loss_vs_default']:+.1%}",
-                  f"{c['up_bytes_per_param']:.3f}", f"{c['wire_bytes_per_sample']:,.0f}", f"{c['fewer_bytes_per_sample']:.1f}x")
+                  f"{c['up_bytes_per_param']:.3f}", f"{c['wire_bytes_per_sample']:,.0f}",
+                  f"{c['fewer_bytes_per_sample']:.1f}x")
     return t

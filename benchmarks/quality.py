@@ -53,7 +53,7 @@ def one_process(run, states: list[int], threads: int, micro_batch: int = 16) -> 
     from dedloc_pipeline.protocol.optim import lr_at
 
     torch.set_num_threads(threads)
-    cfg, oc = run.config, run.config.optimizer
+    oc = run.config.optimizer
     if oc.name != "adamw":
         raise ValueError("the one-process reference steps torch's AdamW; this run uses " + oc.name)
     model = run.build_model()
@@ -149,7 +149,8 @@ def table(res: dict):
 
 @app.command()
 def main(peers: int = 2, rounds: int = 300, target: int = 128, seq_len: int = typer.Option(64, "--seq"),
-         preset: str = "tiny", vocab: int | None = typer.Option(2000, help="the tokenizer's (at most the preset's)"), lr: float | None = None, warmup: int | None = None, device: str = "cpu",
+         preset: str = "tiny", vocab: int | None = typer.Option(2000, help="the tokenizer's (at most the preset's)"),
+         lr: float | None = None, warmup: int | None = None, device: str = "cpu",
          micro_batch: int = 8, heldout: int = 256, kept: int = 10, epochs: int = 10,
          reference: bool = typer.Option(True, help="the one-process pretraining beside it"),
          finetune: bool = typer.Option(True, help="fine-tune both stand-ins from each encoder"),
@@ -164,7 +165,8 @@ def main(peers: int = 2, rounds: int = 300, target: int = 128, seq_len: int = ty
 
     console, t0 = Console(), time.monotonic()
     url = f"file://{tempfile.mkdtemp(prefix='dedloc-quality-')}/bucket"
-    card = make_data(url, corpus_dir, min(vocab or PRESETS[preset]["vocab_size"], PRESETS[preset]["vocab_size"]), seq_len)
+    most = PRESETS[preset]["vocab_size"]
+    card = make_data(url, corpus_dir, min(vocab or most, most), seq_len)
     console.print(f"data set: {card['splits']['train']['pairs']} training pairs of {seq_len} tokens "
                   f"({time.monotonic() - t0:.0f} s)")
     optimizer = {k: v for k, v in (("lr", lr), ("warmup_steps", warmup)) if v is not None}

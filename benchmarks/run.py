@@ -23,78 +23,47 @@ console = Console()
 BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped", "local_steps")
 
 
-def _table(title: str, columns: list[str], rows: list[list]) -> Table:
-    t = Table(title=title, title_justify="left")
-    for c in columns:
-        t.add_column(c, justify="right" if c != columns[0] else "left")
-    for r in rows:
-        t.add_row(*[f"{v:.3g}" if isinstance(v, float) else str(v) for v in r])
-    return t
-
-
 # Each runner imports its benchmark: the scale benchmark's spawned writers re-import this module
 # and must stay light (no torch).
 
-def throughput(out: dict) -> Table:
-    from . import collab, hivemind_peers
+def throughput_(out: dict) -> Table:
+    """Ours against the machine's limit and hivemind's peers."""
+    from . import throughput
 
-    ours = collab.collaborate(delayed=True)
-    out["throughput"] = res = {"ours": ours, "limit": collab.limit(),
-                               "limit_per_peer": collab.limit(processes=ours["peers"])}
-    try:
-        res["hivemind"] = hivemind_peers.run()
-    except ImportError as exc:
-        res["hivemind"] = {"skipped": str(exc)}
-    lim = res["limit"]["samples_per_s"]
-    res["ours_over_limit"] = ours["samples_per_s"] / lim
-    hm = res["hivemind"].get("samples_per_s")
-    res["ours_over_hivemind"] = ours["samples_per_s"] / hm if hm else None
-    rows = [[name, r.get("samples_per_s", "-"), r.get("s_per_round", "-"), r.get("compute_fraction", "-"),
-             r["samples_per_s"] / lim if "samples_per_s" in r else "-"]
-            for name, r in (("dedloc-pipeline", ours), ("hivemind 1.1.12", res["hivemind"]),
-                            ("limit: no collaboration, a process per core", res["limit"]),
-                            ("no collaboration, a process per peer", res["limit_per_peer"]))]
-    return _table("1. throughput: tiny, 4 peers, micro-batch 8, target 256, int8",
-                  ["system", "samples/s", "s/round", "compute fraction", "of limit"], rows)
+    out["throughput"] = res = throughput.run()
+    return throughput.table(res)
 
 
 def compute(out: dict) -> Table:
-    from . import collab
+    """The worker's compute fraction, delayed updates on (benchmark 1's collaboration, if it ran) and off."""
+    from . import throughput
 
-    on = out.get("throughput", {}).get("ours") or collab.collaborate(delayed=True)
-    off = collab.collaborate(delayed=False)
-    out["compute"] = {"delayed": on, "not_delayed": off}
-    rows = [[f"delayed updates {label}", r["compute_fraction"], r["samples_per_s"], r["stale_fraction"]]
-            for label, r in (("on", on), ("off", off))]
-    return _table("4. worker compute fraction (same collaboration as 1)",
-                  ["worker", "compute fraction", "samples/s", "stale share"], rows)
+    out["compute"] = res = throughput.compute(out.get("throughput", {}).get("ours"))
+    return throughput.compute_table(res)
 
 
 def wire_(out: dict) -> Table:
+    """Bytes per parameter per peer per round, and what each codec costs in loss."""
     from . import wire
 
     out["wire"] = res = wire.run()
-    rows = [[c["codec"], c["download_codec"], c["up_bytes_per_param"], c["down_bytes_per_param"],
-             c["total_bytes_per_param"], c["loss_max_rel_dev"]] for c in res["cases"]]
-    return _table("2. bytes per parameter per peer per round (counted by the bucket)",
-                  ["shards", "deltas", "up", "down", "total", "loss vs none (max rel.)"], rows)
+    return wire.table(res)
 
 
 def aggregation_(out: dict) -> Table:
+    """One round's reduction against a plain-numpy lower bound."""
     from . import aggregation
 
     out["aggregation"] = res = aggregation.run()
-    return _table("3. aggregation: 16 int8 shards of 10M parameters, file://", ["step", "seconds", "× lower bound"],
-                  [[k, v["seconds"], v.get("ratio", "-")] for k, v in res["timings"].items()])
+    return aggregation.table(res)
 
 
 def scale_(out: dict) -> Table:
+    """What a round costs the scheduler as the number of peers grows."""
     from . import scale
 
     out["scale"] = res = scale.run()
-    rows = [[c["peers"], c["n_params"], c["validate_s"], c["finish_s"], c["requests"]] for c in res["cases"]]
-    return _table("5. scale: simulated peers per round (1M parameters)",
-                  ["peers", "params", "validate s", "reduce+apply s", "requests"], rows)
+    return scale.table(res)
 
 
 def coordination_(out: dict) -> Table:
@@ -123,24 +92,21 @@ def local_steps_(out: dict) -> Table:
 
 def gpu(out: dict) -> Table:
     """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
-    from . import collab
+    from . import throughput
 
-    out["gpu"] = r = collab.collaborate(peers=1, preset="sahajbert", micro_batch=8, target=128, warmup=1,
-                                        rounds=3, worker_args=("--device", "cuda"), timeout_s=540)
-    return _table("sahajbert worker on the GPU (ALBERT-large, sequence 512, micro-batch 8, target 128)",
-                  ["samples/s", "s/round", "compute fraction"],
-                  [[r["samples_per_s"], r["s_per_round"], r["compute_fraction"]]])
+    out["gpu"] = r = throughput.gpu()
+    return throughput.gpu_table(r)
 
 
 def soak_(out: dict) -> Table:
     """Not in the default set: 300 rounds with churn; memory, fds and the bucket stay bounded (docs/soak.md)."""
-    from . import soak
+    from . import soak, soak_verdict
 
     out["soak"] = r = soak.soak()
-    return soak.table(r)
+    return soak_verdict.table(r)
 
 
-RUNNERS = {"throughput": throughput, "wire": wire_, "aggregation": aggregation_, "compute": compute,
+RUNNERS = {"throughput": throughput_, "wire": wire_, "aggregation": aggregation_, "compute": compute,
            "scale": scale_, "coordination": coordination_, "shaped": shaped_, "local_steps": local_steps_,
            "gpu": gpu, "soak": soak_}
 

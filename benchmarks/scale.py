@@ -13,9 +13,10 @@ d1 * size), size being chunks per shard for requests and parameters for bytes, t
 extrapolated to 1000 peers for 1M parameters and for the sahajbert preset: the scheduler's
 budget per round when a collaboration reaches DeDLOC's scale.
 
-The writers are spawned processes that must stay light (numpy, zarr and the project's codec and
-shard modules, no torch): this module imports nothing heavy at module level, because spawned
-children import it, and the main-process steps import the torch-dependent modules inside ``run``.
+The writers are spawned processes that must stay light (numpy, zarr and the project's torch-free
+storage, run and shard modules): this module and benchmarks/synthetic_round.py import nothing
+heavy at module level, because spawned children import them, and the main-process steps import
+the torch-dependent modules inside ``measure`` and ``vector_run``.
 """
 
 from __future__ import annotations
@@ -32,36 +33,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from benchmarks.synthetic_round import io_delta, peer_samples, synthetic_gradient, vector_run
+from dedloc_pipeline.protocol.clock import REAL, Clock
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.storage.codec import VectorFormat, encode
+from dedloc_pipeline.storage.codec import encode
 from dedloc_pipeline.storage.layout import RunLayout
+from dedloc_pipeline.storage.vector import VectorFormat
 
 ROUND = 0
 # build_model("sahajbert", 0): sum of parameter sizes (measured once; building it takes ~30 s here).
 SAHAJBERT_PARAMS = 18_105_474
-
-
-@functools.lru_cache(maxsize=2)
-def _heavy_tailed(n: int) -> np.ndarray:
-    """2n elements of Gaussian noise around 1e-3 with a log-normal scale per element: heavy-tailed
-    enough that int8 codes of it compress as real tiny-ALBERT gradient codes do (about 0.6 of
-    their size with bit-shuffle + lz4). Made once per process; peers take windows of it."""
-    rng = np.random.default_rng(n)
-    scale = np.exp(1.25 * rng.standard_normal(2 * n, dtype=np.float32))
-    return 1e-3 * scale * rng.standard_normal(2 * n, dtype=np.float32)
-
-
-def synthetic_gradient(n: int, seed: int) -> np.ndarray:
-    """A gradient-like float32 vector, different per seed (a window of the shared noise at a
-    random offset, scaled by 0.5 to 2) and cheap to make; its norm stays far below 1e4."""
-    rng = np.random.default_rng(seed)
-    offset = int(rng.integers(n))
-    return _heavy_tailed(n)[offset:offset + n] * np.float32(rng.uniform(0.5, 2.0))
-
-
-def peer_samples(i: int) -> int:
-    """Samples behind peer i's shard: 8 to 32, so the weighted mean differs from the plain one."""
-    return 8 + 8 * (i % 4)
 
 
 # Writer side: runs in the spawned processes.
@@ -75,6 +56,7 @@ class ShardTarget:
     name: str
     grad_format: VectorFormat
     state_hash: str  # of the COMMIT round ROUND is computed on
+    clock: Clock = REAL  # the manifest's creation time
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,7 +145,6 @@ def _sum_io(a: dict, b: dict) -> dict:
 
 def measure(bucket: Bucket, writers, threads: ThreadPoolExecutor, peers: int, n: int) -> dict:
     """One round of ``peers`` shards of ``n`` parameters: write, validate, finish."""
-    from benchmarks.aggregation import io_delta, vector_run
     from dedloc_pipeline.protocol.scheduler import Scheduler
 
     name = f"scale-{peers}p-{n}"
@@ -237,6 +218,14 @@ def run(peers=(16, 64, 256), n: int = 1_000_000) -> dict:
         }
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def table(res: dict):
+    from . import tables
+
+    rows = [[c["peers"], c["n_params"], c["validate_s"], c["finish_s"], c["requests"]] for c in res["cases"]]
+    return tables.table("5. scale: simulated peers per round (1M parameters)",
+                        ["peers", "params", "validate s", "reduce+apply s", "requests"], rows)
 
 
 if __name__ == "__main__":

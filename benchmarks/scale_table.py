@@ -8,7 +8,7 @@ A volunteer's round: ``H`` inner steps of ``INNER`` sequences of ``SEQ`` tokens,
 ``C = H * INNER * SEQ / tokens_per_s`` seconds. With delayed updates a volunteer computes while
 its shard uploads, the round is reduced and the next state downloads, so a round lasts
 ``max(C, up + aggregate + down)`` and the compute use is ``C`` over that; without them the two add.
-Requests come from the cost model (``monitoring/cost.py``: the cadence's reads and heartbeats
+Requests come from the cost model (``planning/``: the cadence's reads and heartbeats
 for a round of that length, and every object of the shard and delta layouts).
 ``python -m benchmarks.scale_table`` prints the table docs/diloco.md holds (a test keeps them equal);
 ``--measure`` times the aggregator's unit costs on this machine again.
@@ -24,7 +24,8 @@ LINKS = {"10/50": (10e6, 50e6), "100/500": (100e6, 500e6)}  # household up/down,
 H, INNER, SEQ = 100, 16, 1024  # inner steps per round, sequences per inner step, tokens per sequence
 
 # Bytes per parameter of a sparse shard and of a sparse delta as stored (lz4 and metadata included):
-# benchmark 9's causal-tiny pseudo-gradients and deltas, as the workers' buckets counted them (docs/benchmarks.md section 9).
+# benchmark 9's causal-tiny pseudo-gradients and deltas, as the workers' buckets counted them
+# (docs/benchmarks.md section 9).
 SPARSE_UP, SPARSE_DOWN = 0.031, 0.035
 # Aggregator CPU-seconds per parameter, one thread, file:// bucket (``--measure``, 2026-12-02, this
 # 2-core machine): reading and adding one sparse shard; then once per round the mean's write and
@@ -52,11 +53,12 @@ def _activations(c: dict) -> float:
 
 def row(model: str, volunteers: int, link: str) -> dict:
     from dedloc_pipeline.model.presets import PRESETS
-    from dedloc_pipeline.monitoring import cost
+    from dedloc_pipeline.planning.estimate import HOUR, estimate
+    from dedloc_pipeline.planning.planned import n_params
     from dedloc_pipeline.protocol.config import recipe_config
 
     preset = MODELS[model]
-    n, c = cost.n_params(preset), PRESETS[preset]
+    n, c = n_params(preset), PRESETS[preset]
     up_bps, down_bps = LINKS[link]
     tokens_per_s = GPU_FLOPS / (6 * n)
     compute_s = H * INNER * SEQ / tokens_per_s
@@ -68,9 +70,9 @@ def row(model: str, volunteers: int, link: str) -> dict:
     round_s = max(compute_s, settle_s)
     config = recipe_config("paper", preset, seq_len=SEQ, inner_batch=INNER, target_batch_size=volunteers * H * INNER,
                            micro_batch=INNER, chunk_size=PART)
-    e = cost.estimate(config, volunteers, days=1, samples_per_s=tokens_per_s / SEQ, n=n, reduce_s=aggregate_s,
-                      uplink_mbit_s=up_bps / 1e6, shard_bytes_per_param=SPARSE_UP, delta_bytes_per_param=SPARSE_DOWN)
-    per_round = e.round_s / cost.HOUR
+    e = estimate(config, volunteers, days=1, samples_per_s=tokens_per_s / SEQ, n=n, reduce_s=aggregate_s,
+                 uplink_mbit_s=up_bps / 1e6, shard_bytes_per_param=SPARSE_UP, delta_bytes_per_param=SPARSE_DOWN)
+    per_round = e.round_s / HOUR
     return {"model": model, "n_params": n, "volunteers": volunteers, "link": link,
             "up_MB": up_b / 1e6, "down_MB": down_b / 1e6, "compute_s": compute_s, "up_s": up_s, "down_s": down_s,
             "aggregate_s": aggregate_s, "round_s": round_s, "compute_use": compute_s / round_s,
@@ -112,7 +114,7 @@ def measure() -> dict:
     from dedloc_pipeline.model.flat import Tensor
     from dedloc_pipeline.protocol import optim
     from dedloc_pipeline.protocol.config import Outer
-    from dedloc_pipeline.storage import codec
+    from dedloc_pipeline.storage import codec, vector
     from dedloc_pipeline.storage.bucket import Bucket
 
     torch.set_num_threads(1)
@@ -134,12 +136,13 @@ def measure() -> dict:
             yield Tensor("w", (n,), 0, n, True), lo, hi
 
     b = Bucket(f"file://{tempfile.mkdtemp()}/b")
-    dense, shard = codec.VectorFormat("none", n, n, 4096), codec.VectorFormat("sparse", n, n, 4096, whole=True)
+    dense, shard = vector.VectorFormat("none", n, n, 4096), vector.VectorFormat("sparse", n, n, 4096, whole=True)
     arrays, total, state = codec.encode(x, "sparse", 4096), np.zeros(n), {"momentum_buffer": np.zeros(n, np.float32)}
-    codec.create_vector(b, "v", dense)
-    codec.write_vector(b, "s", shard, arrays)
-    write, read = best(lambda: codec.write_vector(b, "v", dense, {"values": p})), best(lambda: codec.read_vector(b, "v", dense))
-    per_shard = best(lambda: codec.read_vector(b, "s", shard, raw=True)) + best(
+    vector.create_vector(b, "v", dense)
+    vector.write_vector(b, "s", shard, arrays)
+    write = best(lambda: vector.write_vector(b, "v", dense, {"values": p}))
+    read = best(lambda: vector.read_vector(b, "v", dense))
+    per_shard = best(lambda: vector.read_vector(b, "s", shard, raw=True)) + best(
         lambda: codec.accumulate(total, arrays, "sparse", 4096, 1.0))
     apply = best(lambda: optim.apply(Outer().optimizer(), One(), 0, p, state, x, 1))
     delta = best(lambda: codec.delta_encode(p, p + x, "sparse", 4096, None))

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from . import collab, hivemind_peers
+from . import collab, hivemind_peers, tables
 
 PROFILES = {"10/50": (10, 50), "2/20": (2, 20)}  # Mbit/s up / down
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -320,13 +320,11 @@ def _mean_shard_bytes(bucket) -> float:
 
 def table(res: dict):
     """Benchmark 6 as a rich table: a row per profile and system, the limit last."""
-    from .run import _table
-
     title = "6. shaped household links (up/down Mbit/s)"
     columns = ["profile", "system", "samples/s", "s/round", "compute fraction", "up B/param", "down B/param",
                "of limit", "ours / hivemind"]
     if "skipped" in res:
-        return _table(title, ["skipped"], [[res["skipped"]]])
+        return tables.table(title, ["skipped"], [[res["skipped"]]])
     lim = res["limit"]["samples_per_s"]
     rows = []
     for name, p in res["profiles"].items():
@@ -339,7 +337,7 @@ def table(res: dict):
                                                         "up_bytes_per_param", "down_bytes_per_param")),
                          r["samples_per_s"] / lim, "-" if ratio is None else ratio])
     rows.append(["-", "limit: no collaboration, a process per core", lim, "-", "-", "-", "-", 1.0, "-"])
-    return _table(title, columns, rows)
+    return tables.table(title, columns, rows)
 
 
 if __name__ == "__main__":

@@ -114,8 +114,9 @@ def detection(run, trials: int, rounds: int) -> dict:
             "scaled x1.1": (_int8(1.1 * honest8, run), honest8),
             "scaled x1.03": (_int8(1.03 * honest8, run), honest8),
             "copied (another volunteer's shard)": (_int8(victim, run), honest8),
-            "random noise (honest norm)": (_int8(rng.normal(0, 1, run.flat.n).astype(np.float32)
-                                                 * np.float32(np.linalg.norm(honest8) / np.sqrt(run.flat.n)), run), honest8),
+            "random noise (honest norm)": (
+                _int8(rng.normal(0, 1, run.flat.n).astype(np.float32)
+                      * np.float32(np.linalg.norm(honest8) / np.sqrt(run.flat.n)), run), honest8),
         }
         for name, (sent, claimed) in attacks.items():
             c = recompute.compare(sent, claimed)

@@ -80,6 +80,15 @@ def run(rounds: int = 12) -> dict:
             "cases": cases}
 
 
+def table(res: dict):
+    from . import tables
+
+    rows = [[c["codec"], c["download_codec"], c["up_bytes_per_param"], c["down_bytes_per_param"],
+             c["total_bytes_per_param"], c["loss_max_rel_dev"]] for c in res["cases"]]
+    return tables.table("2. bytes per parameter per peer per round (counted by the bucket)",
+                        ["shards", "deltas", "up", "down", "total", "loss vs none (max rel.)"], rows)
+
+
 if __name__ == "__main__":
     import json
 

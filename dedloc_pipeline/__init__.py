@@ -14,7 +14,7 @@ def join(bucket: str, run: str, peer_id: str | None = None, key: str | None = No
          poll: float = 1.0, endpoint_url: str | None = None, stop: threading.Event | None = None,
          plain: bool | None = None, every: float = 10.0) -> dict:
     """Volunteer for ``run`` in ``bucket`` from this cell, with a live progress display; returns
-    what this session contributed (see ``dedloc_pipeline.monitoring.progress.summary``).
+    what this session contributed (see ``dedloc_pipeline.monitoring.volunteer.summary``).
 
     It works until state ``until_round`` is committed, the organizer stops the run, ``stop`` is
     set (from another thread), or the notebook's stop button: the first press finishes an upload
@@ -22,7 +22,7 @@ def join(bucket: str, run: str, peer_id: str | None = None, key: str | None = No
     returning peer continues its data where its uploads end. ``key`` is your private key file
     (runs that require signed shards); ``device`` defaults to the GPU when there is one.
     """
-    from .monitoring.progress import make_worker, summary_text, volunteer
+    from .monitoring.volunteer import make_worker, summary_text, volunteer
 
     worker = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url)
     summary = volunteer(worker, until_round, stop, plain=plain, every=every)

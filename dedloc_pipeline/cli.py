@@ -15,12 +15,12 @@ from typer.core import TyperGroup
 
 from .init_options import config_args, describe, one_line, with_settings
 from .model.data import DataError
+from .model.presets import PRESETS
 from .protocol.config import recipe_config
 from .protocol.run import ORGANIZER_KEY_ENV, Run, RunError, init_run
 from .storage.bucket import Bucket, StorageError
 from .trust import identity
 from .trust.identity import IdentityError
-
 
 # click's exceptions, wherever this typer takes click from (recent typers vendor it)
 _cx = importlib.import_module(typer.BadParameter.__module__)
@@ -115,7 +115,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     Ctrl-C finishes an upload under way, leaves, and prints what you contributed (exit status
     130); a second Ctrl-C quits at once."""
     _setup(verbose)
-    from .monitoring.progress import make_worker, summary_text, volunteer
+    from .monitoring.volunteer import make_worker, summary_text, volunteer
     w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision)
     s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))
@@ -159,9 +159,8 @@ def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
          reason: str = typer.Option("stopped by the organizer", help="recorded in the marker")):
     """End a run: schedulers and the pretrain flow stop after the open round."""
     _setup(False)
-    import time
     r = _open(bucket, run, endpoint_url)
-    r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": time.time(), "state": r.latest()})
+    r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": r.clock.time(), "state": r.latest()})
     typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
 
 
@@ -279,15 +278,17 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 @app.command("cost")
 def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
           days: float = typer.Option(..., help="length of the run"),
-          preset: Optional[str] = typer.Option(None, help="tiny | small | sahajbert (default tiny; not with --bucket)"),
+          preset: Optional[str] = typer.Option(None, help=f"{' | '.join(PRESETS)} (default tiny; not with --bucket)"),
           samples_per_s: Optional[float] = typer.Option(
               None, "--samples-per-s", help="one volunteer's samples/s (default: the preset's measured speed)"),
           target_batch: Optional[int] = typer.Option(None, help="samples per round (default: the preset's recipe)"),
-          prices: Optional[str] = typer.Option(None, help="a JSON price table replacing the built-in one (docs/cost.md)"),
+          prices: Optional[str] = typer.Option(None, help="a JSON price table replacing the built-in one "
+                                               "(docs/cost.md)"),
           bucket: Optional[str] = typer.Option(None, help="read the config of --run in this bucket instead"),
           run: Optional[str] = typer.Option(None, help="with --bucket: the run whose config is priced"),
           endpoint_url: Optional[str] = EndpointOpt,
-          reduce_s: Optional[float] = typer.Option(None, help="seconds from CLOSE to COMMIT (default: benchmark 5's fit)"),
+          reduce_s: Optional[float] = typer.Option(None, help="seconds from CLOSE to COMMIT (default: benchmark "
+                                                   "5's fit)"),
           micro_batch: Optional[int] = typer.Option(None, help="the volunteers' micro-batch (default: the run's): "
                                                     "a worker polls and heartbeats between micro-batches"),
           uplink_mbit: float = typer.Option(20.0, help="a volunteer's upload speed, Mbit/s"),
@@ -296,9 +297,11 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
           scheduler_in_region: bool = typer.Option(False, help="the scheduler runs in the provider's region: "
                                                    "its reads are no egress"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object")):
-    """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""
+    """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""  # noqa: E501
     _setup(False)
-    from .monitoring import cost as pricing
+    from .planning.display import show
+    from .planning.estimate import estimate
+    from .planning.prices import PRICES, load_prices
     if bucket is not None or run is not None:
         if bucket is None or run is None:
             raise ValueError("--bucket and --run go together: the run whose config is priced")
@@ -307,15 +310,14 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
         config = _open(bucket, run, endpoint_url).config
     else:
         config = recipe_config("plan", preset or "tiny", target_batch_size=target_batch)
-    table = pricing.load_prices(prices) if prices else pricing.PRICES
-    e = pricing.estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s,
-                         uplink_mbit_s=uplink_mbit, scheduler_poll_s=scheduler_poll, micro_batch=micro_batch,
-                         scheduler_egress=not scheduler_in_region)
+    table = load_prices(prices) if prices else PRICES
+    e = estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s, uplink_mbit_s=uplink_mbit,
+                 scheduler_poll_s=scheduler_poll, micro_batch=micro_batch, scheduler_egress=not scheduler_in_region)
     if as_json:
         typer.echo(e.model_dump_json())
         return
     from rich.console import Console
-    pricing.show(e, table, Console())
+    show(e, table, Console())
 
 
 @app.command()

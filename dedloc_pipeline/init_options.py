@@ -26,7 +26,8 @@ def one_line(text: str) -> str:
 # The RunConfig fields `dedloc init` sets, as paths into it. Each option's flag, type, choices,
 # default and help come from the field (protocol/config.py), so a setting is spelled only there.
 INIT_SETTINGS = ("preset", "target_batch_size", "data", "micro_batch", "codec", "download_codec",
-                 "optimizer.name", "optimizer.lr", "optimizer.warmup_steps", "seed", "seq_len", "chunk_size", "chunks_per_part",
+                 "optimizer.name", "optimizer.lr", "optimizer.warmup_steps", "seed", "seq_len", "chunk_size",
+                 "chunks_per_part",
                  "close.timeout_s", "close.min_fraction", "close.late_shards", "delayed_updates",
                  "peer_timeout_s", "cadence.poll_min_s", "cadence.poll_max_s", "cadence.heartbeat_max_s",
                  "organizer_key", "aggregation", "algorithm", "inner_batch", "outer.lr", "outer.momentum")

@@ -1,5 +1,6 @@
-"""Aggregators on any machine: a Prefect task worker serving the round flow's ``reduce_part`` and
-``apply_part`` tasks, for ``pretrain(runner="task-workers")``.
+"""The round's aggregation tasks, ``reduce_part`` and ``apply_part`` (one part of the model each),
+and aggregators on any machine: a Prefect task worker serving them, for
+``pretrain(runner="task-workers")``.
 
 What a volunteer with good bandwidth runs (``dedloc aggregator``). It needs:
 
@@ -31,12 +32,26 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+from prefect import task
 from prefect.futures import PrefectDistributedFuture
 from prefect.settings import get_current_settings
+
+from dedloc_pipeline.protocol import aggregator
+from flows.common import open_run
 
 STORAGE_SETTING = "PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK"
 WAIT_S = 1800.0  # longest a round's reduce (or apply) phase may take on the task workers
 DONE: Counter[str] = Counter()  # task runs this process finished, by task and outcome
+
+
+@task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
+def reduce_part(bucket: str, run: str, r: int, part: int) -> str:
+    return aggregator.reduce_part(open_run(bucket, run), r, part)
+
+
+@task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
+def apply_part(bucket: str, run: str, r: int, part: int) -> str:
+    return aggregator.apply_part(open_run(bucket, run), r, part)
 
 
 def identity() -> str:
@@ -65,7 +80,6 @@ def tasks():
     With a shared task storage their results (marker keys, which nobody reads back) go there too:
     the worker reads a run's parameters from the task's result storage, and a task run otherwise
     persists into the submitting flow run's result store, a folder on the organizer's machine."""
-    from flows.pretraining import apply_part, reduce_part
     shared = get_current_settings().tasks.scheduling.default_storage_block
     extra = {"result_storage": shared} if shared else {}
     return [t.with_options(on_completion=[_report("done")], on_failure=[_report("FAILED")], **extra)

@@ -6,7 +6,6 @@ from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 
 from dedloc_pipeline.evaluation import heldout as evaluation
-
 from flows.common import artifact_key, open_run
 
 

@@ -2,7 +2,7 @@
 
 The loop and its steps are the library's round engine (``dedloc_pipeline/protocol/scheduler.py``),
 the same that ``dedloc aggregate`` drives; this module only makes the steps tasks (with retries),
-maps the aggregators over the parts, and publishes artifacts.
+maps the aggregation tasks (flows/aggregators.py) over the parts, and publishes artifacts.
 """
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact, create_table_artifact,
-                               update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
@@ -20,7 +24,7 @@ from dedloc_pipeline.protocol.close import close_summary
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
-
+from flows.aggregators import apply_part, reduce_part, run_parts
 from flows.common import artifact_key, dask_address, open_run, scheduler, task_runner
 
 
@@ -34,16 +38,6 @@ def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: 
 @task(retries=3, retry_delay_seconds=2)
 def prepare(bucket: str, run: str, r: int) -> None:
     aggregator.prepare(open_run(bucket, run), r)
-
-
-@task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
-def reduce_part(bucket: str, run: str, r: int, part: int) -> str:
-    return aggregator.reduce_part(open_run(bucket, run), r, part)
-
-
-@task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
-def apply_part(bucket: str, run: str, r: int, part: int) -> str:
-    return aggregator.apply_part(open_run(bucket, run), r, part)
 
 
 @task(retries=3, retry_delay_seconds=2)
@@ -71,7 +65,6 @@ def round_flow(bucket: str, run: str, r: int, poll_s: float | None = None, max_w
     parts = list(range(open_run(bucket, run).n_parts))
     ready = prepare.submit(bucket, run, r)
     if runner == "task-workers":  # background task runs that task workers take (flows/aggregators.py)
-        from flows.aggregators import run_parts
         ready.result()
         run_parts(reduce_part, bucket, run, r, parts)
         applied = run_parts(apply_part, bucket, run, r, parts)

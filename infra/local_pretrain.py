@@ -4,7 +4,7 @@ Starts (or reuses) the local Prefect server, serves the flows, runs ``tokenize``
 ``pretrain`` on the bucket, starts local volunteer workers, waits for the flow run, runs
 ``evaluate``, prints a summary, and shuts everything it started down, also on Ctrl-C. The run
 is a signed one, as a public run would be: an organizer key and a key per local volunteer in
-``.dedloc/keys/``, the volunteers enrolled in the run's roster (README, "Running a collaboration").
+``.dedloc/keys/``, the volunteers enrolled in the run's roster (docs/organizer.md, "Signed runs").
 Settings come from the environment (the Makefile's variables; MAX_DOCS caps the corpus,
 EVAL_EPOCHS and EVAL_TRAIN the fine-tuning, for quick runs).
 """
@@ -107,7 +107,7 @@ def main() -> int:
     preset, target = env("PRESET", "tiny"), int(env("TARGET", "128"))
     data, seq_len = env("DATA", "bengali"), int(env("SEQ", "64"))
     from dedloc_pipeline.model.presets import PRESETS
-    # tiny learns context fastest per CPU second from a 2000-token vocabulary (README, "The first run")
+    # tiny learns context fastest per CPU second from a 2000-token vocabulary (docs/first-run.md)
     vocab = int(env("VOCAB", "2000" if preset == "tiny" else str(PRESETS[preset]["vocab_size"])))
     port, home = int(env("PREFECT_PORT", "4200")), env("DEDLOC_PREFECT_HOME", str(ROOT / ".dedloc/prefect"))
     logs = Path(env("LOGS", str(ROOT / ".dedloc/logs")))
@@ -130,11 +130,13 @@ def main() -> int:
             wait_for(f"deployment {name}", lambda n=name: asyncio.run(_deployment_exists(n)), 120, procs)
 
         from prefect.deployments import run_deployment
+
         from dedloc_pipeline.protocol.run import Run
         from dedloc_pipeline.storage.bucket import Bucket
         from dedloc_pipeline.trust import identity
 
-        print(f"tokenize: data set {data!r} (a {vocab}-token tokenizer, sentence-order pairs of {seq_len} tokens)", flush=True)
+        print(f"tokenize: data set {data!r} (a {vocab}-token tokenizer, sentence-order pairs of {seq_len} tokens)",
+              flush=True)
         fr = run_deployment("tokenize/local", parameters={
             "bucket": bucket, "data": data, "vocab_size": vocab, "seq_len": seq_len,
             "corpus_dir": str(ROOT / ".dedloc/corpus"), "max_documents": int(env("MAX_DOCS", "0")) or None},
@@ -152,7 +154,8 @@ def main() -> int:
         b = Bucket(bucket)
         wait_for(f"run {run} in {bucket}", lambda: b.exists(f"runs/{run}/state/LATEST.json"), 300, procs)
         peers = {f"local-{i}": keys / f"local-{i}.pem" for i in range(1, workers + 1)}
-        roster = identity.update_roster(b, run, organizer, enroll={p: identity.public(key(k)) for p, k in peers.items()})
+        roster = identity.update_roster(b, run, organizer,
+                                        enroll={p: identity.public(key(k)) for p, k in peers.items()})
         for i, (peer, path) in enumerate(peers.items(), 1):
             procs.append(subprocess.Popen(
                 [str(BIN / "dedloc"), "worker", "--bucket", bucket, "--run", run, "--peer-id", peer,
@@ -197,7 +200,8 @@ def main() -> int:
         png = logs / "learning.png"
         png.write_bytes(plots.learning(hist, curve, result.get("unigram_entropy")))
         downstream = {t: {"source": e["source"], "metric": e["metric"], "pretrained": e["pretrained"]["test"],
-                          "random_init": e["random_init"]["test"]} for t, e in sorted(evals.items()) if "pretrained" in e}
+                          "random_init": e["random_init"]["test"]}
+                      for t, e in sorted(evals.items()) if "pretrained" in e}
         print("\n".join([
             "", f"run {run}: {len(hist)} rounds in {minutes:.1f} minutes, {samples} samples from {len(peers)} "
                 f"volunteers ({', '.join(peers)})",

@@ -11,7 +11,8 @@ from collections import Counter
 
 import zarr
 
-from dedloc_pipeline.storage.bucket import Bucket, RetryPolicy
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.storage.retry import RetryPolicy
 
 
 class Faults:

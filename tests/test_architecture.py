@@ -1,15 +1,18 @@
-"""The package's shape: which layer may import which, and which modules start without torch."""
+"""The package's shape: which layer may import which, what flows/ and benchmarks/ may import, no
+import cycle anywhere, and which modules start without torch."""
 
 from __future__ import annotations
 
 import ast
+import collections
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-PKG = pathlib.Path(__file__).resolve().parent.parent / "dedloc_pipeline"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PKG = ROOT / "dedloc_pipeline"
 
 # Each subpackage and what it may import (besides itself): a layer never reaches upward.
 ALLOWED = {
@@ -18,11 +21,13 @@ ALLOWED = {
     "model": {"storage"},
     "protocol": {"storage", "trust", "model"},
     "monitoring": {"storage", "trust", "model", "protocol"},
+    "planning": {"storage", "trust", "model", "protocol", "monitoring"},
     "evaluation": {"storage", "model", "protocol"},
 }
-TORCH_FREE = ["storage.layout", "storage.bucket", "storage.codec", "protocol.config", "protocol.shard",
-              "protocol.run", "monitoring.status", "monitoring.cost", "trust.identity", "trust.policy",
-              "model.presets", "cli"]
+TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats",
+              "storage.codec", "storage.vector", "protocol.config", "protocol.shard",
+              "protocol.run", "monitoring.status", "planning.prices", "planning.planned", "planning.requests",
+              "planning.estimate", "planning.display", "trust.identity", "trust.policy", "model.presets", "cli"]
 
 
 def _imports(path: pathlib.Path) -> set[str]:
@@ -46,6 +51,126 @@ def _imports(path: pathlib.Path) -> set[str]:
                 if parts[0] == "dedloc_pipeline" and len(parts) > 1:
                     found.add(parts[1])
     return found
+
+
+def _modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """Every module of the package, flows/ and benchmarks/ by its dotted name (a package by its __init__)."""
+    found = {}
+    for top in ("dedloc_pipeline", "flows", "benchmarks"):
+        for path in sorted((root / top).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imported(name: str, path: pathlib.Path) -> set[str]:
+    """The dotted names a module imports, at the top or inside a function (a cycle closed inside a
+    function is still a cycle), relative ones resolved; ``from a import b`` gives ``a.b``, which
+    may be a module or a name in ``a``. Imports under ``if TYPE_CHECKING:`` never run: left out."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def _graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the project's modules it imports (the longest known prefix of each imported name)."""
+    modules = _modules(root)
+
+    def module_of(dotted: str) -> str | None:
+        while dotted and dotted not in modules:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    return {name: {m for i in _imported(name, path) if (m := module_of(i)) not in (None, name)}
+            for name, path in modules.items()}
+
+
+def _cycle_through(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """A shortest chain of imports from ``start`` back to itself, or None."""
+    came_from = {m: start for m in graph[start]}
+    queue = collections.deque(graph[start])
+    while queue and start not in came_from:
+        m = queue.popleft()
+        for n in graph[m] - came_from.keys():
+            came_from[n] = m
+            queue.append(n)
+    if start not in came_from:
+        return None
+    chain, m = [start], came_from[start]
+    while m != start:
+        chain.append(m)
+        m = came_from[m]
+    return [start, *reversed(chain)]
+
+
+def _cycles(root: pathlib.Path = ROOT) -> list[list[str]]:
+    graph = _graph(root)
+    found: dict[frozenset, list[str]] = {}
+    for name in graph:
+        chain = _cycle_through(graph, name)
+        if chain is not None:
+            found.setdefault(frozenset(chain), chain)
+    return list(found.values())
+
+
+# What flows/ and benchmarks/ may import of the project besides themselves: the package (the
+# benchmarks also its in-process driver, dedloc_pipeline.testing); never tests/, and flows never
+# the benchmarks. The package itself imports neither benchmarks/ nor tests/.
+FIRST_PARTY = {"dedloc_pipeline", "flows", "benchmarks", "tests"}
+TOP_ALLOWED = {"flows": ("dedloc_pipeline.",), "benchmarks": ("dedloc_pipeline.",),
+               "dedloc_pipeline": ("flows.",)}
+TOP_FORBIDDEN = {"flows": ("dedloc_pipeline.testing",)}
+
+
+@pytest.mark.parametrize("top", sorted(TOP_ALLOWED))
+def test_flows_and_benchmarks_import_only_the_package_below_them(top):
+    bad = {}
+    for name, path in _modules().items():
+        if name.split(".")[0] != top:
+            continue
+        reached = sorted(i for i in _imported(name, path)
+                         if i.split(".")[0] in FIRST_PARTY - {top}
+                         and (not i.startswith(TOP_ALLOWED[top]) or i.startswith(TOP_FORBIDDEN.get(top, ()))))
+        if reached:
+            bad[name] = reached
+    assert not bad, f"{top} reaches {bad}"
+
+
+def test_no_import_cycle_anywhere():
+    """Among the package's, flows' and benchmarks' modules, counting imports inside functions."""
+    cycles = _cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path):
+    """The check itself: a relative import at the top and an absolute one inside a function."""
+    for top in ("dedloc_pipeline", "flows", "benchmarks"):
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "__init__.py").write_text("")
+    (tmp_path / "benchmarks" / "a.py").write_text("from . import b\n")
+    (tmp_path / "benchmarks" / "b.py").write_text("def f():\n    from benchmarks.a import g\n")
+    (tmp_path / "benchmarks" / "c.py").write_text("from typing import TYPE_CHECKING\n"
+                                                  "if TYPE_CHECKING:\n    from benchmarks import a\n")
+    (tmp_path / "benchmarks" / "d.py").write_text("from benchmarks import c\n")
+    assert _cycles(tmp_path) == [["benchmarks.a", "benchmarks.b", "benchmarks.a"]]
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))

@@ -14,7 +14,7 @@ from dedloc_pipeline.model.data import DataError, make_source
 from dedloc_pipeline.protocol import aggregator, shard
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.trust import identity
 
@@ -68,7 +68,7 @@ def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run)
     assert weight["mallory"] == 16 and all(weight[p] == 8 for p in "abc")  # twice the median volunteer
     assert close.samples == 16 + 24
     _finish(run, 1)
-    reduced = codec.read_vector(run.bucket, run.keys.reduced(1), run.dense_format)
+    reduced = vector.read_vector(run.bucket, run.keys.reduced(1), run.dense_format)
     assert _cos(reduced, base) > 0.3
     # control: the claim as the weight
     claimed = {s.peer: s.samples for s in close.accepted}

@@ -18,7 +18,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from .conftest import small_config
 import dedloc_pipeline.cli as dedloc_cli
 from dedloc_pipeline import init_options
 from dedloc_pipeline.cli import app
@@ -28,6 +27,8 @@ from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
+
+from .conftest import small_config
 
 ROUNDS = 3
 MICRO = {"p0": 4, "p1": 8}  # different micro-batches, so the peers' sample counts differ
@@ -50,8 +51,9 @@ def error_line(result) -> str:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A run with ROUNDS committed rounds from two in-process peers, and a fresh heartbeat each
-    in the open round. Returns (bucket URL, Run, pending samples per peer)."""
+    """A run with ROUNDS committed rounds from two in-process peers, a fresh heartbeat each in the
+    open round, and the scheduler's round view of them. Returns (bucket URL, Run, pending samples
+    per peer)."""
     url = f"file://{tmp_path_factory.mktemp('cli')}/bucket"
     run = init_run(Bucket(url), small_config("cli-run"))
     workers = [Worker(run, p, micro_batch=mb, threads=1, poll_s=0) for p, mb in MICRO.items()]
@@ -73,6 +75,7 @@ def trained(tmp_path_factory):
         w.flush()
     pending = {w.peer: w.acc.samples for w in workers}
     assert all(w.acc.round == ROUNDS for w in workers) and sum(pending.values()) < 24
+    assert sched.try_close(ROUNDS) is None  # the view: what status reads of the open round
     return url, run, pending
 
 

@@ -1,15 +1,27 @@
 """Codec round trips, error feedback, chunked storage and the exact parameter delta."""
 
+import typing
+
 import numpy as np
 import pytest
 
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.protocol.config import Codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.storage.codec import CorruptShard, VectorFormat
+from dedloc_pipeline.storage.vector import CorruptShard, VectorFormat
 
 
 def _vec(n, seed=0, scale=1e-2):
     return (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
+
+
+def test_the_registry_holds_every_codec_a_run_accepts():
+    """Each name RunConfig accepts is a class in the registry, named by it; any other is refused."""
+    names = set(typing.get_args(Codec))
+    assert names == set(codec.CODECS) == {"none", "fp16", "int8", "int4", "sparse"}
+    assert all(codec.codec_of(n).name == n for n in names)
+    with pytest.raises(ValueError, match="unknown codec"):
+        codec.codec_of("int2")
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "int8", "int4"])
@@ -25,7 +37,7 @@ def test_round_trip_error_bounds(name):
         assert err.max() <= np.abs(x).max() * 2 ** -10
     else:  # half a quantization step of each block's absmax / levels
         blocks = np.abs(np.pad(x, (0, (-len(x)) % 256))).reshape(-1, 256).max(1)
-        step = blocks / codec.LEVELS[name]
+        step = blocks / codec.codec_of(name).levels
         assert np.all(err <= np.repeat(step / 2, 256)[: len(x)] * (1 + 1e-6))
         assert np.abs(y).max() == pytest.approx(0.5)  # the extremes survive exactly
 
@@ -39,9 +51,9 @@ def test_quantized_codes_store_small_magnitudes_in_few_bytes(bucket):
     for name in ("int8", "int4"):
         fmt = VectorFormat(name, n, 1 << 16, 4096)
         before = bucket.stats.bytes_written
-        codec.write_vector(bucket, f"v-{name}", fmt, codec.encode(x, name, 4096))
+        vector.write_vector(bucket, f"v-{name}", fmt, codec.encode(x, name, 4096))
         written[name] = (bucket.stats.bytes_written - before) / n
-        assert np.array_equal(codec.read_vector(bucket, f"v-{name}", fmt),
+        assert np.array_equal(vector.read_vector(bucket, f"v-{name}", fmt),
                               codec.decode(codec.encode(x, name, 4096), name, 4096))
     assert written["int8"] < 0.8 and written["int4"] < 0.35, written
 
@@ -74,11 +86,11 @@ def test_chunked_storage_reads_any_range(bucket, name):
     fmt = VectorFormat(name, 10_000, 2048, 512)
     x = _vec(10_000)
     arrays = codec.encode(x, name, 512)
-    sums = codec.write_vector(bucket, "v", fmt, arrays)
+    sums = vector.write_vector(bucket, "v", fmt, arrays)
     assert all(len(s) == fmt.n_chunks == 5 for s in sums.values())
-    whole = codec.read_vector(bucket, "v", fmt, checksums=sums)
+    whole = vector.read_vector(bucket, "v", fmt, checksums=sums)
     assert np.array_equal(whole, codec.decode(arrays, name, 512, 10_000))
-    part = codec.read_vector(bucket, "v", fmt, range(2, 5), checksums=sums)
+    part = vector.read_vector(bucket, "v", fmt, range(2, 5), checksums=sums)
     assert np.array_equal(part, whole[4096:])
 
 
@@ -86,26 +98,26 @@ def test_partial_writes_fill_one_array(bucket):
     """Aggregators write disjoint chunk ranges of one array after its metadata exists."""
     fmt = VectorFormat("none", 5000, 1024, 256)
     x = _vec(5000)
-    codec.create_vector(bucket, "p", fmt)
-    codec.write_vector(bucket, "p", fmt, {"values": x[3072:]}, range(3, 5))
-    codec.write_vector(bucket, "p", fmt, {"values": x[:3072]}, range(0, 3))
-    codec.create_vector(bucket, "p", fmt)  # a restarted writer does not wipe it
-    assert np.array_equal(codec.read_vector(bucket, "p", fmt), x)
+    vector.create_vector(bucket, "p", fmt)
+    vector.write_vector(bucket, "p", fmt, {"values": x[3072:]}, range(3, 5))
+    vector.write_vector(bucket, "p", fmt, {"values": x[:3072]}, range(0, 3))
+    vector.create_vector(bucket, "p", fmt)  # a restarted writer does not wipe it
+    assert np.array_equal(vector.read_vector(bucket, "p", fmt), x)
 
 
 def test_corrupted_chunk_is_caught(bucket):
     fmt = VectorFormat("int8", 4096, 1024, 256)
-    sums = codec.write_vector(bucket, "s", fmt, codec.encode(_vec(4096), "int8", 256))
+    sums = vector.write_vector(bucket, "s", fmt, codec.encode(_vec(4096), "int8", 256))
     path = bucket.path("s/codes/c/2")
     other = codec.encode(_vec(4096, seed=9), "int8", 256)
-    codec.write_vector(bucket, "t", fmt, other)
+    vector.write_vector(bucket, "t", fmt, other)
     with open(bucket.path("t/codes/c/2"), "rb") as f, open(path, "wb") as g:
         g.write(f.read())  # valid zarr bytes, wrong content
-    codec.read_vector(bucket, "s", fmt, range(0, 2), checksums=sums)  # other chunks still fine
+    vector.read_vector(bucket, "s", fmt, range(0, 2), checksums=sums)  # other chunks still fine
     with pytest.raises(CorruptShard, match="checksum"):
-        codec.read_vector(bucket, "s", fmt, checksums=sums)
+        vector.read_vector(bucket, "s", fmt, checksums=sums)
     with pytest.raises(CorruptShard, match="missing"):
-        codec.read_vector(bucket, "nothing", fmt)
+        vector.read_vector(bucket, "nothing", fmt)
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "int8", "sparse"])
@@ -118,8 +130,8 @@ def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
         p_new = p_old - 1e-3 * np.sign(_vec(9000, seed=10 + step))
         before = 0 if residual is None else residual
         arrays, committed, residual = codec.delta_encode(p_old, p_new, name, 512, residual)
-        sums = codec.write_vector(bucket, f"d{step}", fmt, arrays)
-        stored = codec.read_vector(bucket, f"d{step}", fmt, checksums=sums, raw=True)
+        sums = vector.write_vector(bucket, f"d{step}", fmt, arrays)
+        stored = vector.read_vector(bucket, f"d{step}", fmt, checksums=sums, raw=True)
         rebuilt = codec.delta_apply(p_old, stored, name, 512)
         assert rebuilt.tobytes() == committed.tobytes()
         if name == "none":
@@ -135,19 +147,19 @@ def test_a_vector_written_whole_reads_any_chunk_range_the_same_on_s3(s3_bucket, 
     """A shard is one object per array (zarr's sharding codec): read whole, or a range of its
     chunks as a partitioned aggregator does (the shard's index, then the chunks), on S3 and on a
     local folder alike, and checked against the chunk hashes."""
-    fmt = codec.VectorFormat("int8", 3000, 1024, 256, whole=True)
+    fmt = vector.VectorFormat("int8", 3000, 1024, 256, whole=True)
     arrays = codec.encode(np.random.default_rng(0).standard_normal(3000).astype(np.float32), "int8", 256)
     local = Bucket(str(tmp_path / "local"))
-    sums = [codec.write_vector(b, "s", fmt, arrays) for b in (local, s3_bucket)]
+    sums = [vector.write_vector(b, "s", fmt, arrays) for b in (local, s3_bucket)]
     assert sums[0] == sums[1] and sorted(local.find("s")) == ["s/codes/c/0", "s/codes/zarr.json",
                                                                "s/scales/c/0", "s/scales/zarr.json"]
     for chunks in (range(0, 3), range(0, 1), range(1, 2), range(2, 3), range(1, 3)):
-        here, there = (codec.read_vector(b, "s", fmt, chunks, checksums=sums[0], raw=True) for b in (local, s3_bucket))
+        here, there = (vector.read_vector(b, "s", fmt, chunks, checksums=sums[0], raw=True) for b in (local, s3_bucket))
         lo, hi = fmt.bounds("codes", chunks)
         assert np.array_equal(here["codes"], arrays["codes"][lo:hi]) and np.array_equal(there["codes"], here["codes"])
         assert np.array_equal(there["scales"], here["scales"])
     with pytest.raises(ValueError, match="at once"):
-        codec.write_vector(local, "t", fmt, {k: v[:1024] for k, v in arrays.items()}, range(0, 1))
+        vector.write_vector(local, "t", fmt, {k: v[:1024] for k, v in arrays.items()}, range(0, 1))
 
 
 def test_sparse_keeps_the_largest_sixty_fourth_of_each_block_in_two_bits(bucket):
@@ -173,9 +185,9 @@ def test_sparse_keeps_the_largest_sixty_fourth_of_each_block_in_two_bits(bucket)
     # bytes as written to the bucket, per element (SparseLoCo's budget: a few hundredths)
     fmt = VectorFormat("sparse", n, 1 << 16, block, whole=True)
     before = bucket.stats.bytes_written
-    sums = codec.write_vector(bucket, "sp", fmt, arrays)
+    sums = vector.write_vector(bucket, "sp", fmt, arrays)
     assert (bucket.stats.bytes_written - before) / n < 0.05
-    assert np.array_equal(codec.read_vector(bucket, "sp", fmt, checksums=sums), y)
+    assert np.array_equal(vector.read_vector(bucket, "sp", fmt, checksums=sums), y)
 
 
 def test_a_sparse_position_outside_its_block_is_refused():

@@ -14,8 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.monitoring import cost
-from dedloc_pipeline.protocol import ledger, optim, scheduler, shard, view
+from dedloc_pipeline.planning import prices
+from dedloc_pipeline.planning.estimate import SAMPLES_PER_S, _count, estimate, measured
+from dedloc_pipeline.planning.planned import PlannedRun, n_params
+from dedloc_pipeline.planning.requests import PRUNE_WINDOW, Requests, Traffic
+from dedloc_pipeline.protocol import ledger, scheduler, shard, view
 from dedloc_pipeline.protocol.config import RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage import codec
@@ -31,7 +34,7 @@ def _priced(s3=(5.0, 0.4), egress=0.09) -> dict:
 # prices
 
 def test_the_price_table_is_dated_and_names_its_sources():
-    p = cost.PRICES
+    p = prices.PRICES
     assert str(p.date) == "2026-12-01" and "aws.amazon.com" in p.source and "cloudflare" in p.source
     s3, r2 = p.providers["s3"], p.providers["r2"]
     assert s3.request_price("put") == s3.request_price("list") == 5.0  # $0.005 per 1,000
@@ -44,9 +47,9 @@ def test_the_price_table_is_dated_and_names_its_sources():
 def test_an_override_file_replaces_the_table(tmp_path):
     f = tmp_path / "prices.json"
     f.write_text(json.dumps(_priced()))
-    table = cost.load_prices(f)
+    table = prices.load_prices(f)
     assert list(table.providers) == ["cheap"] and table.gigabyte == 10**9
-    assert cost.load_prices(_dump(tmp_path, cost.PRICES.model_dump(mode="json"))) == cost.PRICES  # round trip
+    assert prices.load_prices(_dump(tmp_path, prices.PRICES.model_dump(mode="json"))) == prices.PRICES  # round trip
 
 
 def _dump(tmp_path, obj) -> str:
@@ -65,36 +68,36 @@ def test_a_bad_price_file_says_what_is_wrong(tmp_path, content, says):
     f = tmp_path / "bad.json"
     f.write_text(content)
     with pytest.raises(ValueError, match=says) as exc:
-        cost.load_prices(f)
+        prices.load_prices(f)
     assert str(f) in str(exc.value) and "\n" not in str(exc.value)
     with pytest.raises(ValueError, match="no such file"):
-        cost.load_prices(tmp_path / "missing.json")
+        prices.load_prices(tmp_path / "missing.json")
 
 
 # bills
 
 def test_a_bill_prices_each_class_and_the_egress():
-    b = cost.bill({"put": 1000, "list": 2000, "get": 1_000_000, "head": 500_000, "delete": 7},
+    b = prices.bill({"put": 1000, "list": 2000, "get": 1_000_000, "head": 500_000, "delete": 7},
                   bytes_out=5 * 2**30, bytes_in=10 * 2**30, provider="s3", gb_months=100)
     assert b.requests == pytest.approx({"put": 0.005, "list": 0.01, "get": 0.4, "head": 0.2, "delete": 0})
     assert (b.egress, b.ingress, b.storage) == pytest.approx((0.45, 0, 2.3))
     assert b.total == pytest.approx(0.005 + 0.01 + 0.4 + 0.2 + 0.45 + 2.3)
-    r2 = cost.bill({"put": 2_000_000, "get": 10_000_000}, bytes_out=10**12, bytes_in=0, provider="r2")
+    r2 = prices.bill({"put": 2_000_000, "get": 10_000_000}, bytes_out=10**12, bytes_in=0, provider="r2")
     assert r2.total == pytest.approx(9.0 + 3.6)  # egress free
 
 
 def test_a_bill_prices_unnamed_kinds_as_other_and_refuses_unknown_providers():
-    assert cost.bill({"post": 1e6, "weird": 1e6}, 0, 0, "s3").requests == {"post": 5.0, "weird": 0.4}
-    table = cost.PriceTable.model_validate(_priced())
+    assert prices.bill({"post": 1e6, "weird": 1e6}, 0, 0, "s3").requests == {"post": 5.0, "weird": 0.4}
+    table = prices.PriceTable.model_validate(_priced())
     with pytest.raises(ValueError, match="no price for 'post'"):
-        cost.bill({"post": 1}, 0, 0, "cheap", table)
+        prices.bill({"post": 1}, 0, 0, "cheap", table)
     with pytest.raises(ValueError, match="no provider 'gcs'"):
-        cost.bill({}, 0, 0, "gcs")
+        prices.bill({}, 0, 0, "gcs")
 
 
 def test_a_measured_snapshot_per_volunteer_hour_and_day():
     snap = {"requests": {"get": 7200, "put": 3600}, "bytes_read": 2 * 2**30, "bytes_written": 2**30}
-    m = cost.measured(snap, seconds=1800, volunteers=2)  # two volunteers for half an hour: one volunteer-hour
+    m = measured(snap, seconds=1800, volunteers=2)  # two volunteers for half an hour: one volunteer-hour
     assert m.volunteer_hour.requests == {"get": 7200, "put": 3600}
     assert (m.volunteer_hour.bytes_down, m.volunteer_hour.bytes_up) == (2 * 2**30, 2**30)
     s3 = m.cost["s3"]
@@ -112,39 +115,44 @@ MEASURED_PARAMS = {("tiny", None): 1_971_138, ("tiny", 256): 1_987_522, ("small"
 
 @pytest.mark.parametrize("preset,seq_len", sorted(MEASURED_PARAMS, key=str))
 def test_parameter_counts_from_the_preset_alone(preset, seq_len):
-    assert cost.n_params(preset, seq_len) == MEASURED_PARAMS[preset, seq_len]
+    assert n_params(preset, seq_len) == MEASURED_PARAMS[preset, seq_len]
 
 
 def test_the_constants_the_model_copies_from_torch_modules():
-    assert cost.OPTIM_STATE == optim.STATE
-    assert inspect.signature(ledger.prune).parameters["window"].default == cost.PRUNE_WINDOW
+    assert inspect.signature(ledger.prune).parameters["window"].default == PRUNE_WINDOW
 
 
 def _requests(bucket) -> Counter:
     return Counter(bucket.stats.snapshot()["requests"])
 
 
-def _close(got: Counter, want: cost.Requests) -> None:
+def _close(got: Counter, want: Requests) -> None:
     assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}
 
 
-@pytest.fixture(scope="module", params=[("adamw", 3), ("lamb", 4)], ids=["adamw-3-parts", "lamb-1-part"])
+ROUNDS_ON_S3 = {"adamw-3-parts": dict(chunks_per_part=3, optimizer={"name": "adamw"}),
+                "lamb-1-part": dict(chunks_per_part=4, optimizer={"name": "lamb"}),
+                # one optimizer slot (the outer step's momentum), sparse shards and deltas
+                "diloco-sparse-3-parts": dict(chunks_per_part=3, algorithm="diloco", codec="sparse")}
+
+
+@pytest.fixture(scope="module", params=list(ROUNDS_ON_S3))
 def round_on_s3(request, s3_endpoint, tmp_path_factory):
     """One real round on moto, each step's requests counted by the bucket (the counters equal the
     server's own log: tests/test_requests.py): a poll, an upload, the closing poll, finish, a
-    state download, and prune of a state that leaves the window and of states already gone."""
+    state download, and prune of a state that leaves the window and of states already gone. The
+    request model sees the run as planned (its config alone)."""
     mp = pytest.MonkeyPatch()
     for k, v in dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=s3_endpoint).items():
         mp.setenv(k, v)
     from dedloc_pipeline.storage.bucket import Bucket
-    opt, per_part = request.param
-    name = f"cost-{opt}-{time.time_ns() % 10**9}"
+    name = f"cost-{request.param.split('-')[0]}-{time.time_ns() % 10**9}"
     Bucket(f"s3://{name}").fs.mkdir(name)
     bucket = Bucket(f"s3://{name}/c")
-    # 4 chunks (the last one short) in parts of 3 and 1, or in one; int8 shards, int4 deltas
-    config = RunConfig(run="cost", seq_len=32, chunk_size=1 << 19, chunks_per_part=per_part, codec="int8",
-                       target_batch_size=8, optimizer={"name": opt})
+    # 4 chunks (the last one short) in parts of 3 and 1, or in one; int8 shards and int4 deltas, or sparse
+    config = RunConfig(run="cost", seq_len=32, chunk_size=1 << 19, target_batch_size=8,
+                       **{"codec": "int8", **ROUNDS_ON_S3[request.param]})
     run = init_run(bucket, config)
     keys, steps = run.keys, {}
 
@@ -163,7 +171,8 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     counted("view", lambda: view.read(bucket, keys))
     rng, opened = np.random.default_rng(0), shard.commit_hash(run.commit_of(0))
     for i, p in enumerate(peers):
-        arrays = codec.encode(rng.standard_normal(run.grad_format.n).astype(np.float32), "int8", config.block_size)
+        arrays = codec.encode(rng.standard_normal(run.grad_format.n).astype(np.float32), config.codec,
+                              config.block_size)
         counted(f"upload {p}", lambda: shard.upload(run, 0, p, f"part{i}", arrays, 4, 1.0,
                                                     shard.DataRef(stream=p, ranges=[(0, 4)]),
                                                     state_hash=opened))  # as a worker has it
@@ -175,31 +184,39 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     counted("between rounds", sched.poll)
     counted("prune state 1", lambda: ledger.prune(run, 1 + config.keep_states))
     counted("prune again", lambda: ledger.prune(run, 4 + config.keep_states))
-    yield run, cost.Layout(config), steps
+    yield run, Traffic(PlannedRun(config)), steps
     mp.undo()
 
 
-def test_the_layout_is_the_runs(round_on_s3):
+def test_the_plan_is_the_run(round_on_s3):
+    """Planned from its config alone (no model), a run has the real one's vectors, parts and slots."""
     run, lay, _ = round_on_s3
-    assert lay.n == run.flat.n and lay.grad == run.grad_format and lay.delta == run.delta_format
+    planned = PlannedRun(run.config)
+    assert planned.flat.n == run.flat.n
+    assert (planned.grad_format, planned.delta_format, planned.dense_format) == (
+        run.grad_format, run.delta_format, run.dense_format)
     assert lay.parts == [len(run.part_chunks(k)) for k in range(run.n_parts)] in ([3, 1], [4])
+    assert lay.slots == len(run.bucket.list(run.keys.optim_dir(0))) - 1  # beside the residual
 
 
 def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
-    _, lay, steps = round_on_s3
+    run, lay, steps = round_on_s3
     _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True))
-    _close(steps["view"], cost.Requests(get=1))
+    _close(steps["view"], Requests(get=1))
     _close(steps["upload p0"], lay.shard_upload())
-    # codes and scales (each its metadata and one object of its 4 chunks), then the manifest
-    assert lay.shard_upload() == cost.Requests(put=2 * 2 + 1)
+    # codes and scales, or sparse indices, codes and scales (each its metadata and one object of
+    # its 4 chunks), then the manifest
+    arrays = 3 if run.config.codec == "sparse" else 2
+    assert lay.shard_upload() == Requests(put=2 * arrays + 1)
 
 
 def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_on_s3):
-    _, lay, steps = round_on_s3
+    run, lay, steps = round_on_s3
     _close(steps["closing"], lay.scheduler_poll(heartbeats=0, manifests=2) + lay.closing(2))
     _close(steps["finish"], lay.finish(2))
     _close(steps["download"], lay.state_download())
-    assert lay.state_download() == cost.Requests(get=1 + 2 * 4)  # the COMMIT, the int4 delta's chunks
+    arrays = 3 if run.config.codec == "sparse" else 2
+    assert lay.state_download() == Requests(get=1 + arrays * 4)  # the COMMIT, the delta's chunks
     _close(steps["between rounds"], lay.between_rounds())
 
 
@@ -215,14 +232,14 @@ def test_the_cadence_is_integrated_over_the_falling_eta():
     half the ETA up to 20 s, every 10 s above."""
     cad = RunConfig(run="x").cadence
     want = 1 / 0.5 + np.log(20 / 1) / 0.5 + 80 / 10
-    assert cost._count(cad.poll_s, 100.0) == pytest.approx(want, rel=1e-3)
-    assert cost._count(cad.poll_s, 1.0) == pytest.approx(2.0, rel=1e-3) and cost._count(cad.poll_s, 0) == 0
+    assert _count(cad.poll_s, 100.0) == pytest.approx(want, rel=1e-3)
+    assert _count(cad.poll_s, 1.0) == pytest.approx(2.0, rel=1e-3) and _count(cad.poll_s, 0) == 0
 
 
 def test_a_planned_round_adds_up_from_its_parts():
     cfg = recipe_config("plan", "sahajbert")
-    e = cost.estimate(cfg, peers=40, days=14, samples_per_s=1.0, reduce_s=10.0, uplink_mbit_s=100.0)
-    lay = cost.Layout(cfg)
+    e = estimate(cfg, peers=40, days=14, samples_per_s=1.0, reduce_s=10.0, uplink_mbit_s=100.0)
+    lay = Traffic(PlannedRun(cfg))
     assert e.n_params == 18_105_474 and e.chunks == 18 and e.round_s == pytest.approx(4096 / 40)
     upload_s = 0.66 * e.n_params * 8 / 100e6
     assert e.settle_s == pytest.approx(10.0 + upload_s) and e.open_s == pytest.approx(e.round_s - e.settle_s)
@@ -236,21 +253,21 @@ def test_a_planned_round_adds_up_from_its_parts():
     s3 = e.cost["s3"]
     assert s3.run == pytest.approx(40 * 14 * s3.volunteer_day.total + 14 * s3.scheduler_day.total + s3.storage)
     assert e.cost["r2"].volunteer_day.egress == 0 and s3.volunteer_day.egress > 0
-    inside = cost.estimate(cfg, 40, 14, 1.0, reduce_s=10.0, uplink_mbit_s=100.0, scheduler_egress=False)
+    inside = estimate(cfg, 40, 14, 1.0, reduce_s=10.0, uplink_mbit_s=100.0, scheduler_egress=False)
     assert inside.cost["s3"].scheduler_day.egress == 0 < s3.scheduler_day.egress
 
 
 def test_requests_per_volunteer_stay_flat_in_the_number_of_peers():
     """The cadence's point: more peers make shorter rounds, not more polls per hour."""
     cfg = recipe_config("plan", "sahajbert")
-    few, many = (cost.estimate(cfg, p, 1, 1.0, reduce_s=0.0).volunteer_hour.requests for p in (20, 40))
+    few, many = (estimate(cfg, p, 1, 1.0, reduce_s=0.0).volunteer_hour.requests for p in (20, 40))
     assert many["get"] < 2 * few["get"]
 
 
 def test_a_plan_needs_a_speed_where_none_was_measured():
     with pytest.raises(ValueError, match="no measured speed for preset 'sahajbert'"):
-        cost.estimate(recipe_config("p", "sahajbert"), 40, 14)
-    assert cost.estimate(recipe_config("p", "tiny"), 4, 1).samples_per_s == cost.SAMPLES_PER_S["tiny"]
+        estimate(recipe_config("p", "sahajbert"), 40, 14)
+    assert estimate(recipe_config("p", "tiny"), 4, 1).samples_per_s == SAMPLES_PER_S["tiny"]
 
 
 # the command
@@ -290,3 +307,21 @@ def test_the_cost_command_takes_a_price_file_and_refuses_a_bad_one(tmp_path):
     assert res.exit_code == 2 and res.stderr.startswith("error: prices "), res.output
     res = cli("--preset", "sahajbert", "--peers", "4", "--days", "1")
     assert res.exit_code == 2 and "no measured speed" in res.stderr
+
+
+@pytest.mark.parametrize("preset", ["causal-1b", "causal-7b"])
+def test_the_cost_command_prices_the_sparse_recipes(preset):
+    """The 1B and 7B recipes (diloco, sparse shards and deltas) at benchmark 9's bytes per parameter."""
+    res = cli("--preset", preset, "--peers", "40", "--days", "14", "--samples-per-s", "1", "--json")
+    assert res.exit_code == 0, res.output
+    e = json.loads(res.output)
+    n, per_round = e["n_params"], e["round_s"] / 3600
+    assert n == n_params(preset)
+    assert 0.031 * n < e["volunteer_hour"]["bytes_up"] * per_round < 0.032 * n  # a shard, its manifest, heartbeats
+    assert 0.035 * n < e["volunteer_hour"]["bytes_down"] * per_round < 0.036 * n  # a delta, views, a COMMIT
+
+
+def test_the_cost_command_lists_every_preset():
+    from dedloc_pipeline.model.presets import PRESETS
+    res = CliRunner().invoke(app, ["cost", "--help"], env={"COLUMNS": "400"})
+    assert res.exit_code == 0 and " | ".join(PRESETS) in res.output, res.output

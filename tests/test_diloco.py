@@ -21,7 +21,7 @@ from dedloc_pipeline.model.albert import pretraining_loss_sum
 from dedloc_pipeline.model.data import make_source
 from dedloc_pipeline.model.flat import FlatLayout
 from dedloc_pipeline.protocol.optim import lr_at
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import vector
 
 from dedloc_pipeline.protocol import shard
 
@@ -123,7 +123,7 @@ def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run):
         got = run.load_params(r)
         assert np.abs(got - thetas[r]).max() <= 1e-5, f"state {r}: max |diff| {np.abs(got - thetas[r]).max():.3g}"
     # the outer momentum is kept by the aggregators, beside the parameters
-    momentum = codec.read_vector(run.bucket, run.keys.optim(rounds, "momentum_buffer"), run.dense_format)
+    momentum = vector.read_vector(run.bucket, run.keys.optim(rounds, "momentum_buffer"), run.dense_format)
     assert np.abs(momentum).max() > 0
     shards = [s for r in range(rounds) for s in run.bucket.read_json(run.keys.close(r))["accepted"]]
     assert max(s["samples"] for s in shards) >= 2 * 8, "no shard took two inner steps"

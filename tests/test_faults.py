@@ -13,7 +13,7 @@ from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
 from dedloc_pipeline.trust import identity
 
@@ -338,7 +338,7 @@ def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregatio
         close = sched.try_close(0)
         assert len(close.accepted) == 7
         sched.finish(0, pool)
-    reduced = codec.read_vector(run.bucket, run.keys.reduced(0), run.dense_format)
+    reduced = vector.read_vector(run.bucket, run.keys.reduced(0), run.dense_format)
 
     def cos(x):
         return float(x @ base / np.linalg.norm(x) / np.linalg.norm(base))

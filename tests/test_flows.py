@@ -117,7 +117,7 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
     loss and both fine-tuning tasks, each next to random init.
 
     Why no test asserts that pretraining beats random init downstream: a run the size of a test
-    does not get there (`make quality` measures what does, README "Does pretraining pay?"). Here:
+    does not get there (`make quality` measures what does, docs/first-run.md). Here:
     the path runs end to end, the held-out loss falls below random init's, and the evaluation
     reports what it measured.
     """

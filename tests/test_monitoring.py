@@ -15,10 +15,13 @@ from typer.testing import CliRunner
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
+from dedloc_pipeline.protocol import view
 from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
-from .conftest import small_config
 from dedloc_pipeline.testing import collaborate
+
+from .conftest import small_config
 
 ROUNDS = 3
 PEERS = [("ann", 4), ("bob", 8), ("cy", 4)]
@@ -36,7 +39,8 @@ def cli(*args: str):
 @pytest.fixture(scope="module")
 def collab(tmp_path_factory):
     """ROUNDS committed rounds from three peers; then the open round's heartbeats replaced by known
-    ones (two hostile), an unreadable heartbeat, and two evaluation results (one hostile)."""
+    ones (two hostile), an unreadable heartbeat, a manifest claiming samples no shard holds, the
+    scheduler's round view of it all, and two evaluation results (one hostile)."""
     url = f"file://{tmp_path_factory.mktemp('monitoring')}/bucket"
     run = init_run(Bucket(url), small_config("mon-run"))
     collaborate(run, PEERS, ROUNDS)
@@ -47,6 +51,9 @@ def collab(tmp_path_factory):
         bucket.write_json(keys.progress(ROUNDS, peer), {"peer": "someone-else", "round": ROUNDS, "samples": samples,
                                                         "samples_per_s": rate, "time": now})
     bucket.write_bytes(keys.progress(ROUNDS, "broken"), b"{not json")
+    uploaded = sum(bucket.read_json(k)["samples"] for k in bucket.find(keys.manifests_dir(ROUNDS)))
+    bucket.write_json(keys.manifest(keys.shard(ROUNDS, "liar", "0")), {"samples": 1000})
+    Scheduler(run, 1, 0).try_close(ROUNDS)  # validates the manifests, counts the heartbeats: the view
     bucket.write_json(keys.eval(ROUNDS, "mlm-heldout"), {
         "state": ROUNDS, "task": "mlm-heldout", "dataset": "synthetic held-out split", "loss": 5.25,
         "random_init_loss": 9.0})
@@ -54,7 +61,6 @@ def collab(tmp_path_factory):
         "state": ROUNDS, "task": XSS_TASK, "source": "a&b", "metric": "f1",
         "pretrained": {"test": "<b>bold</b>"}, "random_init": {"test": 0.5}})
     commits = [run.commit_of(s) for s in range(1, ROUNDS + 1)]
-    uploaded = sum(bucket.read_json(k)["samples"] for k in bucket.find(keys.manifests_dir(ROUNDS)))
     return url, run, commits, beats, uploaded
 
 
@@ -77,7 +83,8 @@ def test_status_equals_the_ledger(collab):
     assert sum(p["samples"] for p in s["peers"]) == sum(c["samples"] for c in commits)
     assert [p["samples"] for p in s["peers"]] == sorted((p["samples"] for p in s["peers"]), reverse=True)
 
-    p = s["progress"]
+    p = s["progress"]  # the liar's claim is no validated sample
+    assert p["uploaded_samples"] == uploaded and view.read(run.bucket, run.keys).rejected == 1
     assert p["samples"] == uploaded + sum(n for n, _ in beats.values()) and p["peers"] == len(beats)
     assert p["samples_per_s"] == pytest.approx(sum(r for _, r in beats.values()))
     assert p["target"] == 24 and p["fraction"] == pytest.approx(min(1.0, p["samples"] / 24))

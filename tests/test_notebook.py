@@ -14,7 +14,7 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
-from dedloc_pipeline.monitoring.progress import summary_text
+from dedloc_pipeline.monitoring.volunteer import summary_text
 from dedloc_pipeline.protocol.scheduler import Scheduler
 
 ROUNDS = 3

@@ -53,7 +53,7 @@ from botocore.exceptions import ClientError
 from dedloc_pipeline.protocol.config import Codec
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.worker import Worker
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import DataLayout, RunLayout
 from dedloc_pipeline.trust import policy
@@ -153,14 +153,14 @@ def _shard_objects() -> set[str]:
     of each array (a peer's shard is written whole, Run.grad_format)."""
     out = set()
     for name in typing.get_args(Codec):
-        fmt = codec.VectorFormat(name, n=5000, chunk_size=1024, block=64, whole=True)
-        out |= codec.chunk_objects(fmt) | {f"{array}/zarr.json" for array in fmt.arrays()}
+        fmt = vector.VectorFormat(name, n=5000, chunk_size=1024, block=64, whole=True)
+        out |= vector.chunk_objects(fmt) | {f"{array}/zarr.json" for array in fmt.arrays()}
     return out
 
 
 def _volunteer_writes(keys: RunLayout, peer: str = ME, parts: tuple[str, ...] = (PART,)) -> set[str]:
     """The keys the code has a volunteer write (worker.py: heartbeats; shard.py: a shard's
-    objects, codec.write_vector, and its manifest)."""
+    objects, vector.write_vector, and its manifest)."""
     out = set()
     for r in ROUNDS:
         for part in parts:

@@ -9,7 +9,7 @@ from dedloc_pipeline.cli import app
 from dedloc_pipeline.model.albert import build_model
 from dedloc_pipeline.model.causal import causal_config
 from dedloc_pipeline.model.flat import FlatLayout
-from dedloc_pipeline.monitoring.cost import n_params
+from dedloc_pipeline.planning.planned import n_params
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket

@@ -265,8 +265,7 @@ def test_a_phase_nobody_serves_fails_in_time(production):
     from prefect.settings import (PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED,
                                   PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK, temporary_settings)
 
-    from flows.aggregators import STORAGE_SETTING, run_parts
-    from flows.pretraining import reduce_part
+    from flows.aggregators import STORAGE_SETTING, reduce_part, run_parts
 
     nothing = f"file://{production.tmp}/nothing"  # the flow goes with its task runs: capture no process
 

@@ -13,7 +13,9 @@ import pytest
 from rich.console import Console
 
 import dedloc_pipeline
-from dedloc_pipeline.monitoring.progress import Display, Ledger, summary, summary_text
+from dedloc_pipeline.monitoring.display import Display
+from dedloc_pipeline.monitoring.ledger import Ledger
+from dedloc_pipeline.monitoring.volunteer import summary, summary_text
 from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler

@@ -14,7 +14,7 @@ from dedloc_pipeline.protocol import aggregator, shard
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .conftest import small_config
@@ -65,7 +65,7 @@ def test_markers_are_written_after_their_data(make_run):
 def test_shard_without_manifest_is_never_read(make_run):
     run = make_run()
     torn = run.keys.shard(0, "torn", "0001")
-    codec.write_vector(run.bucket, torn, run.grad_format,
+    vector.write_vector(run.bucket, torn, run.grad_format,
                        codec.encode(np.full(run.flat.n, np.nan, np.float32), "none", 4096))
     put_shard(run, 0, "good", samples=24)
     close = Scheduler(run, 1, 0).try_close(0)

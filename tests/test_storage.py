@@ -114,7 +114,7 @@ def test_io_stats_count_every_request_and_byte(any_bucket):
     """What benchmarks and heartbeats report as traffic: the Bucket's calls and its zarr stores'."""
     import numpy as np
 
-    from dedloc_pipeline.storage import codec
+    from dedloc_pipeline.storage import vector
 
     b = any_bucket
     b.write_bytes("t/a.bin", b"x" * 1000)
@@ -125,12 +125,12 @@ def test_io_stats_count_every_request_and_byte(any_bucket):
     got = b.stats.snapshot()
     assert got["requests"] == {"put": 1, "get": 4, "head": 1, "list": 1}
     assert got["bytes_written"] == 1000 and got["bytes_read"] == 2000
-    fmt = codec.VectorFormat("none", 1000, 500, 100)
-    codec.write_vector(b, "t/v", fmt, {"values": np.arange(1000, dtype=np.float32)})
+    fmt = vector.VectorFormat("none", 1000, 500, 100)
+    vector.write_vector(b, "t/v", fmt, {"values": np.arange(1000, dtype=np.float32)})
     wrote = b.stats.snapshot()["bytes_written"] - 1000
     assert 1000 < wrote < 4000 + 1000  # two compressed chunks and the array's metadata
     before = b.stats.snapshot()
-    codec.read_vector(b, "t/v", fmt, range(1, 2))
+    vector.read_vector(b, "t/v", fmt, range(1, 2))
     after = b.stats.snapshot()
     assert after["requests"]["get"] - before["requests"]["get"] == 2  # metadata and one chunk
     assert 0 < after["bytes_read"] - before["bytes_read"] < wrote

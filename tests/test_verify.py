@@ -13,7 +13,7 @@ from dedloc_pipeline.protocol import recompute, shard, verify
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
-from dedloc_pipeline.storage import codec
+from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.trust import identity
 
 from dedloc_pipeline.testing import collaborate
@@ -131,7 +131,7 @@ def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_ru
     alice = honest_upload(run, "alice")
     entry = shard.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
     if copied:
-        arrays = codec.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
+        arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
         forged(run, "mallory", None, entry.samples, [(0, entry.samples)], arrays=arrays)
     else:
         honest_upload(run, "mallory")

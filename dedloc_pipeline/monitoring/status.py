@@ -1,16 +1,18 @@
 """What a run looks like now, read from the bucket alone (``dedloc status``, ``plot``, ``report``).
 
-Every number of a closed round comes from its COMMIT (the ledger); only the open round's progress
-and the peers' last-seen times come from heartbeats, which any peer writes about itself and which
-are therefore parsed defensively.
+Every number of a closed round comes from its COMMIT (the ledger). The open round's progress and
+ETA come from the round view the scheduler publishes (``protocol/view.py``): samples of the shards
+it validated, and the live peers' pending samples and speed. Manifests are not added up here:
+their counts are claims until the scheduler has validated the shards. The peers' last-seen times
+come from their heartbeats, which any peer writes about itself, read with the view's bounds.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 
+from ..protocol import view
 from ..protocol.run import Run
 
 
@@ -22,31 +24,42 @@ def _commits(run: Run) -> dict[int, dict]:
     return {s: json.loads(raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))}
 
 
-def _heartbeats(run: Run, r: int) -> dict[str, dict]:
-    """Round r's heartbeats by peer. The peer is the key's name, which the volunteer's bucket
-    policy binds to it, not the body's claim; unreadable or non-finite heartbeats are skipped."""
-    found = run.bucket.read_many(run.bucket.find(run.keys.progress_dir(r)))
+def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
+    """Round r's heartbeats by peer: when each was written, and whether it counts as live at
+    ``now`` (the scheduler's rule, ``view.heartbeat``). The peer is the key's name, which the
+    volunteer's bucket policy binds to it, not the body's claim; a key that is no peer's
+    heartbeat, or one above the view's size bound, is not read; an unreadable one is skipped."""
+    keys, cfg = run.keys, run.config
+    listed = run.bucket.listing(keys.progress_dir(r))
+    small = [k for k, (n, _) in listed.items()
+             if n <= view.MAX_HEARTBEAT_BYTES and k == keys.progress(r, keys.peer_of_progress(k))]
     beats = {}
-    for key, raw in found.items():
+    for key, raw in run.bucket.read_many(small).items():
         try:
-            body = json.loads(raw)
-            beat = {"samples": max(0, int(body.get("samples", 0))), "time": float(body["time"]),
-                    "samples_per_s": max(0.0, float(body.get("samples_per_s") or 0.0))}
-        except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+            written = float(json.loads(raw)["time"])
+        except (TypeError, ValueError, KeyError, IndexError, OverflowError, RecursionError):
             continue
-        if math.isfinite(beat["time"]) and math.isfinite(beat["samples_per_s"]):
-            beats[run.keys.peer_of_progress(key)] = beat
+        if math.isfinite(written):
+            live = view.heartbeat(raw, r, now, cfg.peer_timeout_s, cfg.target_batch_size) is not None
+            beats[keys.peer_of_progress(key)] = (written, live)
     return beats
 
 
-def _manifest_samples(run: Run, r: int) -> int:
-    total = 0
-    for raw in run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r))).values():
-        try:
-            total += int(json.loads(raw)["samples"])
-        except (TypeError, ValueError, KeyError):
-            continue
-    return total
+def _progress(run: Run, r: int, now: float) -> dict:
+    """Open round r as its round view has it: the validated samples, and while the view is fresh
+    (written within ``peer_timeout_s`` of ``now``) the live peers' pending samples and speed; the
+    ETA from them, by the one ETA rule (``view.eta``). No view of round r: nothing validated."""
+    cfg, target = run.config, run.config.target_batch_size
+    v = view.read(run.bucket, run.keys)
+    v = v if v is not None and v.round == r else None
+    fresh = v is not None and abs(now - v.at) < cfg.peer_timeout_s
+    validated = v.validated_samples if v is not None else 0
+    pending, peers, rate = (v.pending_samples, v.peers, v.samples_per_s) if fresh else (0, 0, 0.0)
+    closed = run.bucket.exists(run.keys.close(r))
+    samples = validated + pending
+    return {"round": r, "samples": samples, "uploaded_samples": validated, "peers": peers, "closed": closed,
+            "target": target, "fraction": min(1.0, samples / target), "samples_per_s": rate,
+            "eta_s": view.eta(target, validated, pending, rate, closed)}
 
 
 def _round(c: dict) -> dict:
@@ -62,8 +75,8 @@ def _round(c: dict) -> dict:
 
 def status(run: Run, now: float | None = None) -> dict:
     """The open round's progress and ETA, the contributors' leaderboard, and the ledger of closed rounds."""
-    cfg, bucket = run.config, run.bucket
-    now = time.time() if now is None else now
+    cfg = run.config
+    now = run.clock.time() if now is None else now
     latest = run.latest()
     commits = _commits(run)
     peers: dict[str, dict] = {}
@@ -83,25 +96,14 @@ def status(run: Run, now: float | None = None) -> dict:
             p["last_seen"] = max(p["last_seen"] or 0.0, c["closed_at"])
     for p in peers.values():
         p["samples"] = round(p["samples"])
-    beats = _heartbeats(run, latest)
-    live = {pid: b for pid, b in beats.items() if now - b["time"] < cfg.peer_timeout_s}
-    for pid, b in beats.items():
+    for pid, (written, live) in _heartbeats(run, latest, now).items():
         p = peer(pid)
-        p["last_seen"] = max(p["last_seen"] or 0.0, b["time"])
-        p["live"] = pid in live
-    uploaded = _manifest_samples(run, latest)
-    target = cfg.target_batch_size
-    samples = uploaded + sum(b["samples"] for b in live.values())
-    rate = sum(b["samples_per_s"] for b in live.values())
-    closed = bucket.exists(run.keys.close(latest))
-    remaining = max(0, target - samples)
-    eta = 0.0 if closed or not remaining else (remaining / rate if rate > 0 else None)
+        p["last_seen"] = max(p["last_seen"] or 0.0, written)
+        p["live"] = live
     return {
-        "run": run.name, "round": latest, "target_batch_size": target,
+        "run": run.name, "round": latest, "target_batch_size": cfg.target_batch_size,
         "codec": cfg.codec, "optimizer": cfg.optimizer.name, "n_params": commits.get(0, {}).get("n_params"),
-        "progress": {"round": latest, "samples": samples, "uploaded_samples": uploaded, "peers": len(live),
-                     "closed": closed, "target": target, "fraction": min(1.0, samples / target),
-                     "samples_per_s": rate, "eta_s": eta},
+        "progress": _progress(run, latest, now),
         "peers": sorted(peers.values(), key=lambda p: (-p["samples"], p["peer_id"])),
         "history": history,
         "at": now,

@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from ..storage import codec
+from ..storage import codec, vector
 from ..storage.layout import volunteer_of
 from . import optim, robust
 from .close import closed
@@ -45,9 +45,9 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     stacked = np.zeros((len(volunteers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
-        found = codec.read_vectors(bucket, [s.key for s in batch], fmt, chunks, [s.checksums for s in batch])
+        found = vector.read_vectors(bucket, [s.key for s in batch], fmt, chunks, [s.checksums for s in batch])
         for shard, arrays in zip(batch, found):
-            if isinstance(arrays, codec.CorruptShard):  # changed after CLOSE: refuse, never skip
+            if isinstance(arrays, vector.CorruptShard):  # changed after CLOSE: refuse, never skip
                 raise arrays
             if robust_mode:  # the volunteer's parts, sample-weighted
                 k = row[volunteer_of(shard.peer)]
@@ -58,7 +58,7 @@ def reduce_part(run: Run, r: int, part: int) -> str:
         grad = robust.aggregate(stacked, weights.tolist(), run.config)
     else:
         grad = (total / weights.sum()).astype(np.float32)
-    codec.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
+    vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
     partials = {}
     opt = run.config.aggregator_optimizer
     if opt.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
@@ -71,21 +71,21 @@ def reduce_part(run: Run, r: int, part: int) -> str:
 def _read_state(run: Run, r: int, part: int, residual: bool = True):
     chunks = run.part_chunks(part)
     fmt, keys = run.dense_format, run.keys
-    p = codec.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
-    state = {n: codec.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy()
+    p = vector.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
+    state = {n: vector.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy()
              for n in run.config.aggregator_optimizer.slots}
-    res = codec.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy() if residual else None
+    res = vector.read_vector(run.bucket, keys.optim(r, "residual"), fmt, chunks).copy() if residual else None
     return p, state, res
 
 
 def prepare(run: Run, r: int) -> None:
     """Array metadata of round r's reduction and state r+1, so parts can be filled independently."""
     keys = run.keys
-    codec.create_vector(run.bucket, keys.reduced(r), run.dense_format)
-    codec.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
-    codec.create_vector(run.bucket, keys.delta(r + 1), run.delta_format, cname="lz4hc")
+    vector.create_vector(run.bucket, keys.reduced(r), run.dense_format)
+    vector.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
+    vector.create_vector(run.bucket, keys.delta(r + 1), run.delta_format, cname="lz4hc")
     for name in (*run.config.aggregator_optimizer.slots, "residual"):
-        codec.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
+        vector.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
 
 
 def apply_part(run: Run, r: int, part: int) -> str:
@@ -96,7 +96,7 @@ def apply_part(run: Run, r: int, part: int) -> str:
         return marker
     chunks = run.part_chunks(part)
     lo, _ = run.part_bounds(part)
-    grad = codec.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
+    grad = vector.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
     norms, opt = None, run.config.aggregator_optimizer
     if opt.name == "lamb":
         found = bucket.read_many([keys.reduced_marker(r, k) for k in range(run.n_parts)])
@@ -110,11 +110,11 @@ def apply_part(run: Run, r: int, part: int) -> str:
     cfg = run.config
     q, p_new, residual = codec.delta_encode(p_old, p, cfg.param_codec, cfg.block_size, residual)
     fmt = run.dense_format
-    sums = {"params": codec.write_vector(bucket, keys.params(r + 1), fmt, {"values": p_new}, chunks)["values"],
-            "delta": codec.write_vector(bucket, keys.delta(r + 1), run.delta_format, q, chunks)}
+    sums = {"params": vector.write_vector(bucket, keys.params(r + 1), fmt, {"values": p_new}, chunks)["values"],
+            "delta": vector.write_vector(bucket, keys.delta(r + 1), run.delta_format, q, chunks)}
     if residual is not None:
         state["residual"] = residual
     for name, arr in state.items():
-        codec.write_vector(bucket, keys.optim(r + 1, name), fmt, {"values": arr}, chunks)
+        vector.write_vector(bucket, keys.optim(r + 1, name), fmt, {"values": arr}, chunks)
     bucket.write_json(marker, {"part": part, "checksums": sums})
     return marker

@@ -214,7 +214,7 @@ class RunConfig(BaseModel):
 # within 10 steps (the masked LM's unigram phase); the unigram bias skips that phase. Then, for
 # tiny: in one process lr 1e-3 and 2e-3 (after warmup) learn context alike, faster than 5e-4, and
 # 4e-3 falls back to the start within 80 steps; in the collaboration (stale samples, int8) 2e-3
-# once spiked back halfway there, so 1e-3 (README, "The first run").
+# once spiked back halfway there, so 1e-3 (docs/first-run.md).
 RECIPES: dict[str, dict] = {
     "tiny": {"unigram_bias": True, "optimizer": {"lr": 1e-3, "warmup_steps": 20}},
     "small": {"target_batch_size": 512, "unigram_bias": True, "optimizer": {"lr": 5e-4}},  # not re-measured

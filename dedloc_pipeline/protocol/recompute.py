@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..model.data import make_source
-from ..storage import codec
+from ..storage import codec, vector
 from ..storage.layout import volunteer_of
 from .run import Run, RunError
 from .shard import Entry
@@ -95,7 +95,7 @@ class Recomputer:
         else:
             try:
                 self._states[s] = self.run.load_params(s)
-            except (codec.CorruptShard, RunError) as exc:
+            except (vector.CorruptShard, RunError) as exc:
                 raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
             while len(self._states) > self.keep:
                 del self._states[next(iter(self._states))]
@@ -155,8 +155,8 @@ def read_shard(run: Run, entry: Entry) -> np.ndarray:
     """A shard's gradient as the round's mean used it, checked against its CLOSE entry."""
     fmt = run.grad_format
     try:
-        arrays = codec.read_vector(run.bucket, entry.key, fmt, checksums=entry.checksums, raw=True)
-    except codec.CorruptShard as exc:
+        arrays = vector.read_vector(run.bucket, entry.key, fmt, checksums=entry.checksums, raw=True)
+    except vector.CorruptShard as exc:
         raise Unverifiable(f"the shard is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
     return codec.decode(arrays, fmt.codec, fmt.block, fmt.n)
 
@@ -167,9 +167,9 @@ def similarities(run: Run, entries: list[Entry]) -> np.ndarray:
     fmt, k = run.grad_format, len(entries)
     gram = np.zeros((k, k))
     for c in range(fmt.n_chunks):
-        found = codec.read_vectors(run.bucket, [e.key for e in entries], fmt, range(c, c + 1),
+        found = vector.read_vectors(run.bucket, [e.key for e in entries], fmt, range(c, c + 1),
                                    [e.checksums for e in entries])
-        bad = next((x for x in found if isinstance(x, codec.CorruptShard)), None)
+        bad = next((x for x in found if isinstance(x, vector.CorruptShard)), None)
         if bad is not None:
             raise Unverifiable(f"a shard is no longer in the bucket (pruned): {bad}", fault=False, pruned=True)
         x = np.stack([codec.decode(a, fmt.codec, fmt.block, fmt.elements(range(c, c + 1)))

@@ -10,9 +10,9 @@ import numpy as np
 
 from ..model.data import SYNTHETIC, DataError, card_hash, check_data, unigram_log_probs
 from ..model.presets import seq_len_of
-from ..storage import codec
+from ..storage import codec, vector
 from ..storage.bucket import Bucket
-from ..storage.codec import VectorFormat
+from ..storage.vector import VectorFormat
 from ..storage.layout import LAYOUT_VERSION, DataLayout, RunLayout
 from ..trust import identity
 from .clock import REAL, Clock
@@ -195,19 +195,19 @@ class Run:
     def load_params(self, s: int, commit: dict | None = None) -> np.ndarray:
         """The full snapshot of state s, checked against its COMMIT."""
         commit = commit or self.commit_of(s)
-        return codec.read_vector(self.bucket, self.keys.params(s), self.dense_format,
+        return vector.read_vector(self.bucket, self.keys.params(s), self.dense_format,
                                  checksums={"values": commit["checksums"]["params"]})
 
     def apply_delta(self, s: int, params: np.ndarray, commit: dict | None = None) -> np.ndarray:
         """State s from state s-1 and s's compressed delta; bit-identical to the snapshot."""
         commit = commit or self.commit_of(s)
         fmt = self.delta_format
-        d = codec.read_vector(self.bucket, self.keys.delta(s), fmt, raw=True,
+        d = vector.read_vector(self.bucket, self.keys.delta(s), fmt, raw=True,
                               checksums=commit["checksums"]["delta"])
         new = codec.delta_apply(params, d, fmt.codec, fmt.block)
-        sums = codec.chunk_checksums(self.dense_format, {"values": new}, range(self.dense_format.n_chunks))
+        sums = vector.chunk_checksums(self.dense_format, {"values": new}, range(self.dense_format.n_chunks))
         if sums["values"] != commit["checksums"]["params"]:
-            raise codec.CorruptShard(f"state {s}: delta does not reproduce the committed parameters")
+            raise vector.CorruptShard(f"state {s}: delta does not reproduce the committed parameters")
         return new
 
 
@@ -235,9 +235,9 @@ def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519Priva
     if config.unigram_bias and config.data != SYNTHETIC:
         bias = run.flat.tensor("predictions.bias")
         p0[bias.offset:bias.offset + bias.size] = unigram_log_probs(bucket, config.data, bias.size)
-    sums = codec.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
+    sums = vector.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
     for name in (*config.aggregator_optimizer.slots, "residual"):
-        codec.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks
+        vector.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks
     bucket.create_json(keys.commit(0), run.record("COMMIT of state 0", {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": run.clock.time(),

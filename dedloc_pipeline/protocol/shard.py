@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..storage import codec
+from ..storage import codec, vector
 from ..storage.layout import LAYOUT_VERSION, PEER_ID
 from ..trust import identity
 
@@ -110,7 +110,7 @@ def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, l
     None if ``abandoned()`` said so once the chunks were written (no manifest: no shard).
     ``state_hash``: commit_hash of COMMIT r, read here if not given."""
     key = run.keys.shard(r, peer, part)
-    sums = codec.write_vector(run.bucket, key, run.grad_format, arrays)
+    sums = vector.write_vector(run.bucket, key, run.grad_format, arrays)
     if abandoned():
         return None
     fmt = run.grad_format
@@ -124,13 +124,13 @@ def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, l
     return key
 
 
-def manifest_limit(fmt: codec.VectorFormat) -> int:
+def manifest_limit(fmt: vector.VectorFormat) -> int:
     """The most bytes an honest manifest takes (fixed fields, a signature, a hash per chunk):
     anything larger is rejected before it is read."""
     return 4096 + 64 * fmt.n_chunks * len(fmt.arrays())
 
 
-def stored_limit(fmt: codec.VectorFormat) -> int:
+def stored_limit(fmt: vector.VectorFormat) -> int:
     """The most bytes an honest shard's files take: Blosc stores a chunk it cannot compress as
     it is, behind a 16-byte header; zarr's metadata is under a kilobyte per array."""
     raw = sum(np.dtype(dtype).itemsize * length for dtype, length, _ in fmt.arrays().values())
@@ -203,15 +203,15 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     _check_contiguous(m.data, stream_end, stream_window(run))
     if stored is None:
         stored = {k.removeprefix(key + "/"): n for k, n in run.bucket.sizes(key).items()}
-    missing = sorted(codec.chunk_objects(fmt) - set(stored))
+    missing = sorted(vector.chunk_objects(fmt) - set(stored))
     if missing:  # zarr would read them as zeros: a shard of no data that checksums could still match
         raise Rejected(f"missing chunk objects: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     stored = sum(stored.values())
     if stored > stored_limit(fmt):
         raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
     try:
-        arrays = codec.read_vector(run.bucket, key, fmt, checksums=m.checksums, raw=True)
-    except codec.CorruptShard as exc:
+        arrays = vector.read_vector(run.bucket, key, fmt, checksums=m.checksums, raw=True)
+    except vector.CorruptShard as exc:
         raise Rejected(str(exc)) from exc
     if not all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f"):
         raise Rejected("non-finite gradient values")

@@ -42,7 +42,8 @@ import torch
 from ..model.data import make_source
 from ..model.families import loss_sum
 from ..model.flat import FlatLayout
-from ..storage.codec import CorruptShard, ErrorFeedback
+from ..storage.codec import ErrorFeedback
+from ..storage.vector import CorruptShard
 from ..trust import identity
 from . import optim, shard, view as published
 from .clock import Clock

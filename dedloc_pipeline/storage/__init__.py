@@ -1,2 +1,3 @@
 """Where bytes live: the bucket's keys (``layout``), I/O with retries on any fsspec URL
-(``bucket``), and compressed vectors as zarr arrays (``codec``). Knows nothing of models or rounds."""
+(``bucket``, with ``retry``, ``s3`` and ``stats``), codecs for flat vectors (``codec``) and those
+vectors as zarr arrays (``vector``). Knows nothing of models or rounds."""

@@ -8,91 +8,50 @@ S3, a hard link on local disks.
 Every request, the Bucket's own and its zarr stores' chunk I/O, goes through one retry policy:
 a request that fails or times out is tried again, and since a reply can be lost after the
 request took effect, every write is safe to repeat (``create`` included: finding its own bytes
-already there counts as created).
+already there counts as created). Which errors are retried is ``retry``'s; the S3 requests that
+replace s3fs's generic calls are ``s3``'s; what the traffic was, ``stats``'.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
-import threading
 import uuid
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 import zarr
-from fsspec.asyn import sync
-from tenacity import (
-    AsyncRetrying,
-    Retrying,
-    before_sleep_log,
-    retry_if_exception,
-    stop_after_attempt,
-    stop_after_delay,
-    wait_exponential,
-)
+from tenacity import AsyncRetrying, Retrying
 
-log = logging.getLogger(__name__)
-
-_PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-              NotADirectoryError, ValueError, TypeError, KeyError)
-
-
-try:  # botocore's network errors are not OSErrors
-    from botocore.exceptions import ConnectionError as _BotoConnection, HTTPClientError as _BotoHTTP
-    _NETWORK: tuple = (_BotoConnection, _BotoHTTP)
-except ImportError:  # pragma: no cover - s3fs brings botocore
-    _NETWORK = ()
+from . import s3
+from .retry import RetryPolicy, transient
+from .stats import IOStats
 
 
 class StorageError(RuntimeError):
     """The bucket did not answer after the retries."""
 
 
-class IOStats:
-    """Requests and bytes this process exchanged with one bucket: the traffic benchmarks,
-    heartbeats and the cost estimate report.
-
-    On S3 every request is counted where botocore sends it (each retry too), so the counts equal
-    what the server bills; elsewhere, where the Bucket and its zarr stores make their calls.
-    Bytes are the payloads those calls moved.
-    """
-
-    def __init__(self, sent_by_client: bool = False):
-        self._lock = threading.Lock()
-        self.sent_by_client = sent_by_client
-        self.requests: Counter[str] = Counter()  # get, put, head, list, delete
-        self.bytes_read = 0
-        self.bytes_written = 0
-
-    def add(self, kind: str, read: int = 0, written: int = 0, n: int = 1) -> None:
-        with self._lock:
-            if not self.sent_by_client:
-                self.requests[kind] += n
-            self.bytes_read += read
-            self.bytes_written += written
-
-    def sent(self, request=None, event_name: str = "", **_) -> None:
-        """botocore's ``before-send`` hook: one request on the wire."""
-        kind = _REQUEST_KINDS.get(event_name.rsplit(".", 1)[-1], (request.method if request else "other").lower())
-        with self._lock:
-            self.requests[kind] += 1
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"requests": dict(self.requests), "bytes_read": self.bytes_read,
-                    "bytes_written": self.bytes_written}
+def _gave_up(bucket: "Bucket", exc: Exception) -> Exception:
+    return StorageError(f"bucket {bucket.url} unreachable: {exc}") if transient(exc) else exc
 
 
-# S3 operations by the price class they are billed in ("list" and "put" cost ~12x "get")
-_REQUEST_KINDS = {"GetObject": "get", "GetBucketLocation": "get", "HeadObject": "head", "HeadBucket": "head",
-                  "ListObjectsV2": "list", "ListObjects": "list", "PutObject": "put", "CreateBucket": "put",
-                  "CopyObject": "put", "CreateMultipartUpload": "put", "UploadPart": "put",
-                  "CompleteMultipartUpload": "put", "DeleteObject": "delete", "DeleteObjects": "delete"}
+def _retried(fn):
+    """Retry transient storage errors with the bucket's policy; then a StorageError."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *a, **kw):
+        try:
+            return Retrying(**self.retry.tenacity())(fn, self, *a, **kw)
+        except Exception as exc:
+            err = _gave_up(self, exc)
+            if err is exc:
+                raise
+            raise err from exc
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -155,48 +114,6 @@ class _BucketStore(zarr.storage.WrapperStore):
         return await self._call(self._store.delete, key)
 
 
-def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, _NETWORK):
-        return True
-    return isinstance(exc, (OSError, TimeoutError, ConnectionError)) and not isinstance(exc, _PERMANENT)
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Exponential backoff, bounded in attempts and in time."""
-
-    attempts: int = 6
-    wait_s: float = 0.2
-    max_wait_s: float = 5.0
-    deadline_s: float = 60.0
-
-    def tenacity(self) -> dict:
-        return dict(retry=retry_if_exception(_transient),
-                    wait=wait_exponential(multiplier=self.wait_s, max=self.max_wait_s),
-                    stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline_s),
-                    before_sleep=before_sleep_log(log, logging.WARNING), reraise=True)
-
-
-def _gave_up(bucket: "Bucket", exc: Exception) -> Exception:
-    return StorageError(f"bucket {bucket.url} unreachable: {exc}") if _transient(exc) else exc
-
-
-def _retried(fn):
-    """Retry transient storage errors with the bucket's policy; then a StorageError."""
-
-    @functools.wraps(fn)
-    def wrapper(self, *a, **kw):
-        try:
-            return Retrying(**self.retry.tenacity())(fn, self, *a, **kw)
-        except Exception as exc:
-            err = _gave_up(self, exc)
-            if err is exc:
-                raise
-            raise err from exc
-
-    return wrapper
-
-
 class Bucket:
     """One bucket URL (``file://``, a plain path, ``s3://``, ``memory://``)."""
 
@@ -211,16 +128,7 @@ class Bucket:
         self.options = dict(storage_options or {})
         self.stats = IOStats(sent_by_client=protocol == "s3")
         if protocol == "s3":
-            endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get(
-                "AWS_ENDPOINT_URL")
-            if endpoint_url:
-                self.options.setdefault("client_kwargs", {})["endpoint_url"] = endpoint_url
-            self.options.setdefault("config_kwargs", {
-                "connect_timeout": timeout, "read_timeout": timeout,
-                "retries": {"max_attempts": 2, "mode": "standard"}})
-            self.options.setdefault("use_listings_cache", False)
-            self.options.setdefault("max_concurrency", 1)  # else every whole-object GET is a HEAD first
-            self.options.setdefault("session", _counted_session(self.stats))
+            s3.configure(self.options, endpoint_url, timeout, self.stats)
         self.fs = fsspec.filesystem(protocol, skip_instance_cache=protocol != "memory", **self.options)
         self.root = rest if self.local else self.fs._strip_protocol(self.url)
         if self.local:
@@ -251,7 +159,10 @@ class Bucket:
         reads as ``Fetched(None, None)``."""
         self.stats.add("get")
         if self.protocol == "s3":
-            return sync(self.fs.loop, self._s3_get_if_changed, key, tag)
+            got = Fetched(*s3.get_if_changed(self.fs, self.path(key), tag))
+            if got.data is not None:
+                self.stats.add("get", read=len(got.data), n=0)
+            return got
         try:
             now = _tag(self.fs.info(self.path(key)))
             if tag is not None and now == tag:
@@ -261,25 +172,6 @@ class Bucket:
             return Fetched(None, None)
         self.stats.add("get", read=len(data), n=0)
         return Fetched(data, now)
-
-    async def _s3_get_if_changed(self, key: str, tag: str | None) -> Fetched:
-        bucket, name, _ = self.fs.split_path(self.path(key))
-        try:
-            resp = await self.fs._call_s3("get_object", Bucket=bucket, Key=name,
-                                          **({"IfNoneMatch": tag} if tag else {}))
-        except FileNotFoundError:
-            return Fetched(None, None)
-        except OSError as exc:  # s3fs makes botocore's 304 an OSError
-            code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
-            if code == "304":
-                return Fetched(None, tag, changed=False)
-            raise
-        try:
-            data = await resp["Body"].read()
-        finally:
-            resp["Body"].close()
-        self.stats.add("get", read=len(data), n=0)
-        return Fetched(data, resp.get("ETag"))
 
     def read_json(self, key: str) -> Any:
         """Parsed JSON or None if missing; malformed JSON raises ValueError."""
@@ -305,17 +197,11 @@ class Bucket:
 
     @_retried
     def exists(self, key: str) -> bool:
-        """Whether the object ``key`` exists: one HEAD on S3 (s3fs's ``exists`` would add a LIST
-        for a missing key, probing for a directory)."""
+        """Whether the object ``key`` exists (on S3: one HEAD)."""
         self.stats.add("head")
-        if self.protocol != "s3":
-            return self.fs.exists(self.path(key))
-        bucket, name, _ = self.fs.split_path(self.path(key))
-        try:
-            self.fs.call_s3("head_object", Bucket=bucket, Key=name)
-        except FileNotFoundError:
-            return False
-        return True
+        if self.protocol == "s3":
+            return s3.exists(self.fs, self.path(key))
+        return self.fs.exists(self.path(key))
 
     @_retried
     def list(self, prefix: str) -> list[str]:
@@ -341,7 +227,7 @@ class Bucket:
         the ETag with each key, so a reader can skip the objects it has read already."""
         n = len(self.root) + 1
         if self.protocol == "s3":
-            return {p[n:]: info for p, info in self._s3_objects(self.path(prefix) + "/").items()}
+            return {p[n:]: info for p, info in s3.objects(self.fs, self.path(prefix) + "/").items()}
         try:
             found = {p[n:]: (int(info.get("size") or 0), _tag(info))
                      for p, info in self.fs.find(self.path(prefix), detail=True).items()}
@@ -349,20 +235,6 @@ class Bucket:
             found = {}
         self.stats.add("list", n=1 + len(found) // 1000)
         return found
-
-    def _s3_objects(self, path: str) -> dict[str, tuple[int, str]]:
-        """Every object whose path starts with ``path``, with size and ETag: one LIST a 1000
-        keys (s3fs's ``find`` adds a HEAD and a second LIST when there are none)."""
-        bucket, name, _ = self.fs.split_path(path)
-        found, token = {}, None
-        while True:
-            resp = sync(self.fs.loop, self.fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=name,
-                        **({"ContinuationToken": token} if token else {}))
-            for o in resp.get("Contents", []):
-                found[f"{bucket}/{o['Key']}"] = (int(o["Size"]), str(o["ETag"]))
-            token = resp.get("NextContinuationToken")
-            if not (resp.get("IsTruncated") and token):
-                return found
 
     # writes
     @_retried
@@ -410,16 +282,10 @@ class Bucket:
 
     @_retried
     def delete(self, prefix: str) -> None:
-        """Delete the object ``prefix`` and everything below it. On S3: one LIST, and one
-        DeleteObjects a 1000 keys only if there is anything (a pruned prefix costs one LIST)."""
+        """Delete the object ``prefix`` and everything below it (on S3 in batches: ``s3.delete``)."""
         self.stats.add("delete")
         if self.protocol == "s3":
-            path = self.path(prefix)
-            keys = [k for k in self._s3_objects(path) if k == path or k.startswith(path + "/")]
-            bucket = self.fs.split_path(path)[0]
-            for i in range(0, len(keys), 1000):
-                sync(self.fs.loop, self.fs._call_s3, "delete_objects", Bucket=bucket, Delete={
-                    "Objects": [{"Key": self.fs.split_path(k)[1]} for k in keys[i:i + 1000]], "Quiet": True})
+            s3.delete(self.fs, self.path(prefix))
             return
         try:
             self.fs.rm(self.path(prefix), recursive=True)
@@ -455,16 +321,6 @@ class Bucket:
             return zarr.storage.LocalStore(self.path(key))
         return zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
                                                  storage_options=self.options or None)
-
-
-def _counted_session(stats: IOStats):
-    """An aiobotocore session whose clients report every request they send to ``stats``: the
-    Bucket's own filesystem and its zarr stores' (built from the same options) share it."""
-    from aiobotocore.session import AioSession
-
-    session = AioSession()
-    session.register("before-send.s3", stats.sent)
-    return session
 
 
 def _dumps(obj: Any) -> bytes:

@@ -34,7 +34,7 @@ def _n(i: int) -> str:
 
 
 class RunLayout:
-    """Keys under ``runs/{run}/`` (see DESIGN.md, "Bucket layout")."""
+    """Keys under ``runs/{run}/`` (docs/design.md, "Bucket layout")."""
 
     def __init__(self, run: str):
         self.run = run

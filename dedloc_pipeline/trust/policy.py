@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..storage import codec
+from ..storage import vector
 from ..storage.layout import PEER_ID, ROUND_FOLDERS, DataLayout, RunLayout, is_name
 
 FORMATS = ("aws", "minio", "r2")
@@ -94,11 +94,11 @@ def _join(prefix: str, key: str) -> str:
 
 def shard_objects() -> tuple[str, ...]:
     """What a shard stores below its key, the array's name as ``*``: each array's zarr metadata
-    and its one chunk object (a shard is written whole: ``codec.write_vector``, ``chunk_objects``).
+    and its one chunk object (a shard is written whole: ``vector.write_vector``, ``chunk_objects``).
     The names depend on the run's codec, which is in run.json; the policy does not read it, and
     naming every codec's arrays would take the document past IAM's 2,048 characters."""
-    fmt = codec.VectorFormat("none", n=1, chunk_size=1, block=1, whole=True)
-    objects = codec.chunk_objects(fmt) | {f"{array}/zarr.json" for array in fmt.arrays()}
+    fmt = vector.VectorFormat("none", n=1, chunk_size=1, block=1, whole=True)
+    objects = vector.chunk_objects(fmt) | {f"{array}/zarr.json" for array in fmt.arrays()}
     return tuple(sorted("*/" + obj.split("/", 1)[1] for obj in objects))
 
 

@@ -1,38 +1,37 @@
-"""What a volunteer sees: its worker's progress while it runs, a Ctrl-C that stops cleanly, and
-what it contributed. ``dedloc worker`` and ``dedloc_pipeline.join`` (notebooks) both run here.
+"""What a volunteer sees while its worker runs: a rich live panel in a terminal; in a Jupyter kernel
+the same panel as one cell output updated in place; elsewhere (a log file, a pipe, ``--plain``) a
+plain line every few seconds, without escape codes.
 
 The display reads only ``Worker.snapshot()`` (no bucket call) and, once the state passes a round
-this peer uploaded to, that round's COMMIT: whether the ledger counted the shards. In a terminal
-it is a rich live panel; in a Jupyter kernel the same panel as one cell output updated in place;
-elsewhere (a log file, a pipe, ``--plain``) a plain line every few seconds, without escape codes.
+this peer uploaded to, that round's COMMIT (``Ledger``): whether the ledger counted the shards.
+Its time is the worker's clock; its ETA is the round view's (``protocol.view.eta``).
 """
 
 from __future__ import annotations
 
 import contextvars
-import importlib
 import io
 import logging
-import os
-import signal
 import sys
 import threading
 import time
-import warnings
 from collections import deque
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.filesize import decimal
-from rich.logging import RichHandler
 from rich.live import Live
+from rich.logging import RichHandler
 from rich.panel import Panel
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
+from ..protocol import view as published
+from .ledger import Ledger
+from .stop import StopRequest
+
 if TYPE_CHECKING:  # the display needs no torch of its own
-    from ..protocol.run import Run
     from ..protocol.worker import RoundView, Snapshot, Worker
 
 log = logging.getLogger(__name__)
@@ -43,84 +42,6 @@ NOTEBOOK_REFRESH_S = 1.0  # each redraw in a notebook is a message to the fronte
 NOTEBOOK_HTML = ('<pre style="white-space:pre;overflow-x:auto;line-height:normal;'
                  "font-family:Menlo,'DejaVu Sans Mono',consolas,'Courier New',monospace\">{code}</pre>")
 
-
-class StopRequest:
-    """When a worker should stop: a first Ctrl-C lets the step under way finish (an upload
-    completes, chunks then manifest), a second raises KeyboardInterrupt at once (an upload under
-    way is abandoned before its manifest); or another thread sets ``event``.
-
-    The handler only counts presses: setting an Event from a signal handler can deadlock on the
-    Event's own lock. Outside the main thread, or where SIGINT is ignored, nothing is installed.
-    """
-
-    def __init__(self, event: threading.Event | None = None):
-        self.event = event
-        self.presses = 0
-        self._previous = None
-
-    def __call__(self) -> bool:
-        return self.presses > 0 or (self.event is not None and self.event.is_set())
-
-    def _pressed(self, signum, frame) -> None:
-        self.presses += 1
-        if self.presses > 1:
-            signal.signal(signal.SIGINT, self._previous)  # a third press is the usual KeyboardInterrupt
-            raise KeyboardInterrupt
-
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
-            if previous is not signal.SIG_IGN:
-                self._previous = previous if previous is not None else signal.default_int_handler
-                signal.signal(signal.SIGINT, self._pressed)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
-
-
-class Ledger:
-    """This peer's shards as the COMMITs record them: counted, rejected (why), missed (arrived
-    after the round closed) or open (the round is not committed yet). A verdict is final once
-    its COMMIT exists, so each COMMIT is read once."""
-
-    def __init__(self, run: Run):
-        self.run = run
-        self._final: dict[str, tuple[str, str | None]] = {}  # shard key -> (verdict, reason)
-
-    def tally(self, uploads, state: int) -> dict:
-        """Samples per verdict over ``uploads`` ((round, key, samples)), given committed ``state``."""
-        fold = self.run.config.close.late_shards == "fold"  # a late shard counts one round later
-        commits: dict[int, dict | None] = {}
-        out = {"counted": 0, "counted_shards": 0, "open": 0, "missed": 0, "rejected": []}
-        for r, key, samples in uploads:
-            verdict, reason = self._final.get(key) or self._verdict(r, key, fold, state, commits)
-            if verdict != "open":
-                self._final[key] = (verdict, reason)
-            if verdict == "rejected":
-                out["rejected"].append({"key": key, "round": r, "samples": samples, "reason": reason})
-            else:
-                out[verdict] += samples
-                out["counted_shards"] += verdict == "counted"
-        return out
-
-    def _verdict(self, r: int, key: str, fold: bool, state: int, commits: dict) -> tuple[str, str | None]:
-        for s in (r + 1, r + 2) if fold else (r + 1,):
-            if s > state:
-                return "open", None
-            if s not in commits:
-                commits[s] = self.run.bucket.read_json(self.run.keys.commit(s))
-            c = commits[s]
-            if c is None:
-                return "open", None
-            if any(x["key"] == key for x in c.get("shards", [])):
-                return "counted", None
-            reason = next((x["reason"] for x in c.get("rejected", []) if x["key"] == key), None)
-            if reason is not None:
-                return "rejected", reason
-        return "missed", None
 
 
 def in_jupyter_kernel() -> bool:
@@ -219,7 +140,7 @@ class Display:
     def facts(self) -> dict:
         """Everything shown, from one snapshot (and the ledger once the state moved)."""
         s = self.worker.snapshot()
-        now = time.monotonic()
+        now = self.worker.clock.monotonic()
         self._rates.append((now, s.computed))
         while len(self._rates) > 2 and now - self._rates[0][0] > RATE_WINDOW_S:
             self._rates.popleft()
@@ -233,12 +154,8 @@ class Display:
         mine = s.pending if s.round == s.state else 0
         full = view is not None and (view.closed or manifest >= s.target)
         others_per_s = view.samples_per_s if view else 0.0
-        remaining = max(0, s.target - manifest - others - mine)
         speed = mine_per_s + others_per_s
-        if full or view is None or (remaining and speed <= 0):
-            eta = None
-        else:
-            eta = remaining / speed if remaining else 0.0
+        eta = None if view is None else published.eta(s.target, manifest, others + mine, speed, full)
         done = (s.state, len(s.uploads))
         if self._counted[0] != done and s.state is not None:
             try:
@@ -270,9 +187,10 @@ class Display:
         """The plain form: one line, no escape codes."""
         s = f["snapshot"]
         total = f["manifest"] + f["others"] + f["mine"]
+        at = time.strftime("%H:%M:%S", time.localtime(self.worker.clock.time()))
         if s.state is None:
-            return f"{time.strftime('%H:%M:%S')} {s.peer}: joining run {self.worker.run.name}, {f['activity']}"
-        return (f"{time.strftime('%H:%M:%S')} {s.peer} state {s.state}: {f['activity']} | "
+            return f"{at} {s.peer}: joining run {self.worker.run.name}, {f['activity']}"
+        return (f"{at} {s.peer} state {s.state}: {f['activity']} | "
                 f"round {s.state} {total}/{s.target} ({_percent(total, s.target)}) {_eta(f)} | "
                 f"you: {s.pending} pending, {s.uploaded} uploaded in {len(s.uploads)} shards, "
                 f"{f['counted']} counted | {f['mine_per_s']:.1f} samples/s "
@@ -312,100 +230,3 @@ def _eta(f: dict) -> str:
         return "full: reducing"
     return "ETA unknown" if f["eta_s"] is None else f"ETA {timedelta(seconds=round(f['eta_s']))}"
 
-
-# what the volunteer did
-def summary(worker: Worker, ended: str, ledger: Ledger | None = None) -> dict:
-    """What this session contributed. With a ledger, the COMMITs say what counted (a few bucket
-    reads); without (a second Ctrl-C), only what was uploaded."""
-    s = worker.snapshot()
-    out = {"peer": s.peer, "run": worker.run.name, "state": s.state, "ended": ended,
-           "samples_uploaded": s.uploaded, "shards": len(s.uploads),
-           "rounds": len({r for r, _, _ in s.uploads}), "samples_computed": s.computed,
-           "seconds": time.monotonic() - worker.started, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down}
-    if ledger is not None:
-        t = ledger.tally(s.uploads, worker.run.latest() if s.uploads else -1)
-        out.update(samples_counted=t["counted"], shards_counted=t["counted_shards"], samples_open=t["open"],
-                   samples_missed=t["missed"], rejected=t["rejected"])
-    return out
-
-
-ENDED = {"until_round": "state reached", "run_stopped": "the organizer stopped the run",
-         "stop_requested": "asked to stop", "ctrl_c": "stopped cleanly after Ctrl-C",
-         "interrupted": "interrupted"}
-
-
-def summary_text(s: dict) -> str:
-    lines = [f"{s['peer']}: stopped at state {s['state']} ({ENDED[s['ended']]}); "
-             f"in {timedelta(seconds=round(s['seconds']))} this session:",
-             f"  uploaded  {s['samples_uploaded']} samples in {s['shards']} shards to {s['rounds']} rounds",
-             f"  computed  {s['samples_computed']} samples; traffic {decimal(s['bytes_up'])} up, "
-             f"{decimal(s['bytes_down'])} down"]
-    if "samples_counted" not in s:
-        lines.append("  counted   not looked up (interrupted)")
-        return "\n".join(lines)
-    lines.append(f"  counted   {s['samples_counted']} samples ({s['shards_counted']} shards) in committed "
-                 "states")
-    if s["samples_open"]:
-        lines.append(f"  open      {s['samples_open']} samples in rounds not committed yet")
-    if s["samples_missed"]:
-        lines.append(f"  missed    {s['samples_missed']} samples arrived after their round closed")
-    for x in s["rejected"]:
-        lines.append(f"  rejected  {x['samples']} samples in round {x['round']}: {x['reason']}")
-    return "\n".join(lines)
-
-
-def volunteer(worker: Worker, until_round: int | None = None, event: threading.Event | None = None,
-              plain: bool | None = None, every: float = 10.0, console: Console | None = None) -> dict:
-    """Serve with a display until ``until_round``, the run's STOP, ``event`` or Ctrl-C; then
-    leave and return the summary (``ended`` says which)."""
-    stop, interrupted = StopRequest(event), False
-    with stop, Display(worker, stop, plain, every, console) as display:
-        try:
-            state = worker.serve(until_round, stop)
-        except KeyboardInterrupt:
-            state, interrupted = worker.state, True
-    if interrupted:
-        ended = "interrupted"
-    elif stop.presses:
-        ended = "ctrl_c"
-    elif worker.stopped:
-        ended = "run_stopped"
-    elif until_round is not None and state is not None and state >= until_round:
-        ended = "until_round"
-    else:
-        ended = "stop_requested"
-    return summary(worker, ended, None if interrupted else display.ledger)
-
-
-def _import_tqdm_auto() -> None:
-    """transformers and huggingface_hub import ``tqdm.auto``, which in a kernel without ipywidgets
-    warns "IProgress not found" and falls back to tqdm's console bars. A worker shows none of
-    their bars, so that one warning only alarms a volunteer: import it first without it."""
-    from tqdm import TqdmWarning
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
-        importlib.import_module("tqdm.auto")
-
-
-def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
-                device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
-                poll: float | None = None, endpoint_url: str | None = None, precision: str = "fp32") -> Worker:
-    """A volunteer's worker, checked before any model is built: a usable peer id, a device that
-    exists (default: the GPU when there is one), the key it signs with."""
-    _import_tqdm_auto()
-    from ..protocol.run import Run
-    from ..protocol.worker import Worker
-    from ..storage.bucket import Bucket
-    from ..storage.layout import PEER_ID, is_name
-    from ..trust import identity
-
-    if peer_id is not None and not is_name(peer_id):
-        raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
-    import torch
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
-    signer = identity.load(os.path.expanduser(key)) if key else None
-    return Worker(Run(Bucket(bucket, endpoint_url=endpoint_url), run), peer_id, micro_batch, threads,
-                  poll_s=poll, device=device, signer=signer, precision=precision)

@@ -1,0 +1,120 @@
+"""What a volunteer did: the worker made and checked before any model is built, served with a
+display until it stops, and the summary of what it contributed. ``dedloc worker`` and
+``dedloc_pipeline.join`` (notebooks) both run here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import warnings
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.filesize import decimal
+
+from .display import Display
+from .ledger import Ledger
+from .stop import StopRequest
+
+if TYPE_CHECKING:  # the display and the summary need no torch of their own
+    from ..protocol.worker import Worker
+
+
+def summary(worker: Worker, ended: str, ledger: Ledger | None = None) -> dict:
+    """What this session contributed. With a ledger, the COMMITs say what counted (a few bucket
+    reads); without (a second Ctrl-C), only what was uploaded."""
+    s = worker.snapshot()
+    out = {"peer": s.peer, "run": worker.run.name, "state": s.state, "ended": ended,
+           "samples_uploaded": s.uploaded, "shards": len(s.uploads),
+           "rounds": len({r for r, _, _ in s.uploads}), "samples_computed": s.computed,
+           "seconds": worker.clock.monotonic() - worker.started, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down}
+    if ledger is not None:
+        t = ledger.tally(s.uploads, worker.run.latest() if s.uploads else -1)
+        out.update(samples_counted=t["counted"], shards_counted=t["counted_shards"], samples_open=t["open"],
+                   samples_missed=t["missed"], rejected=t["rejected"])
+    return out
+
+
+ENDED = {"until_round": "state reached", "run_stopped": "the organizer stopped the run",
+         "stop_requested": "asked to stop", "ctrl_c": "stopped cleanly after Ctrl-C",
+         "interrupted": "interrupted"}
+
+
+def summary_text(s: dict) -> str:
+    lines = [f"{s['peer']}: stopped at state {s['state']} ({ENDED[s['ended']]}); "
+             f"in {timedelta(seconds=round(s['seconds']))} this session:",
+             f"  uploaded  {s['samples_uploaded']} samples in {s['shards']} shards to {s['rounds']} rounds",
+             f"  computed  {s['samples_computed']} samples; traffic {decimal(s['bytes_up'])} up, "
+             f"{decimal(s['bytes_down'])} down"]
+    if "samples_counted" not in s:
+        lines.append("  counted   not looked up (interrupted)")
+        return "\n".join(lines)
+    lines.append(f"  counted   {s['samples_counted']} samples ({s['shards_counted']} shards) in committed "
+                 "states")
+    if s["samples_open"]:
+        lines.append(f"  open      {s['samples_open']} samples in rounds not committed yet")
+    if s["samples_missed"]:
+        lines.append(f"  missed    {s['samples_missed']} samples arrived after their round closed")
+    for x in s["rejected"]:
+        lines.append(f"  rejected  {x['samples']} samples in round {x['round']}: {x['reason']}")
+    return "\n".join(lines)
+
+
+def volunteer(worker: Worker, until_round: int | None = None, event: threading.Event | None = None,
+              plain: bool | None = None, every: float = 10.0, console: Console | None = None) -> dict:
+    """Serve with a display until ``until_round``, the run's STOP, ``event`` or Ctrl-C; then
+    leave and return the summary (``ended`` says which)."""
+    stop, interrupted = StopRequest(event), False
+    with stop, Display(worker, stop, plain, every, console) as display:
+        try:
+            state = worker.serve(until_round, stop)
+        except KeyboardInterrupt:
+            state, interrupted = worker.state, True
+    if interrupted:
+        ended = "interrupted"
+    elif stop.presses:
+        ended = "ctrl_c"
+    elif worker.stopped:
+        ended = "run_stopped"
+    elif until_round is not None and state is not None and state >= until_round:
+        ended = "until_round"
+    else:
+        ended = "stop_requested"
+    return summary(worker, ended, None if interrupted else display.ledger)
+
+
+def _import_tqdm_auto() -> None:
+    """transformers and huggingface_hub import ``tqdm.auto``, which in a kernel without ipywidgets
+    warns "IProgress not found" and falls back to tqdm's console bars. A worker shows none of
+    their bars, so that one warning only alarms a volunteer: import it first without it."""
+    from tqdm import TqdmWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)
+        importlib.import_module("tqdm.auto")
+
+
+def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
+                device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
+                poll: float | None = None, endpoint_url: str | None = None, precision: str = "fp32") -> Worker:
+    """A volunteer's worker, checked before any model is built: a usable peer id, a device that
+    exists (default: the GPU when there is one), the key it signs with."""
+    _import_tqdm_auto()
+    from ..protocol.run import Run
+    from ..protocol.worker import Worker
+    from ..storage.bucket import Bucket
+    from ..storage.layout import PEER_ID, is_name
+    from ..trust import identity
+
+    if peer_id is not None and not is_name(peer_id):
+        raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
+    import torch
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
+    signer = identity.load(os.path.expanduser(key)) if key else None
+    return Worker(Run(Bucket(bucket, endpoint_url=endpoint_url), run), peer_id, micro_batch, threads,
+                  poll_s=poll, device=device, signer=signer, precision=precision)

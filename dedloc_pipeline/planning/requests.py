@@ -1,0 +1,182 @@
+"""The request model: what each step of a round sends to the bucket, counted as botocore sends it.
+
+``Traffic`` reads a run's vector formats, parts and optimizer slots (``Run``, and
+``RunConfig.aggregator_optimizer.slots``) and counts, per step, the requests by the price class
+``IOStats`` counts them in (``Requests``): a shard's upload, a state's download, the scheduler's
+polls, its closing, reduction, commit and pruning. ``tests/test_cost.py`` checks every count
+against a real round on an S3 server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import astuple, dataclass, fields
+
+from ..protocol.run import Run
+from ..protocol.shard import DataRef, Manifest
+from ..storage.layout import LAYOUT_VERSION
+from ..storage.vector import VectorFormat
+
+CHECKSUM_JSON_BYTES = 38  # one chunk's 32-hex checksum in indented JSON (COMMIT, CLOSE)
+SHARD_ENTRY_BYTES = 250  # a shard's entry in a COMMIT (key, peer, samples, loss, manifest hash)
+PRUNE_WINDOW = 3  # scheduler.prune's window: the states a process looks back at its first prune
+S3_PAGE = 1000  # keys per LIST page and per DeleteObjects request
+
+
+@dataclass(frozen=True)
+class Requests:
+    """Requests by the price class ``IOStats`` counts them in."""
+
+    get: float = 0.0
+    put: float = 0.0
+    head: float = 0.0
+    list: float = 0.0
+    delete: float = 0.0
+
+    def __add__(self, other: "Requests") -> "Requests":
+        return Requests(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    def __mul__(self, k: float) -> "Requests":
+        return Requests(*(a * k for a in astuple(self)))
+
+    __rmul__ = __mul__
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+
+def _chunks(fmt: VectorFormat) -> list[int]:
+    """Chunks of each of a vector's arrays."""
+    return [-(-length // clen) for _, length, clen in fmt.arrays().values()]
+
+
+def _objects(fmt: VectorFormat) -> int:
+    """Objects a whole vector is stored as: each array's chunks (one object for a vector
+    written whole) and its ``zarr.json``."""
+    return sum((1 if fmt.whole else c) + 1 for c in _chunks(fmt))
+
+
+def _reads(fmt: VectorFormat, chunks: int | None = None) -> int:
+    """GETs of a checksummed read (no metadata) of ``chunks`` chunks of each array (default
+    all): a chunk each, or for a vector written whole one object, and for a range of it the
+    shard's index and then the range's chunks."""
+    arrays = len(fmt.arrays())
+    if chunks is None or chunks >= fmt.n_chunks:
+        return arrays if fmt.whole else sum(_chunks(fmt))
+    return arrays * (chunks + int(fmt.whole))
+
+
+class Traffic:
+    """What a run's steps move through the bucket: requests (R2 speaks S3's API through the same
+    client, so one count serves both) and the sizes of the small records."""
+
+    def __init__(self, run: Run):
+        self.config = run.config
+        self.n = run.flat.n
+        self.grad, self.delta, self.dense = run.grad_format, run.delta_format, run.dense_format
+        self.parts = [len(run.part_chunks(k)) for k in range(run.n_parts)]
+        self.slots = len(run.config.aggregator_optimizer.slots)  # optimizer state vectors beside the params
+        self.lossy_delta = run.config.param_codec != "none"  # the organizer's residual is written
+        self.lamb = run.config.aggregator_optimizer.name == "lamb"
+
+    @property
+    def chunks(self) -> int:
+        return self.dense.n_chunks
+
+    def manifest_bytes(self) -> int:
+        """One shard's manifest as ``shard.upload`` writes it (a chunk checksum of each array)."""
+        g = self.grad
+        m = Manifest(layout_version=LAYOUT_VERSION, run="r" * 16, round=10**5, peer="p" * 16,
+                     part="1" * 13 + "-abcdef", codec=g.codec, n=g.n, chunk_size=g.chunk_size, block=g.block,
+                     samples=64, loss=1.0, data=DataRef(stream="p" * 16, ranges=[(10**6, 64)]),
+                     checksums={name: ["0" * 32] * c for name, c in zip(g.arrays(), _chunks(g))},
+                     state_hash="0" * 64, created_at=1.8e9)
+        return len(json.dumps(m.model_dump(mode="json"), indent=1, sort_keys=True))
+
+    def commit_bytes(self, shards: int) -> int:
+        """A COMMIT, about: the checksums of the parameters and the delta, an entry per shard."""
+        return 500 + CHECKSUM_JSON_BYTES * (self.chunks + sum(_chunks(self.delta))) + SHARD_ENTRY_BYTES * shards
+
+    # requests, as botocore sends them to S3 (R2 speaks the same API through the same client)
+    def shard_upload(self) -> Requests:
+        """``shard.upload``: each array's metadata and its one object of chunks, then the
+        manifest; nothing read."""
+        return Requests(put=_objects(self.grad) + 1)
+
+    def state_download(self) -> Requests:
+        """A synced peer moving one state on: the COMMIT, then each chunk of the delta (checksummed
+        reads skip zarr's metadata)."""
+        return Requests(get=1 + sum(_chunks(self.delta)))
+
+    def scheduler_poll(self, heartbeats: int, manifests: int, first: bool = False) -> Requests:
+        """One poll of the scheduler that does not close the round (``Scheduler.try_close``): its
+        CLOSE, the round's heartbeats and manifests listed and the given numbers read (those
+        written since the last poll), STOP, and the view written. The round's first poll also
+        reads what the round is judged against (``Scheduler._opening``): the COMMIT that opened
+        it, the streams record, and the validator's flags (a listing). A listing is one LIST a
+        1000 keys, empty or not."""
+        cfg = self.config
+        r = Requests(get=1 + heartbeats + manifests + 2 * int(first), put=1, head=1, list=2 + int(first))
+        r += Requests(get=int(cfg.organizer_key is not None))  # the roster
+        if cfg.close.late_shards == "fold":  # the previous round's CLOSE and its manifests' listing
+            r += Requests(get=1 + int(cfg.organizer_key is not None), list=1)
+        return r
+
+    def closing(self, shards: int) -> Requests:
+        """What closing adds to its poll: the round's shards listed (with their sizes), each new
+        one validated (every chunk read and checksummed), the validator's flags listed again,
+        CLOSE created and read back."""
+        listing = max(1, math.ceil(shards * _objects(self.grad) / S3_PAGE))
+        return Requests(list=listing + 1, get=shards * _reads(self.grad)) + Requests(put=1, get=1)
+
+    def finish(self, shards: int) -> Requests:
+        """``Scheduler.finish`` of a closed round: prepare, reduce and apply every part, commit
+        (``prune`` apart: ``prune_steady``)."""
+        dense_arrays = 1 + 1 + self.slots + 1  # reduced gradient, params, optimizer state, residual
+        delta_arrays = len(self.delta.arrays())
+        total = Requests(get=dense_arrays + delta_arrays, put=dense_arrays + delta_arrays)  # prepare
+        whole = len(self.parts) == 1  # a part that writes every chunk also makes (finds) the arrays
+        for c in self.parts:
+            reduce = Requests(head=1, get=1 + shards * _reads(self.grad, c) + 1 + whole, put=c + 1)
+            if self.lamb:  # partial norms need the range's params and state
+                reduce += Requests(get=(1 + self.slots) * (1 + c))
+            written = 1 + delta_arrays + self.slots + int(self.lossy_delta)
+            apply = Requests(head=1, get=(1 + c) + (2 + self.slots) * (1 + c) + written * (1 + whole),
+                             put=written * c + 1)
+            if self.lamb:
+                apply += Requests(get=len(self.parts))
+            total += reduce + apply
+        commit = Requests(get=5 + len(self.parts), put=3)
+        return total + commit
+
+    def between_rounds(self) -> Requests:
+        """The round loop's own poll after a commit: LATEST, the next COMMIT's absence, CLOSE, STOP."""
+        return Requests(get=2, head=2)
+
+    def prune_state(self, shards: int, peers: int, checkpoint: bool = False) -> Requests:
+        """``scheduler.prune`` deleting one state that leaves the kept window, and its round's
+        scratch: a LIST page and a DeleteObjects per 1000 keys of each prefix (streams.json, a
+        single object, too). A checkpoint keeps its params and optimizer state."""
+        dense = self.dense
+        prefixes = [len(self.parts), _objects(self.delta), shards * _objects(self.grad), shards, peers,
+                    _objects(dense) + len(self.parts)]  # applied, delta, shards, manifests, heartbeats, reduced
+        if not checkpoint:
+            prefixes += [_objects(dense), (self.slots + 1) * (dense.n_chunks + 1)]  # params, optim
+        r = Requests(list=1, delete=1)
+        for objects in prefixes:
+            pages = max(1, math.ceil(objects / S3_PAGE))
+            r += Requests(list=pages, delete=pages)
+        return r
+
+    def prune_missing(self, checkpoint: bool = False) -> Requests:
+        """``scheduler.prune`` deleting a state that is gone already (the ``PRUNE_WINDOW`` a
+        process looks back once): one LIST a prefix."""
+        return Requests(list=1) * (9 - 2 * checkpoint)
+
+    def prune_steady(self, shards: int, peers: int) -> Requests:
+        """``scheduler.prune`` after one commit in a long run, on average: one state leaves the
+        kept window (a process deletes each state once)."""
+        k = 1 / self.config.checkpoint_every
+        return self.prune_state(shards, peers) * (1 - k) + self.prune_state(shards, peers, True) * k

@@ -157,7 +157,7 @@ def measure(bucket: Bucket, writers, threads: ThreadPoolExecutor, peers: int, n:
     before, t = bucket.stats.snapshot(), time.perf_counter()
     close = scheduler.try_close(ROUND)
     validate_s, validate_io = time.perf_counter() - t, io_delta(before, bucket.stats.snapshot())
-    assert close is not None and len(close["accepted"]) == peers, "not every shard was accepted"
+    assert close is not None and len(close.accepted) == peers, "not every shard was accepted"
     before, t = bucket.stats.snapshot(), time.perf_counter()
     scheduler.finish(ROUND, threads)
     finish_s, finish_io = time.perf_counter() - t, io_delta(before, bucket.stats.snapshot())

@@ -2,7 +2,7 @@
 
 1. Tolerances. A real collaboration per shard codec (3 volunteers, delayed updates, so shards
    carry stale samples and the workers' error feedback): every accepted shard is recomputed by
-   ``verify.Recomputer`` with another micro-batch than the worker's (another summation order, as
+   ``recompute.Recomputer`` with another micro-batch than the worker's (another summation order, as
    another machine would have), and the worst honest 1 - cosine and |norm ratio - 1| are kept.
    The honest pairs' cosines (different volunteers, same round) bound the copy screen.
 2. Detection. ``trials`` attacks per kind on the int8 run's committed states, each judged as the
@@ -28,7 +28,10 @@ import time
 
 import numpy as np
 
-from dedloc_pipeline.protocol import verify
+from dedloc_pipeline.protocol import recompute, verify
+from dedloc_pipeline.protocol.close import Close
+from dedloc_pipeline.protocol.shard import DataRef, Entry
+from dedloc_pipeline.storage.layout import volunteer_of
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
@@ -48,19 +51,19 @@ def tolerances(rounds: int) -> tuple[dict, object, dict]:
     for name in ("none", "fp16", "int8", "int4"):
         run = make_run(name)
         workers = collaborate(run, PEERS, rounds=rounds)
-        rec = verify.Recomputer(run, "cpu", micro_batch=7)
+        rec = recompute.Recomputer(run, "cpu", micro_batch=7)
         errors, pairs, seconds, samples = [], [], 0.0, 0
         for r in range(rounds):
-            entries = run.bucket.read_json(run.keys.close(r))["accepted"]
+            entries = Close.read(run, r).accepted
             for e in entries:
                 t0 = time.perf_counter()
-                c = verify.compare(verify.read_shard(run, e), rec.gradient(e))
+                c = recompute.compare(recompute.read_shard(run, e), rec.gradient(e))
                 seconds += time.perf_counter() - t0
-                samples += e["samples"]
+                samples += e.samples
                 errors.append((1 - c.cosine, abs(c.norm_ratio - 1)))
-            cos = verify.similarities(run, entries)
+            cos = recompute.similarities(run, entries)
             pairs += [float(cos[i, j]) for i, j in _cross(entries)]
-        tol = verify.TOLERANCES[name]
+        tol = recompute.TOLERANCES[name]
         out[name] = {"shards": len(errors), "worst_1_minus_cosine": max(e[0] for e in errors),
                      "worst_norm_error": max(e[1] for e in errors), "max_honest_pair_cosine": max(pairs),
                      "tolerance": {"1_minus_cosine": 1 - tol.min_cosine, "norm_error": tol.max_norm_error},
@@ -74,11 +77,11 @@ def tolerances(rounds: int) -> tuple[dict, object, dict]:
 
 def _cross(entries):
     return [(i, j) for i in range(len(entries)) for j in range(i + 1, len(entries))
-            if verify.volunteer_of(entries[i]["peer"]) != verify.volunteer_of(entries[j]["peer"])]
+            if volunteer_of(entries[i].peer) != volunteer_of(entries[j].peer)]
 
 
-def _entry(r: int, stream: str, start: int, count: int) -> dict:
-    return {"round": r, "samples": count, "stale_samples": 0, "data": {"stream": stream, "ranges": [[start, count]]}}
+def _entry(r: int, stream: str, start: int, count: int) -> Entry:
+    return Entry.model_construct(round=r, samples=count, stale_samples=0, data=DataRef(stream=stream, ranges=[(start, count)]))
 
 
 def _int8(g: np.ndarray, run) -> np.ndarray:
@@ -91,8 +94,8 @@ def detection(run, trials: int, rounds: int) -> dict:
     """Per attack: the share of trials the validator's comparison flags. Each trial takes a random
     committed state and a random place in a fresh stream; the claim is recomputed honestly."""
     rng = np.random.default_rng(0)
-    rec = verify.Recomputer(run, "cpu")
-    tol = verify.TOLERANCES["int8"]
+    rec = recompute.Recomputer(run, "cpu")
+    tol = recompute.TOLERANCES["int8"]
     caught: dict[str, list[bool]] = {}
     seen: dict[str, list[tuple[float, float]]] = {}
     screened: list[bool] = []
@@ -116,10 +119,10 @@ def detection(run, trials: int, rounds: int) -> dict:
                       * np.float32(np.linalg.norm(honest8) / np.sqrt(run.flat.n)), run), honest8),
         }
         for name, (sent, claimed) in attacks.items():
-            c = verify.compare(sent, claimed)
+            c = recompute.compare(sent, claimed)
             caught.setdefault(name, []).append(not c.matches(tol))
             seen.setdefault(name, []).append((c.cosine, c.norm_ratio))
-        screened.append(verify.compare(_int8(victim, run), victim).cosine >= verify.COPY_COSINE)
+        screened.append(recompute.compare(_int8(victim, run), victim).cosine >= recompute.COPY_COSINE)
     rates = {k: float(np.mean(v)) for k, v in caught.items()}
     medians = {k: {"cosine": float(np.median([c for c, _ in v])), "norm_ratio": float(np.median([n for _, n in v]))}
                for k, v in seen.items()}
@@ -130,10 +133,10 @@ def detection(run, trials: int, rounds: int) -> dict:
 def draw_probability(n_shards: int, fraction: float = verify.FRACTION, samples: int = 20_000) -> float:
     """P(a given shard is recomputed) in a round of n shards: over random COMMIT hashes."""
     hits = 0
-    keys = [{"key": f"shard-{i}"} for i in range(n_shards)]
+    keys = [Entry.model_construct(key=f"shard-{i}") for i in range(n_shards)]
     for s in range(samples):
         h = hashlib.sha256(str(s).encode()).hexdigest()
-        hits += any(x["key"] == "shard-0" for x in verify.chosen(keys, h, fraction))
+        hits += any(x.key == "shard-0" for x in verify.chosen(keys, h, fraction))
     return hits / samples
 
 

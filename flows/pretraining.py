@@ -19,7 +19,8 @@ from prefect.artifacts import (
 
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol import aggregator, scheduler as engine
+from dedloc_pipeline.protocol import aggregator, ledger, scheduler as engine
+from dedloc_pipeline.protocol.close import close_summary
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
@@ -31,7 +32,7 @@ from flows.common import artifact_key, dask_address, open_run, scheduler, task_r
 def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: float) -> dict | None:
     """Round r's CLOSE in brief, or None if the run was stopped or nothing closed in ``max_wait_s``."""
     close = scheduler(bucket, run, poll_s).wait_close(r, time.monotonic() + max_wait_s)
-    return None if close is None else engine.close_summary(close)
+    return None if close is None else close_summary(close)
 
 
 @task(retries=3, retry_delay_seconds=2)
@@ -41,7 +42,7 @@ def prepare(bucket: str, run: str, r: int) -> None:
 
 @task(retries=3, retry_delay_seconds=2)
 def commit(bucket: str, run: str, r: int) -> dict:
-    c = engine.commit(open_run(bucket, run), r)
+    c = ledger.commit(open_run(bucket, run), r)
     return {k: c[k] for k in ("state", "round", "samples", "loss", "contributors", "closed_at", "committed_at")}
 
 

@@ -54,7 +54,7 @@ def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run)
     base = _noise(run, 0)
     for i, p in enumerate("abc"):
         _shard(run, 0, p, base + _noise(run, 1 + i, 2e-4), 8)
-    assert Scheduler(run, 1, 0).try_close(0)["samples"] == 24
+    assert Scheduler(run, 1, 0).try_close(0).samples == 24
     _finish(run, 0)
 
     _shard(run, 1, "mallory", -base, 96)
@@ -64,14 +64,14 @@ def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run)
     for p, g in zip("abc", honest):
         _shard(run, 1, p, g, 8)
     close = sched.try_close(1)
-    weight = {s["peer"]: s["weight"] for s in close["accepted"]}
+    weight = {s.peer: s.weight for s in close.accepted}
     assert weight["mallory"] == 16 and all(weight[p] == 8 for p in "abc")  # twice the median volunteer
-    assert close["samples"] == 16 + 24
+    assert close.samples == 16 + 24
     _finish(run, 1)
     reduced = vector.read_vector(run.bucket, run.keys.reduced(1), run.dense_format)
     assert _cos(reduced, base) > 0.3
     # control: the claim as the weight
-    claimed = {s["peer"]: s["samples"] for s in close["accepted"]}
+    claimed = {s.peer: s.samples for s in close.accepted}
     assert claimed["mallory"] / sum(claimed.values()) == 0.8
     by_claim = sum(claimed[p] * g for p, g in zip("abc", honest)) - claimed["mallory"] * base
     assert _cos(by_claim, base) < 0
@@ -83,7 +83,7 @@ def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run)
     for i, (p, n) in enumerate(zip("abc", (4, 8, 12))):
         _shard(run, 0, p, _noise(run, i), n)
     close = Scheduler(run, 1, 0).try_close(0)
-    assert all(s["weight"] == s["samples"] for s in close["accepted"]) and close["samples"] == 24
+    assert all(s.weight == s.samples for s in close.accepted) and close.samples == 24
 
 
 # case 15: data references
@@ -124,9 +124,9 @@ def test_a_shard_names_a_contiguous_run_of_its_own_stream(make_run, attack, reas
     else:
         bad = _shard(run, 1, "a", g, 4, start=8, part="0002")
     close = Scheduler(run, 1, 0).try_close(1)
-    assert [s["key"] for s in close["accepted"]] == [good]
-    (rejected,) = close["rejected"]
-    assert rejected["key"] == bad and reason in rejected["reason"]
+    assert [s.key for s in close.accepted] == [good]
+    (rejected,) = close.rejected
+    assert rejected.key == bad and reason in rejected.reason
 
 
 def test_refused_samples_still_advance_their_stream(make_run):
@@ -136,7 +136,7 @@ def test_refused_samples_still_advance_their_stream(make_run):
     _shard(run, 0, "a", _noise(run, 0), 8)
     _shard(run, 0, "a", _noise(run, 1, scale=1.0), 8, part="0002")  # norm ~ 1e3 times the first's
     close = Scheduler(run, 1, 0).try_close(0)
-    assert len(close["accepted"]) == 1 and "above the bound" in close["rejected"][0]["reason"]
+    assert len(close.accepted) == 1 and "above the bound" in close.rejected[0].reason
     _finish(run, 0)
     assert run.stream_ends(1) == {"a": 16}
 
@@ -171,7 +171,7 @@ def test_forged_organizer_records_are_refused(signed_run, caplog, signer):
     _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
     with caplog.at_level(logging.ERROR):
         close = Scheduler(run, 1, 0).try_close(0)
-    assert [s["peer"] for s in close["accepted"]] == ["alice"] and "deleted" in caplog.text
+    assert [s.peer for s in close.accepted] == ["alice"] and "deleted" in caplog.text
     # a COMMIT of state 1 created before the organizer's: no state to anyone, then replaced
     b.create_json(k.commit(1), forge(dict(run.commit_of(0), state=1)))
     assert run.latest() == 0
@@ -215,10 +215,10 @@ def test_a_roster_replayed_before_a_restart_is_refused(signed_run, tmp_path):
     assert sched.roster().version == 3
     assert sched.try_close(0) is None
     accepted, rejected = sched._verdicts(0)
-    assert not accepted and "revoked" in rejected[0]["reason"]
+    assert not accepted and "revoked" in rejected[0].reason
     b.delete(k.rosters)  # control
     accepted, _ = Scheduler(run, 1, 0)._verdicts(0)
-    assert [s["peer"] for s in accepted] == ["bob"]
+    assert [s.peer for s in accepted] == ["bob"]
 
 
 def test_the_data_set_is_pinned_by_hash(bengali, tmp_path):
@@ -247,8 +247,8 @@ def test_the_scheduler_refuses_a_flagged_volunteers_later_shards(make_run):
     bad = _shard(run, 0, "mallory.gpu", _noise(run, 0), 8)
     good = _shard(run, 0, "alice", _noise(run, 1), 8)
     close = Scheduler(run, 1, 0).try_close(0)
-    assert [s["key"] for s in close["accepted"]] == [good]
-    assert close["rejected"][0]["key"] == bad and "flagged by the validator" in close["rejected"][0]["reason"]
+    assert [s.key for s in close.accepted] == [good]
+    assert close.rejected[0].key == bad and "flagged by the validator" in close.rejected[0].reason
 
 
 def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run, tmp_path):
@@ -257,7 +257,7 @@ def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run, tmp_pat
     run, org, alice, mallory = signed_run
     run.bucket.create_json(run.keys.flag("alice"), identity.sign_record(mallory, {"volunteer": "alice"}))
     _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
-    assert [s["peer"] for s in Scheduler(run, 1, 0).try_close(0)["accepted"]] == ["alice"]
+    assert [s.peer for s in Scheduler(run, 1, 0).try_close(0).accepted] == ["alice"]
     _finish(run, 0)
     bob = identity.generate(tmp_path / "bob.pem")
     identity.update_roster(run.bucket, run.name, org, enroll={"bob": identity.public(bob)})
@@ -269,5 +269,5 @@ def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run, tmp_pat
     run.bucket.write_json(run.keys.flag("alice"), run.record("flag", {"volunteer": "alice", "round": 0}))
     _shard(run, 1, "bob", _noise(run, 3), 5, signer=bob, part="0002")
     close = sched.try_close(1)
-    assert [s["peer"] for s in close["accepted"]] == ["bob", "bob"]
-    assert "flagged by the validator" in close["rejected"][0]["reason"]
+    assert [s.peer for s in close.accepted] == ["bob", "bob"]
+    assert "flagged by the validator" in close.rejected[0].reason

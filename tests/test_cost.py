@@ -18,7 +18,7 @@ from dedloc_pipeline.planning import prices
 from dedloc_pipeline.planning.estimate import SAMPLES_PER_S, _count, estimate, measured
 from dedloc_pipeline.planning.planned import PlannedRun, n_params
 from dedloc_pipeline.planning.requests import PRUNE_WINDOW, Requests, Traffic
-from dedloc_pipeline.protocol import scheduler, shard, view
+from dedloc_pipeline.protocol import ledger, scheduler, shard, view
 from dedloc_pipeline.protocol.config import RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage import codec
@@ -119,7 +119,7 @@ def test_parameter_counts_from_the_preset_alone(preset, seq_len):
 
 
 def test_the_constants_the_model_copies_from_torch_modules():
-    assert inspect.signature(scheduler.prune).parameters["window"].default == PRUNE_WINDOW
+    assert inspect.signature(ledger.prune).parameters["window"].default == PRUNE_WINDOW
 
 
 def _requests(bucket) -> Counter:
@@ -182,8 +182,8 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     p0 = run.load_params(0)
     counted("download", lambda: run.apply_delta(1, p0, run.commit_of(1)))
     counted("between rounds", sched.poll)
-    counted("prune state 1", lambda: scheduler.prune(run, 1 + config.keep_states))
-    counted("prune again", lambda: scheduler.prune(run, 4 + config.keep_states))
+    counted("prune state 1", lambda: ledger.prune(run, 1 + config.keep_states))
+    counted("prune again", lambda: ledger.prune(run, 4 + config.keep_states))
     yield run, Traffic(PlannedRun(config)), steps
     mp.undo()
 

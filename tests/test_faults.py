@@ -145,9 +145,9 @@ def test_only_enrolled_volunteers_shards_count(signed, caplog, attack, reason):
         _upload(run, r, "bob", keys["bob"], part="0002")
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = sched.try_close(r)
-    assert [s["key"] for s in close["accepted"]] == [k.shard(r, "alice", "good")]
-    assert len(close["rejected"]) == 1 and close["rejected"][0]["key"] == bad
-    assert reason in close["rejected"][0]["reason"], close["rejected"][0]["reason"]
+    assert [s.key for s in close.accepted] == [k.shard(r, "alice", "good")]
+    assert len(close.rejected) == 1 and close.rejected[0].key == bad
+    assert reason in close.rejected[0].reason, close.rejected[0].reason
     assert any("rejected shard" in rec.message for rec in caplog.records)
     if attack.endswith("roster"):
         assert any("roster" in rec.message and rec.levelname == "ERROR" for rec in caplog.records)
@@ -199,8 +199,8 @@ def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, 
         b.write_bytes(f"{bad}/codes/c/junk", np.random.default_rng(0).bytes(4 * run.flat.n))
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
-    assert sorted(s["key"] for s in close["accepted"]) == honest
-    assert [s["key"] for s in close["rejected"]] == [bad] and reason in close["rejected"][0]["reason"]
+    assert sorted(s.key for s in close.accepted) == honest
+    assert [s.key for s in close.rejected] == [bad] and reason in close.rejected[0].reason
     assert any(bad in rec.message for rec in caplog.records)
 
 
@@ -285,7 +285,7 @@ def test_the_norm_screen_spares_honest_small_shards(make_run):
         keys.append(shard.upload(run, 0, f"p{i}", "0001", codec.encode(g, "int8", 4096), n, 5.0,
                                  shard.DataRef(stream=f"p{i}", ranges=[(0, n)])))
     close = Scheduler(run, 1, 0).try_close(0)
-    assert close["rejected"] == [] and sorted(s["key"] for s in close["accepted"]) == keys
+    assert close.rejected == [] and sorted(s.key for s in close.accepted) == keys
 
 
 # case 13: one volunteer, many parts (influence is bounded per volunteer, not per shard)
@@ -303,8 +303,8 @@ def test_many_tiny_parts_from_one_volunteer_do_not_move_the_norm_screen(make_run
     honest = [_part(run, p, "0001", _noise(run, i), 8) for i, p in enumerate("abc")]
     tiny = [_part(run, "mallory", f"000{j}", _noise(run, 10 + j, 1e-7), 8, 8 * j) for j in range(1, 5)]
     close = Scheduler(run, 1, 0).try_close(0)
-    assert close["rejected"] == [] and sorted(s["key"] for s in close["accepted"]) == sorted(honest + tiny)
-    norms = {s["key"]: s["norm"] for s in close["accepted"]}
+    assert close.rejected == [] and sorted(s.key for s in close.accepted) == sorted(honest + tiny)
+    norms = {s.key: s.norm for s in close.accepted}
     per_shard_bound = run.config.norm_screen * float(np.median(list(norms.values())))
     assert all(norms[k] > per_shard_bound for k in honest)  # what the old screen did to them
 
@@ -314,9 +314,9 @@ def test_a_volunteers_parts_beyond_max_parts_are_rejected(make_run):
     first = [_part(run, "mallory", f"000{j}", _noise(run, j), 4, 4 * j) for j in range(1, 4)]
     honest = _part(run, "a", "0001", _noise(run, 9), 16)  # 4 + 4 + 16: the target
     close = Scheduler(run, 1, 0).try_close(0)
-    assert sorted(s["key"] for s in close["accepted"]) == sorted(first[:2] + [honest])
-    assert [s["key"] for s in close["rejected"]] == [first[2]]
-    assert "above close.max_parts=2" in close["rejected"][0]["reason"]
+    assert sorted(s.key for s in close.accepted) == sorted(first[:2] + [honest])
+    assert [s.key for s in close.rejected] == [first[2]]
+    assert "above close.max_parts=2" in close.rejected[0].reason
 
 
 @pytest.mark.parametrize("aggregation", ["trimmed_mean", "centered_clip"])
@@ -336,7 +336,7 @@ def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregatio
     with ThreadPoolExecutor(2) as pool:
         sched = Scheduler(run, 2, 0)
         close = sched.try_close(0)
-        assert len(close["accepted"]) == 7
+        assert len(close.accepted) == 7
         sched.finish(0, pool)
     reduced = vector.read_vector(run.bucket, run.keys.reduced(0), run.dense_format)
 

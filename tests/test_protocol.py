@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -70,7 +69,7 @@ def test_shard_without_manifest_is_never_read(make_run):
                        codec.encode(np.full(run.flat.n, np.nan, np.float32), "none", 4096))
     put_shard(run, 0, "good", samples=24)
     close = Scheduler(run, 1, 0).try_close(0)
-    assert [s["peer"] for s in close["accepted"]] == ["good"] and close["rejected"] == []
+    assert [s.peer for s in close.accepted] == ["good"] and close.rejected == []
 
 
 # invariant 2: validation at close
@@ -130,11 +129,11 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         run.bucket.delete(f"{key}/values/c/0")
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
-    assert [s["peer"] for s in close["accepted"]] == ["honest"]
-    assert len(close["rejected"]) == 1 and reason in close["rejected"][0]["reason"]
+    assert [s.peer for s in close.accepted] == ["honest"]
+    assert len(close.rejected) == 1 and reason in close.rejected[0].reason
     assert any("rejected shard" in r.message and key in r.message for r in caplog.records)
     commit = finish(run, 0)  # the round goes on without it
-    assert commit["contributors"] == ["honest"] and commit["rejected"] == close["rejected"]
+    assert commit["contributors"] == ["honest"] and commit["rejected"] == [x.dump() for x in close.rejected]
 
 
 def test_a_shard_that_breaks_the_judge_is_rejected_and_the_round_goes_on(make_run, monkeypatch, caplog):
@@ -153,8 +152,8 @@ def test_a_shard_that_breaks_the_judge_is_rejected_and_the_round_goes_on(make_ru
     monkeypatch.setattr(codec, "squared_norm", squared_norm)
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
-    assert [s["peer"] for s in close["accepted"]] == ["honest"]
-    assert close["rejected"][0]["reason"] == "could not be judged: MemoryError: out of memory"
+    assert [s.peer for s in close.accepted] == ["honest"]
+    assert close.rejected[0].reason == "could not be judged: MemoryError: out of memory"
     assert any("could not be judged" in r.message for r in caplog.records)
 
 
@@ -164,7 +163,7 @@ def test_round_waits_for_the_target_then_closes(make_run):
     put_shard(run, 0, "a", samples=12)
     assert sched.try_close(0) is None and not run.bucket.exists(run.keys.close(0))
     put_shard(run, 0, "b", samples=12)
-    assert sched.try_close(0)["samples"] == 24
+    assert sched.try_close(0).samples == 24
 
 
 def test_timeout_closes_a_short_round_above_the_minimum(make_run):
@@ -176,7 +175,7 @@ def test_timeout_closes_a_short_round_above_the_minimum(make_run):
     put_shard(run, 0, "b", samples=4)
     assert sched.try_close(0, now=opened + 1) is None  # not timed out yet
     close = sched.try_close(0, now=opened + 10)
-    assert close["samples"] == 12 and close["reason"] == "timeout"
+    assert close.samples == 12 and close.reason == "timeout"
 
 
 # late shards
@@ -190,11 +189,11 @@ def test_late_shard_never_joins_its_closed_round(make_run, policy):
     assert late not in [s["key"] for s in run.bucket.read_json(run.keys.close(0))["accepted"]]
     put_shard(run, 1, "a", samples=24)
     close1 = Scheduler(run, 1, 0).try_close(1)
-    folded = [s for s in close1["accepted"] if s["key"] == late]
+    folded = [s for s in close1.accepted if s.key == late]
     if policy == "fold":
-        assert folded and folded[0]["late"] and close1["samples"] == 28
+        assert folded and folded[0].late and close1.samples == 28
     else:
-        assert not folded and close1["samples"] == 24
+        assert not folded and close1.samples == 24
     commit = finish(run, 1)
     assert ("slow" in commit["contributors"]) == (policy == "fold")
     assert run.bucket.read_json(run.keys.close(0))["samples"] == 24  # round 0 untouched
@@ -437,7 +436,7 @@ def test_a_round_closed_before_stop_is_still_committed(make_run):
 def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run):
     """The Prefect flow runs the steps as separate tasks (never Scheduler.step): its long-lived
     scheduler still forgets verdicts of rounds that no close will ask about again."""
-    from dedloc_pipeline.protocol import scheduler as engine
+    from dedloc_pipeline.protocol import ledger
     run = make_run()
     sched = Scheduler(run, 1, 0)
     for r in range(4):
@@ -447,5 +446,5 @@ def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run
         for step in (aggregator.reduce_part, aggregator.apply_part):
             for k in range(run.n_parts):
                 step(run, r, k)
-        engine.commit(run, r)
+        ledger.commit(run, r)
         assert {run.keys.round_of(k) for k in sched._seen} == ({r - 1, r} if r else {0})

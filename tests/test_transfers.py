@@ -52,7 +52,7 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     w.flush()
     (manifest,) = run.bucket.find(run.keys.manifests_dir(0))
     entry = shard.validate(run, 0, run.keys.shard_of(manifest), run.bucket.read_bytes(manifest))
-    assert entry["samples"] == 24 and w.uploads[0][2] == 24 and w.uploaded_samples == 24
+    assert entry.samples == 24 and w.uploads[0][2] == 24 and w.uploaded_samples == 24
     beat = run.bucket.read_json(run.keys.progress(0, "a"))  # landed: round 0's heartbeat withdrawn
     assert beat["samples"] == beat["sending"] == 0
 

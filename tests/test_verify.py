@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.protocol import shard, verify
+from dedloc_pipeline.protocol import recompute, shard, verify
+from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
@@ -40,8 +41,9 @@ def honest_upload(run, peer, signer=None):
 
 def gradient_of(run, stream, start, count, r=0):
     """The mean gradient of samples [start, start+count) of ``stream`` on state r."""
-    entry = {"round": r, "samples": count, "stale_samples": 0, "data": {"stream": stream, "ranges": [[start, count]]}}
-    return verify.Recomputer(run, "cpu").gradient(entry)
+    entry = shard.Entry.model_construct(round=r, samples=count, stale_samples=0,
+                                        data=shard.DataRef(stream=stream, ranges=[(start, count)]))
+    return recompute.Recomputer(run, "cpu").gradient(entry)
 
 
 def forged(run, peer, grad, samples, ranges, r=0, signer=None, arrays=None):
@@ -70,7 +72,7 @@ def test_honest_shards_verify(make_run, codec_name, delayed):
     if delayed:
         assert any(s["stale_samples"] for s in shards)  # the stale part was recomputed on state r-1
     worst = min(s["cosine"] for s in shards)
-    assert worst > (1 - 1e-9 if codec_name == "none" else verify.TOLERANCES["int8"].min_cosine)
+    assert worst > (1 - 1e-9 if codec_name == "none" else recompute.TOLERANCES["int8"].min_cosine)
     assert verify.flagged(run) == {}
 
 
@@ -79,11 +81,12 @@ def test_stale_samples_are_recomputed_on_the_previous_state(make_run):
     state (stale_samples 0) makes the same gradient a mismatch at fp32's tolerance."""
     run = make_run(codec="none", delayed_updates=True, keep_states=10)
     collaborate(run, PEERS, rounds=2)
-    rec = verify.Recomputer(run, "cpu")
-    entry = next(s for s in run.bucket.read_json(run.keys.close(1))["accepted"] if s["stale_samples"])
-    grad = verify.read_shard(run, entry)
-    assert verify.compare(grad, rec.gradient(entry)).matches(verify.TOLERANCES["none"])
-    assert not verify.compare(grad, rec.gradient(dict(entry, stale_samples=0))).matches(verify.TOLERANCES["none"])
+    rec = recompute.Recomputer(run, "cpu")
+    entry = next(s for s in Close.read(run, 1).accepted if s.stale_samples)
+    grad = recompute.read_shard(run, entry)
+    assert recompute.compare(grad, rec.gradient(entry)).matches(recompute.TOLERANCES["none"])
+    assert not recompute.compare(grad, rec.gradient(entry.model_copy(update={"stale_samples": 0}))).matches(
+        recompute.TOLERANCES["none"])
 
 
 ATTACKS = {
@@ -128,8 +131,8 @@ def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_ru
     alice = honest_upload(run, "alice")
     entry = shard.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
     if copied:
-        arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry["checksums"], raw=True)
-        forged(run, "mallory", None, entry["samples"], [(0, entry["samples"])], arrays=arrays)
+        arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
+        forged(run, "mallory", None, entry.samples, [(0, entry.samples)], arrays=arrays)
     else:
         honest_upload(run, "mallory")
     finish(run, 0)
@@ -137,7 +140,7 @@ def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_ru
     got = verdicts(record)
     if not copied:
         assert got == {} and record["copy_screen"]["pairs"] == []
-        assert record["copy_screen"]["max_cosine"] < verify.COPY_COSINE
+        assert record["copy_screen"]["max_cosine"] < recompute.COPY_COSINE
         return
     assert record["copy_screen"]["pairs"][0]["cosine"] > 0.9999
     assert got["alice"]["verdict"] == "ok" and got["alice"]["why"] == "copy screen"
@@ -149,17 +152,17 @@ def test_the_choice_follows_the_next_commit(make_run):
     """Recomputable by anyone from COMMIT r+1; another COMMIT draws other shards."""
     run = make_run(keep_states=10)
     collaborate(run, PEERS, rounds=1)
-    close, commit = run.bucket.read_json(run.keys.close(0)), run.commit_of(1)
+    close, commit = Close.read(run, 0), run.commit_of(1)
     h = shard.commit_hash(commit)
     record = verify.Verifier(run, fraction=0.3, device="cpu").verify_round(0)
-    assert [s["key"] for s in record["shards"]] == sorted(s["key"] for s in verify.chosen(close["accepted"], h, 0.3))
+    assert [s["key"] for s in record["shards"]] == sorted(s.key for s in verify.chosen(close.accepted, h, 0.3))
     assert record["state_hash"] == h
-    many = [{"key": f"{s['key']}-{i}"} for s in close["accepted"] for i in range(100)]
-    picked = {s["key"] for s in verify.chosen(many, h, 0.05)}
-    assert picked == {s["key"] for s in verify.chosen(many, h, 0.05)}
+    many = [s.model_copy(update={"key": f"{s.key}-{i}"}) for s in close.accepted for i in range(100)]
+    picked = {s.key for s in verify.chosen(many, h, 0.05)}
+    assert picked == {s.key for s in verify.chosen(many, h, 0.05)}
     assert 0 < len(picked) < 0.15 * len(many)
     other = shard.commit_hash(dict(commit, committed_at=commit["committed_at"] + 1))
-    assert picked != {s["key"] for s in verify.chosen(many, other, 0.05)}
+    assert picked != {s.key for s in verify.chosen(many, other, 0.05)}
     assert len(verify.chosen(many[:3], h, 0.0)) == 1  # at least one a round
 
 
@@ -170,8 +173,8 @@ def test_a_restarted_verifier_does_not_redo_a_round(make_run):
     assert first.serve(until_round=0) == 1
     again = verify.Verifier(run, fraction=1.0, device="cpu")
     calls = []
-    recompute = again.recompute.gradient
-    again.recompute.gradient = lambda entry: calls.append(entry["key"]) or recompute(entry)
+    gradient = again.recompute.gradient
+    again.recompute.gradient = lambda entry: calls.append(entry.key) or gradient(entry)
     assert again.next_round() == 1
     assert again.serve(until_round=1) == 2
     assert calls and all(run.keys.shard_parts(k)[0] == 1 for k in calls)  # round 1 only

@@ -94,7 +94,7 @@ def test_the_view_is_what_the_scheduler_validated(make_run):
     assert close is not None
     v = _published(run)
     assert v.closed and (v.validated_samples, v.shards, v.rejected) == \
-        (close["samples"], len(close["accepted"]), len(close["rejected"])) == (24, 5, 3)
+        (close.samples, len(close.accepted), len(close.rejected)) == (24, 5, 3)
     assert (v.pending_samples, v.peers, v.eta_s) == (0, 0, 0.0)
     run.bucket.create_json(k.stop(), {"reason": "test"})
     assert Scheduler(run, 1, 0).try_close(0) == close  # an existing CLOSE: published as it is

@@ -61,7 +61,7 @@ def evaluate(run: Run, state: int | None = None, samples: int = 128,
 
 
 def kept_states(run: Run) -> list[int]:
-    """The states whose parameters a run keeps (``scheduler.prune``): state 0, every
+    """The states whose parameters a run keeps (``ledger.prune``): state 0, every
     ``checkpoint_every``-th, and the last ``keep_states``; a learning curve needs no more."""
     latest, c = run.latest(), run.config
     return [s for s in range(latest + 1) if s % c.checkpoint_every == 0 or s > latest - c.keep_states]

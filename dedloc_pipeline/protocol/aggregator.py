@@ -4,7 +4,8 @@
 robust estimate: ``robust.py``);
 ``apply_part`` runs the optimizer step on that range and writes the range of the next state.
 Both read only immutable inputs (CLOSE, state r) and write deterministic outputs before their
-marker, so running one twice, or after a crash, gives the same bytes.
+marker, so running one twice, or after a crash, gives the same bytes. Once every part is
+applied, ``ledger.commit`` writes the state's COMMIT.
 """
 
 from __future__ import annotations
@@ -16,19 +17,12 @@ import numpy as np
 
 from ..storage import codec, vector
 from ..storage.layout import volunteer_of
-from ..trust import identity
 from . import optim, robust
+from .close import closed
 from .run import Run, RunError
 
 log = logging.getLogger(__name__)
 READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, memory stays bounded
-
-
-def _close(run: Run, r: int) -> dict:
-    close = run.read_record(run.keys.close(r), f"CLOSE of round {r}")
-    if close is None:
-        raise RunError(f"round {r} is not closed")
-    return close
 
 
 def reduce_part(run: Run, r: int, part: int) -> str:
@@ -37,29 +31,29 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     marker = keys.reduced_marker(r, part)
     if bucket.exists(marker):
         return marker
-    close = _close(run, r)
+    accepted = closed(run, r).accepted
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
-    fmt, accepted = run.grad_format, close["accepted"]
-    volunteers = sorted({volunteer_of(s["peer"]) for s in accepted})
+    fmt = run.grad_format
+    volunteers = sorted({volunteer_of(s.peer) for s in accepted})
     robust_mode = run.config.aggregation != "mean" and len(volunteers) > 2
     row = {v: i for i, v in enumerate(volunteers)}
     weights = np.zeros(len(volunteers), np.float64)  # each volunteer's, capped by the scheduler
     for s in accepted:
-        weights[row[volunteer_of(s["peer"])]] += s["weight"]
+        weights[row[volunteer_of(s.peer)]] += s.weight
     total = np.zeros(hi - lo, np.float64)
     stacked = np.zeros((len(volunteers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
-        found = vector.read_vectors(bucket, [s["key"] for s in batch], fmt, chunks, [s["checksums"] for s in batch])
+        found = vector.read_vectors(bucket, [s.key for s in batch], fmt, chunks, [s.checksums for s in batch])
         for shard, arrays in zip(batch, found):
             if isinstance(arrays, vector.CorruptShard):  # changed after CLOSE: refuse, never skip
                 raise arrays
             if robust_mode:  # the volunteer's parts, sample-weighted
-                k = row[volunteer_of(shard["peer"])]
-                codec.accumulate(stacked[k], arrays, fmt.codec, fmt.block, shard["weight"] / weights[k])
+                k = row[volunteer_of(shard.peer)]
+                codec.accumulate(stacked[k], arrays, fmt.codec, fmt.block, shard.weight / weights[k])
             else:
-                codec.accumulate(total, arrays, fmt.codec, fmt.block, shard["weight"])
+                codec.accumulate(total, arrays, fmt.codec, fmt.block, shard.weight)
     if robust_mode:
         grad = robust.aggregate(stacked, weights.tolist(), run.config)
     else:
@@ -124,55 +118,3 @@ def apply_part(run: Run, r: int, part: int) -> str:
         vector.write_vector(bucket, keys.optim(r + 1, name), fmt, {"values": arr}, chunks)
     bucket.write_json(marker, {"part": part, "checksums": sums})
     return marker
-
-
-def _streams(before: dict[str, int], close: dict) -> dict[str, int]:
-    """Each stream's end, as of this round's shards, accepted or refused once known to be their
-    peer's own (deterministic: safe to repeat)."""
-    ends = dict(before)
-    for s in close["accepted"] + [s for s in close["rejected"] if "data" in s]:
-        stream = s["data"]["stream"]
-        ends[stream] = max([ends.get(stream, 0)] + [a + c for a, c in s["data"]["ranges"]])
-    return ends
-
-
-def commit_state(run: Run, r: int) -> dict:
-    """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
-    keys, bucket = run.keys, run.bucket
-    try:
-        existing = run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}")
-    except identity.IdentityError as exc:  # whoever wrote it first, it is not the organizer's
-        log.error("%s: deleted; committing the true one", exc)
-        bucket.delete(keys.commit(r + 1))
-        existing = None
-    if existing is None:
-        close = _close(run, r)
-        found = bucket.read_many([keys.applied(r + 1, k) for k in range(run.n_parts)])
-        missing = [k for k, v in found.items() if v is None]
-        if missing:
-            raise RunError(f"state {r + 1}: parts not applied: {missing}")
-        applied = [json.loads(found[keys.applied(r + 1, k)]) for k in range(run.n_parts)]
-        delta_sums: dict[str, list[str]] = {}
-        for a in applied:
-            for name, s in a["checksums"]["delta"].items():
-                delta_sums.setdefault(name, []).extend(s)
-        shards = [{k: s[k] for k in ("key", "peer", "samples", "weight", "loss", "manifest_sha", "late")}
-                  for s in close["accepted"]]
-        bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
-            "state": r + 1, "ends": _streams(run.stream_ends(r), close)}))
-        loss = sum(s["weight"] * s["loss"] for s in shards) / sum(s["weight"] for s in shards)
-        commit = {
-            "state": r + 1, "round": r, "step": r + 1, "samples": close["samples"],
-            "loss": loss, "contributors": sorted({s["peer"] for s in shards}), "shards": shards,
-            "rejected": close["rejected"], "lr": optim.lr_at(run.config.aggregator_optimizer, r + 1),
-            "opened_at": close.get("opened_at"), "closed_at": close["closed_at"],
-            "committed_at": run.clock.time(),
-            "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
-                          "delta": delta_sums},
-        }
-        if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit)):
-            log.info("state %d was committed by another scheduler", r + 1)
-        existing = run.commit_of(r + 1)
-    if run.latest_hint() < r + 1:
-        bucket.write_json(keys.latest, run.record("LATEST", {"state": r + 1}))
-    return existing

@@ -49,7 +49,7 @@ class Run:
                                f"this dedloc reads v{LAYOUT_VERSION}: nothing was written")
             config = RunConfig.model_validate(raw)
         self.config = config
-        self.pruned_through: int | None = None  # the newest state this process pruned (scheduler.prune)
+        self.pruned_through: int | None = None  # the newest state this process pruned (ledger.prune)
         self._organizer = organizer
         if organizer is not None and identity.public(organizer) != config.organizer_key:
             raise RunError(f"that private key is not the organizer key run {name!r} was created with")

@@ -8,6 +8,10 @@ drive the same loop::
         close = snap.close or scheduler.wait_close(snap.state, deadline_of_the_wait)
         if close:  prepare(r); reduce_part(r, k) for every part; apply_part(r, k) ...; commit(r)
 
+A round closes in ``try_close``: each new manifest validated (``shard.validate``), then the
+round's admission rules (``admission.py``) over the validated shards, then CLOSE (``close.py``);
+``finish`` reduces and applies it (``aggregator.py``) and commits it (``ledger.py``).
+
 Everything it knows comes from the bucket, so it can be killed and started again anywhere: a
 closed round is finished from its CLOSE marker, a half-applied state from its part markers, and
 COMMIT is created at most once.
@@ -16,19 +20,18 @@ COMMIT is created at most once.
 from __future__ import annotations
 
 import logging
-import math
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
-
-import numpy as np
 
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import aggregator, heartbeat, verify, view
+from . import admission, aggregator, heartbeat, verify, view
 from .clock import Clock
+from .close import Close, Rejection
+from .ledger import commit
 from .run import Run, RunError
-from .shard import Rejected, commit_hash, manifest_limit, validate
+from .shard import DataRef, Entry, Rejected, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ class Snapshot:
     """One poll of a run: all the round loop decides on."""
 
     state: int  # the newest committed state; round ``state`` is the open one
-    close: dict | None  # that round's CLOSE, once it is closed
+    close: Close | None  # that round's CLOSE, once it is closed
     stopped: bool  # the organizer wrote the run's STOP marker
 
 
@@ -68,18 +71,12 @@ def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float 
     return None
 
 
-def close_summary(close: dict) -> dict:
-    """What a log line or an artifact says of a CLOSE (which lists every shard's checksums)."""
-    return {"round": close["round"], "samples": close["samples"], "shards": len(close["accepted"]),
-            "rejected": len(close["rejected"]), "reason": close["reason"]}
-
-
 class Scheduler:
     def __init__(self, run: Run, parallel: int = 2, poll_s: float | None = None, clock: Clock | None = None):
         """``poll_s`` fixes the seconds between polls; None follows the run's ``cadence``."""
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self.clock = run.clock if clock is None else clock
-        self._seen: dict[str, tuple[object, dict | str]] = {}  # manifest key -> (version, verdict)
+        self._seen: dict[str, tuple[object, Entry | Rejection]] = {}  # manifest key -> (version, verdict)
         self._beats = heartbeat.Heartbeats()
         self._opened: dict[int, Opening] = {}
         self._stopped = False  # STOP, as the last published view saw it
@@ -118,7 +115,7 @@ class Scheduler:
         return found
 
     # closing
-    def _verdicts(self, r: int, skip: set[str] = frozenset()) -> tuple[list[dict], list[dict]]:
+    def _verdicts(self, r: int, skip: set[str] = frozenset()) -> tuple[list[Entry], list[Rejection]]:
         """Validate every manifest of round r (each new one once); (accepted, rejected)."""
         bucket, keys = self.run.bucket, self.run.keys
         roster = self.roster()
@@ -144,7 +141,7 @@ class Scheduler:
         accepted, rejected = [], []
         for mkey in sorted(k for k in listed if k in self._seen):
             verdict = self._seen[mkey][1]
-            (rejected if "reason" in verdict else accepted).append(verdict)
+            (rejected if isinstance(verdict, Rejection) else accepted).append(verdict)
         return accepted, rejected
 
     def _stored(self, r: int) -> dict[str, dict[str, int]]:
@@ -168,7 +165,7 @@ class Scheduler:
         return self._opened[r]
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
-               stored: dict[str, int], opening: Opening) -> dict:
+               stored: dict[str, int], opening: Opening) -> Entry | Rejection:
         """The shard's verdict: its CLOSE entry, or why it is rejected (logged)."""
         shard = self.run.keys.shard_of(mkey)
         try:
@@ -183,109 +180,35 @@ class Scheduler:
             return self._reject(r, shard, f"could not be judged: {type(exc).__name__}: {exc}")
 
     @staticmethod
-    def _reject(r: int, shard: str, reason: str, data: dict | None = None) -> dict:
+    def _logged(r: int, rejected: list[Rejection]) -> list[Rejection]:
+        """Every rejection is logged as it is decided, naming the shard and why."""
+        for x in rejected:
+            log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
+        return rejected
+
+    def _reject(self, r: int, shard: str, reason: str, data: DataRef | None = None) -> Rejection:
         """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
-        log.warning("round %d: rejected shard %s: %s", r, shard, reason)
-        return {"key": shard, "reason": reason} | ({"data": data} if data is not None else {})
+        return self._logged(r, [Rejection(key=shard, reason=reason, data=data)])[0]
 
-    def _bound_parts(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
-        """At most ``close.max_parts`` shards of a volunteer (all its peers together) count in
-        a round, its first ones (part names start with their time), and no two of them over the
-        same samples: many small parts would otherwise buy a volunteer rows in every median and
-        a reduction that grows without bound, and a copy of a part its weight twice."""
-        limit, seen, used, kept, out = self.run.config.close.max_parts, {}, {}, [], []
-        for s in sorted(accepted, key=lambda s: (s["peer"], s["late"] is False, s["part"])):
-            v, ranges = volunteer_of(s["peer"]), s["data"]["ranges"]
-            mine = used.setdefault(s["peer"], [])
-            overlap = next(((a, c) for a, c in mine for b, d in ranges if a < b + d and b < a + c), None)
-            seen[v] = seen.get(v, 0) + (overlap is None)
-            if overlap is not None:
-                out.append(self._reject(r, s["key"], f"samples {ranges[0][0]}.. of {s['peer']} were "
-                                        f"already counted this round by another part ({overlap[0]}+{overlap[1]})"))
-            elif seen[v] > limit:
-                out.append(self._reject(r, s["key"], f"part {seen[v]} of volunteer {v} this round, "
-                                        f"above close.max_parts={limit}"))
-            else:
-                kept.append(s)
-                mine.extend(ranges)
-        return kept, out
-
-    def _unflagged(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
-        """Shards of volunteers the validator caught (verify.py) are refused, whenever they were
-        uploaded: the flags are read as a round opens and again when it is about to close (one
-        LIST), so a flag written mid-round keeps its volunteer out of that round's CLOSE."""
-        kept, out = [], []
-        for s in accepted:
-            flag = self._flags.get(volunteer_of(s["peer"]))
-            if flag is None:
-                kept.append(s)
-            else:
-                out.append(self._reject(r, s["key"], f"volunteer {volunteer_of(s['peer'])} was flagged by the "
-                                        f"validator in round {flag.get('round')}: {flag.get('reason')}"))
-        return kept, out
-
-    def _weigh(self, r: int, accepted: list[dict], live: frozenset[str] = frozenset()) -> tuple[list[dict], int]:
-        """Each shard's weight in the mean and the round's counted samples. Claimed samples are
-        claims: uncapped, one shard claiming 10,000 samples takes 99.8% of the mean and fills a
-        round alone. So a volunteer counts for at most twice its fair share of the target (2/V,
-        V the volunteers of this round and of the state it builds on) or twice the round's median
-        volunteer, whichever is more, and never less than ``close.max_share`` of the target; its
-        parts are scaled down alike. V counts the volunteers heartbeating this round too
-        (``live``), so the first shard of a round, or of a run, is capped by the peers still
-        computing theirs. Honest volunteers within that keep their exact weights (N peers still
-        equal one process), and one or two volunteers are never capped."""
-        rule, target = self.run.config.close, self.run.config.target_batch_size
-        claimed: dict[str, int] = {}
-        for s in accepted:
-            claimed[volunteer_of(s["peer"])] = claimed.get(volunteer_of(s["peer"]), 0) + s["samples"]
-        active = set(claimed) | self._opening(r).volunteers | live  # those not in yet count 0 in the median
-        median = float(np.median([claimed.get(v, 0) for v in active])) if active else 0.0
-        cap = math.ceil(max(target * rule.max_share, 2 * target / max(len(active), 1), 2 * median))
-        out = []
-        for s in accepted:
-            total = claimed[volunteer_of(s["peer"])]
-            out.append(dict(s, weight=s["samples"] * min(1.0, cap / total)))
-        return out, sum(min(n, cap) for n in claimed.values())
-
-    def _screen(self, r: int, accepted: list[dict]) -> tuple[list[dict], list[dict]]:
-        """Shards far above the round's median norm, rejected: a gradient scaled up is the
-        cheapest attack on a mean, and no absolute bound fits every stage of training. A mean
-        over fewer samples is noisier (its norm grows like 1/sqrt(samples)), so norms are
-        compared as if each shard had the typical shard's samples (never more). Both medians
-        are over volunteers (each its shards' median), so one volunteer's many parts move them
-        no more than one part would."""
-        factor = self.run.config.norm_screen
-        by_peer: dict[str, list[dict]] = {}
-        for s in accepted:
-            by_peer.setdefault(volunteer_of(s["peer"]), []).append(s)
-        if factor is None or len(by_peer) < 3:
-            return accepted, []
-        typical = float(np.median([np.median([s["samples"] for s in mine]) for mine in by_peer.values()]))
-
-        def scaled(s: dict) -> float:
-            return s["norm"] * math.sqrt(min(s["samples"], typical) / typical)
-
-        bound = factor * float(np.median([np.median([scaled(s) for s in mine]) for mine in by_peer.values()]))
-        kept, out = [], []
-        for s in accepted:
-            z = scaled(s)
-            if z <= bound:
-                kept.append(s)
-                continue
-            out.append(self._reject(r, s["key"], f"gradient norm {s['norm']:.3g} ({z:.3g} at the typical "
-                                    f"shard's samples) above {factor:g}x the round's median volunteer ({bound:.3g})"))
-        return kept, out
-
-    def _late(self, r: int) -> list[dict]:
+    def _late(self, r: int) -> list[Entry]:
         """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``)."""
         if r == 0 or self.run.config.close.late_shards != "fold":
             return []
-        prev = self.run.read_record(self.run.keys.close(r - 1), f"CLOSE of round {r - 1}") or {}
-        listed = {s["key"] for s in prev.get("accepted", []) + prev.get("rejected", [])}
-        late, _ = self._verdicts(r - 1, skip=listed)
-        return [dict(s, late=True) for s in late]
+        prev = Close.read(self.run, r - 1)
+        late, _ = self._verdicts(r - 1, skip=prev.listed() if prev is not None else set())
+        return admission.folded(late)
 
-    def try_close(self, r: int, now: float | None = None) -> dict | None:
+    def _admitted(self, r: int, accepted: list[Entry], live: frozenset[str]) -> tuple[list[Entry], int, list[Rejection]]:
+        """The flagged volunteers' shards out, then the others weighed: (weighted, samples, rejected).
+        The flags are read as a round opens and again when it is about to close (one LIST), so a
+        flag written mid-round keeps its volunteer out of that round's CLOSE."""
+        accepted, flagged = admission.unflagged(accepted, self._flags)
+        cfg = self.run.config
+        weighted, samples = admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share,
+                                            self._opening(r).volunteers | live)
+        return weighted, samples, self._logged(r, flagged)
+
+    def try_close(self, r: int, now: float | None = None) -> Close | None:
         """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one. Either
         way, publish the round view (one PUT): what volunteers read instead of the bucket."""
         bucket, keys, rule = self.run.bucket, self.run.keys, self.run.config.close
@@ -299,38 +222,32 @@ class Scheduler:
         pending = self._beats.pending(bucket, keys, r, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s)
         accepted, rejected = self._verdicts(r)
-        accepted, extra = self._bound_parts(r, accepted + self._late(r))
-        accepted, screened = self._screen(r, accepted)
-        accepted, flagged = self._unflagged(r, accepted)
-        rejected += extra + screened + flagged
+        accepted, extra = admission.bound_parts(accepted + self._late(r), rule.max_parts)
+        accepted, screened = admission.screen(accepted, cfg.norm_screen)
+        rejected += self._logged(r, extra + screened)
         live = self._enrolled(pending.volunteers)
-        accepted, samples = self._weigh(r, accepted, live)
-        target = self.run.config.target_batch_size
+        accepted, samples, flagged = self._admitted(r, accepted, live)
+        rejected += flagged
+        target = cfg.target_batch_size
         opened = self._opening(r).at
         now = self.clock.time() if now is None else now
-        timed_out = rule.timeout_s is not None and now - opened >= rule.timeout_s
-
-        def met(samples: int) -> bool:
-            return samples >= target or (timed_out and samples >= rule.min_fraction * target)
-
-        if met(samples):  # flags written since the round opened count too
+        expired = admission.timed_out(opened, now, rule.timeout_s)
+        if admission.met(samples, target, rule.min_fraction, expired):  # flags written since the round opened count too
             self._flags = verify.flagged(self.run)
-            accepted, flagged = self._unflagged(r, accepted)
+            accepted, samples, flagged = self._admitted(r, accepted, live)
             rejected += flagged
-            accepted, samples = self._weigh(r, accepted, live)
-        if not met(samples):
+        if not admission.met(samples, target, rule.min_fraction, expired):
             self._publish(r, at, samples=samples, shards=len(accepted), rejected=len(rejected), pending=pending)
             return None
-        accepted.sort(key=lambda s: s["key"])
         roster = self._roster.version if self._roster is not None else None
-        close = {"round": r, "samples": samples, "target": target, "accepted": accepted, "roster": roster,
-                 "rejected": sorted(rejected, key=lambda s: s["key"]), "opened_at": opened,
-                 "closed_at": now, "reason": "target" if samples >= target else "timeout"}
-        if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close)):
+        close = Close(round=r, samples=samples, target=target, accepted=sorted(accepted, key=lambda s: s.key),
+                      roster=roster, rejected=sorted(rejected, key=lambda s: s.key), opened_at=opened,
+                      closed_at=now, reason="target" if samples >= target else "timeout")
+        if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump())):
             log.info("round %d was closed by another scheduler", r)
-        close = self.run.read_record(keys.close(r), f"CLOSE of round {r}")
-        log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close["samples"],
-                 len(close["accepted"]), len(close["rejected"]))
+        close = Close.read(self.run, r)
+        log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close.samples,
+                 len(close.accepted), len(close.rejected))
         self._publish(r, at, close=close)
         return close
 
@@ -341,13 +258,13 @@ class Scheduler:
             return volunteers
         return frozenset(v for v in volunteers if self._roster is not None and v in self._roster.volunteers)
 
-    def _existing_close(self, r: int) -> dict | None:
+    def _existing_close(self, r: int) -> Close | None:
         """Round r's CLOSE, if the organizer wrote one. A forged one (anyone with write access to
         the run could create it first) is deleted, so the round still closes, unless a reduction
         already began from what stood there: then only the organizer can say what is true."""
         keys = self.run.keys
         try:
-            return self.run.read_record(keys.close(r), f"CLOSE of round {r}")
+            return Close.read(self.run, r)
         except identity.IdentityError as exc:
             if self.run.bucket.find(keys.reduced_dir(r)):
                 raise RunError(f"{exc}, and round {r}'s reduction has begun: restore the true CLOSE or "
@@ -357,12 +274,12 @@ class Scheduler:
             return None
 
     def _publish(self, r: int, at: float, samples: int = 0, shards: int = 0, rejected: int = 0,
-                 pending: heartbeat.Pending = heartbeat.Pending(), close: dict | None = None) -> None:
+                 pending: heartbeat.Pending = heartbeat.Pending(), close: Close | None = None) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats). A failed
         write is logged, never raised: volunteers treat a view gone stale as no view."""
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
         if close is not None:
-            samples, shards, rejected = close["samples"], len(close["accepted"]), len(close["rejected"])
+            samples, shards, rejected = close.samples, len(close.accepted), len(close.rejected)
         if pending.samples_per_s > 0:
             self._speed = pending.samples_per_s
         # before a new round's first heartbeats, the collaboration's last known speed
@@ -391,7 +308,7 @@ class Scheduler:
         return Snapshot(state=r, close=self._existing_close(r),
                         stopped=self.run.bucket.exists(self.run.keys.stop()))
 
-    def wait_close(self, r: int, deadline: float | None = None) -> dict | None:
+    def wait_close(self, r: int, deadline: float | None = None) -> Close | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
         (``clock.monotonic()``) passes, so the loop can check its stop rules again. By default
         it polls every ``cadence.scheduler_poll_s``, faster near the target: each poll reads
@@ -440,35 +357,3 @@ class Scheduler:
         if reason == "STOP marker":
             log.info("run %s stopped at state %d", self.run.name, snap.state)
         return snap.state
-
-
-def commit(run: Run, r: int) -> dict:
-    """COMMIT state r+1 from its applied parts, then prune what no one reads again."""
-    c = aggregator.commit_state(run, r)
-    log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
-             c["loss"], c["samples"], len(c["contributors"]))
-    prune(run, r + 1)
-    return c
-
-
-def prune(run: Run, newest: int, window: int = 3) -> None:
-    """Drop bulk data no peer or scheduler will read again once state ``newest`` is committed.
-
-    Kept forever: every COMMIT and CLOSE (the ledger), and the parameters and optimizer state of
-    every ``checkpoint_every``-th state. Kept whole: the last ``keep_states`` states and their
-    rounds (late shards fold one round later; restarted peers resume from their manifests).
-    """
-    keys, bucket, cfg = run.keys, run.bucket, run.config
-    last = newest - cfg.keep_states
-    # ``window`` states back once per process (a crash may have skipped some), then only new ones
-    first = max(1, last - window) if run.pruned_through is None else run.pruned_through + 1
-    run.pruned_through = max(last, run.pruned_through or 0)
-    for s in range(first, last + 1):
-        bucket.delete(keys.applied_dir(s))
-        bucket.delete(keys.streams(s))
-        bucket.delete(keys.delta(s))
-        if s % cfg.checkpoint_every:
-            bucket.delete(keys.params(s))
-            bucket.delete(keys.optim_dir(s))
-        for scratch in keys.round_scratch(s - 1):
-            bucket.delete(scratch)

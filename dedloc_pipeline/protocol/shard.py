@@ -33,7 +33,7 @@ class Rejected(ValueError):
     advance the stream, so an honest peer whose shard was refused is not refused again for the
     gap it leaves)."""
 
-    def __init__(self, reason: str, data: dict | None = None):
+    def __init__(self, reason: str, data: DataRef | None = None):
         super().__init__(reason)
         self.data = data
 
@@ -72,6 +72,30 @@ class Manifest(BaseModel):
 
     def payload(self) -> dict:
         return self.model_dump(mode="json", exclude={"signature"})
+
+
+class Entry(BaseModel):
+    """An admitted shard as its round's CLOSE lists it: what its manifest says, what validation
+    measured (``norm``, ``manifest_sha``), and what the close decided (``late``, ``weight``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    peer: str
+    part: str
+    round: int
+    samples: int
+    loss: float
+    stale_samples: int
+    checksums: dict[str, list[str]]
+    data: DataRef
+    norm: float
+    late: bool = False  # folded from the round before (close.late_shards="fold")
+    manifest_sha: str
+    weight: float | None = None  # its samples, capped (admission.weigh): set before CLOSE is written
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 def commit_hash(commit: dict) -> str:
@@ -132,7 +156,7 @@ def max_claim(run: Run) -> int:
 
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
              stored: dict[str, int] | None = None, state_hash: str | None = None,
-             stream_end: int | None = None) -> dict:
+             stream_end: int | None = None) -> Entry:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
     that needs only the manifest and the shard's stored objects (``stored``: their sizes by
     name under the shard, from a listing the caller made of many shards at once; listed here
@@ -160,11 +184,11 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     try:
         return _admit(run, r, key, raw, m, stored, state_hash, stream_end)
     except Rejected as exc:  # the manifest is its peer's own: its samples are spent either way
-        raise Rejected(str(exc), data=m.data.model_dump(mode="json")) from exc
+        raise Rejected(str(exc), data=m.data) from exc
 
 
 def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str, int] | None,
-           state_hash: str | None, stream_end: int | None) -> dict:
+           state_hash: str | None, stream_end: int | None) -> Entry:
     fmt = run.grad_format
     if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
         raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
@@ -194,10 +218,9 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     norm = math.sqrt(codec.squared_norm(arrays, fmt.codec, fmt.block))
     if norm > run.config.max_grad_norm:
         raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
-    return {"key": key, "peer": m.peer, "part": m.part, "round": r, "samples": m.samples,
-            "loss": m.loss, "stale_samples": m.stale_samples, "checksums": m.checksums,
-            "data": m.data.model_dump(mode="json"), "norm": norm, "late": False,
-            "manifest_sha": hashlib.sha256(raw).hexdigest()}
+    return Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
+                 stale_samples=m.stale_samples, checksums=m.checksums, data=m.data, norm=norm,
+                 manifest_sha=hashlib.sha256(raw).hexdigest())
 
 
 def _check_contiguous(data: DataRef, end: int, window: int) -> None:

@@ -1,0 +1,124 @@
+"""The close's admission rules: which validated shards of a round count, and for how much.
+
+Validation (``shard.validate``) judges one shard by itself; these rules judge a shard among the
+round's others: a volunteer's parts, the round's median norm, the validator's flags, each
+volunteer's share of the mean, and whether the round is full. Pure functions of CLOSE entries and
+config values, so each rule is tested alone; the scheduler reads the bucket and applies them in
+this order: ``bound_parts``, ``screen``, ``unflagged``, ``weigh``, ``met``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from ..storage.layout import volunteer_of
+from .close import Rejection
+from .shard import Entry
+
+
+def folded(late: list[Entry]) -> list[Entry]:
+    """Shards of round r-1 that missed its CLOSE, as round r counts them (``late_shards="fold"``)."""
+    return [e.model_copy(update={"late": True}) for e in late]
+
+
+def bound_parts(accepted: list[Entry], max_parts: int) -> tuple[list[Entry], list[Rejection]]:
+    """At most ``max_parts`` shards of a volunteer (all its peers together) count in a round, its
+    first ones (a peer's late shards first, then part names, which start with their time), and no
+    two of them over the same samples: many small parts would otherwise buy a volunteer rows in
+    every median and a reduction that grows without bound, and a copy of a part its weight twice."""
+    seen: dict[str, int] = {}
+    used: dict[str, list[tuple[int, int]]] = {}
+    kept, out = [], []
+    for s in sorted(accepted, key=lambda s: (s.peer, s.late is False, s.part)):
+        v, ranges = volunteer_of(s.peer), s.data.ranges
+        mine = used.setdefault(s.peer, [])
+        overlap = next(((a, c) for a, c in mine for b, d in ranges if a < b + d and b < a + c), None)
+        seen[v] = seen.get(v, 0) + (overlap is None)
+        if overlap is not None:
+            out.append(Rejection(key=s.key, reason=f"samples {ranges[0][0]}.. of {s.peer} were already counted "
+                                 f"this round by another part ({overlap[0]}+{overlap[1]})"))
+        elif seen[v] > max_parts:
+            out.append(Rejection(key=s.key, reason=f"part {seen[v]} of volunteer {v} this round, "
+                                 f"above close.max_parts={max_parts}"))
+        else:
+            kept.append(s)
+            mine.extend(ranges)
+    return kept, out
+
+
+def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], list[Rejection]]:
+    """Shards far above the round's median norm (``factor`` times it), rejected: a gradient scaled
+    up is the cheapest attack on a mean, and no absolute bound fits every stage of training. A
+    mean over fewer samples is noisier (its norm grows like 1/sqrt(samples)), so norms are compared
+    as if each shard had the typical shard's samples (never more). Both medians are over
+    volunteers (each its shards' median), so one volunteer's many parts move them no more than one
+    part would. Off (``factor`` None) or with fewer than three volunteers, nothing is screened."""
+    by_volunteer: dict[str, list[Entry]] = {}
+    for s in accepted:
+        by_volunteer.setdefault(volunteer_of(s.peer), []).append(s)
+    if factor is None or len(by_volunteer) < 3:
+        return accepted, []
+    typical = float(np.median([np.median([s.samples for s in mine]) for mine in by_volunteer.values()]))
+
+    def scaled(s: Entry) -> float:
+        return s.norm * math.sqrt(min(s.samples, typical) / typical)
+
+    bound = factor * float(np.median([np.median([scaled(s) for s in mine]) for mine in by_volunteer.values()]))
+    kept, out = [], []
+    for s in accepted:
+        z = scaled(s)
+        if z <= bound:
+            kept.append(s)
+        else:
+            out.append(Rejection(key=s.key, reason=f"gradient norm {s.norm:.3g} ({z:.3g} at the typical shard's "
+                                 f"samples) above {factor:g}x the round's median volunteer ({bound:.3g})"))
+    return kept, out
+
+
+def unflagged(accepted: list[Entry], flags: dict[str, dict]) -> tuple[list[Entry], list[Rejection]]:
+    """Shards of volunteers the validator caught (``flags``: volunteer -> its flag record,
+    ``verify.flagged``) are refused, whenever they were uploaded."""
+    kept, out = [], []
+    for s in accepted:
+        flag = flags.get(volunteer_of(s.peer))
+        if flag is None:
+            kept.append(s)
+        else:
+            out.append(Rejection(key=s.key, reason=f"volunteer {volunteer_of(s.peer)} was flagged by the "
+                                 f"validator in round {flag.get('round')}: {flag.get('reason')}"))
+    return kept, out
+
+
+def weigh(accepted: list[Entry], target: int, max_share: float,
+          others: Iterable[str] = ()) -> tuple[list[Entry], int]:
+    """Each shard's weight in the mean and the round's counted samples. Claimed samples are
+    claims: uncapped, one shard claiming 10,000 samples takes 99.8% of the mean and fills a round
+    alone. So a volunteer counts for at most twice its fair share of the target (2/V, V the
+    volunteers of this round and ``others``: those of the state it builds on and those
+    heartbeating this round) or twice the round's median volunteer, whichever is more, and never
+    less than ``max_share`` of the target; its parts are scaled down alike. So the first shard of a
+    round, or of a run, is capped by the peers still computing theirs. Honest volunteers within
+    that keep their exact weights (N peers still equal one process), and one or two volunteers are
+    never capped."""
+    claimed: dict[str, int] = {}
+    for s in accepted:
+        claimed[volunteer_of(s.peer)] = claimed.get(volunteer_of(s.peer), 0) + s.samples
+    active = set(claimed) | set(others)  # those not in yet count 0 in the median
+    median = float(np.median([claimed.get(v, 0) for v in active])) if active else 0.0
+    cap = math.ceil(max(target * max_share, 2 * target / max(len(active), 1), 2 * median))
+    weighted = [s.model_copy(update={"weight": s.samples * min(1.0, cap / claimed[volunteer_of(s.peer)])})
+                for s in accepted]
+    return weighted, sum(min(n, cap) for n in claimed.values())
+
+
+def timed_out(opened_at: float, now: float, timeout_s: float | None) -> bool:
+    """The round has been open ``timeout_s`` (None: never times out)."""
+    return timeout_s is not None and now - opened_at >= timeout_s
+
+
+def met(samples: int, target: int, min_fraction: float, expired: bool) -> bool:
+    """The close rule: the target reached, or, once the round ``expired`` (``timed_out``), ``min_fraction`` of it."""
+    return samples >= target or (expired and samples >= min_fraction * target)

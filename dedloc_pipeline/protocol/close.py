@@ -1,0 +1,77 @@
+"""CLOSE: the record that ends a round, written once by the scheduler and read by everyone after.
+
+It lists every shard the round judged: the admitted ones (``shard.Entry``, with their weights in
+the mean) and the rejected ones with the reason (``Rejection``). Aggregators reduce exactly its
+accepted shards, the COMMIT copies its ledger fields, the validator picks among them. Typed here
+so that every reader agrees on its fields; it serializes to the same JSON as ever.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from .run import Run, RunError
+from .shard import DataRef, Entry
+
+
+class Rejection(BaseModel):
+    """A shard that does not count, and why; ``data``: the samples it named, once its manifest is
+    known to be its peer's own (they still advance its stream: ``ledger.stream_ends``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    reason: str
+    data: DataRef | None = None
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class Close(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    round: int
+    samples: int  # counted: each volunteer's claims capped (admission.weigh)
+    target: int
+    accepted: list[Entry]
+    roster: int | None  # the roster version the shards were judged with (signed runs)
+    rejected: list[Rejection]
+    opened_at: float | None = None
+    closed_at: float
+    reason: Literal["target", "timeout"]
+    signature: str | None = None  # the organizer's, in a signed run (Run.record)
+
+    def dump(self) -> dict:
+        """The JSON written to the bucket (without a signature: ``Run.record`` adds it)."""
+        return {"round": self.round, "samples": self.samples, "target": self.target,
+                "accepted": [e.dump() for e in self.accepted], "roster": self.roster,
+                "rejected": [e.dump() for e in self.rejected], "opened_at": self.opened_at,
+                "closed_at": self.closed_at, "reason": self.reason}
+
+    def listed(self) -> set[str]:
+        """Every shard key this CLOSE judged, accepted or rejected."""
+        return {e.key for e in self.accepted} | {e.key for e in self.rejected}
+
+    @classmethod
+    def read(cls, run: Run, r: int) -> Close | None:
+        """Round r's CLOSE, its signature checked in a signed run (IdentityError if forged);
+        None while the round is open."""
+        found = run.read_record(run.keys.close(r), f"CLOSE of round {r}")
+        return None if found is None else cls.model_validate(found)
+
+
+def closed(run: Run, r: int) -> Close:
+    """Round r's CLOSE, which a reduction or a commit needs: RunError while the round is open."""
+    close = Close.read(run, r)
+    if close is None:
+        raise RunError(f"round {r} is not closed")
+    return close
+
+
+def close_summary(close: Close) -> dict:
+    """What a log line or an artifact says of a CLOSE (which lists every shard's checksums)."""
+    return {"round": close.round, "samples": close.samples, "shards": len(close.accepted),
+            "rejected": len(close.rejected), "reason": close.reason}

@@ -1,0 +1,103 @@
+"""The ledger: COMMIT of a state from its applied parts, the streams it counts, and pruning.
+
+What a run keeps forever is its ledger (every CLOSE and COMMIT); what it keeps for a while is the
+bulk data of recent states. ``commit`` writes state r+1's streams record and its COMMIT (once,
+create-only: a second scheduler finds it written), then LATEST, then prunes what no one reads again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from ..trust import identity
+from . import optim
+from .close import Close, closed
+from .run import Run, RunError
+
+log = logging.getLogger(__name__)
+
+LEDGER_FIELDS = {"key", "peer", "samples", "weight", "loss", "manifest_sha", "late"}  # of each shard, in COMMIT
+
+
+def stream_ends(before: dict[str, int], close: Close) -> dict[str, int]:
+    """Each stream's end, as of this round's shards, accepted or refused once known to be their
+    peer's own (deterministic: safe to repeat)."""
+    ends = dict(before)
+    for data in [e.data for e in close.accepted] + [e.data for e in close.rejected if e.data is not None]:
+        ends[data.stream] = max([ends.get(data.stream, 0)] + [a + c for a, c in data.ranges])
+    return ends
+
+
+def commit(run: Run, r: int) -> dict:
+    """COMMIT state r+1 from its applied parts, then prune what no one reads again."""
+    c = _write_commit(run, r)
+    log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
+             c["loss"], c["samples"], len(c["contributors"]))
+    prune(run, r + 1)
+    return c
+
+
+def _write_commit(run: Run, r: int) -> dict:
+    """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
+    keys, bucket = run.keys, run.bucket
+    try:
+        existing = run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}")
+    except identity.IdentityError as exc:  # whoever wrote it first, it is not the organizer's
+        log.error("%s: deleted; committing the true one", exc)
+        bucket.delete(keys.commit(r + 1))
+        existing = None
+    if existing is None:
+        close = closed(run, r)
+        found = bucket.read_many([keys.applied(r + 1, k) for k in range(run.n_parts)])
+        missing = [k for k, v in found.items() if v is None]
+        if missing:
+            raise RunError(f"state {r + 1}: parts not applied: {missing}")
+        applied = [json.loads(found[keys.applied(r + 1, k)]) for k in range(run.n_parts)]
+        delta_sums: dict[str, list[str]] = {}
+        for a in applied:
+            for name, s in a["checksums"]["delta"].items():
+                delta_sums.setdefault(name, []).extend(s)
+        shards = [e.model_dump(mode="json", include=LEDGER_FIELDS) for e in close.accepted]
+        bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
+            "state": r + 1, "ends": stream_ends(run.stream_ends(r), close)}))
+        loss = sum(e.weight * e.loss for e in close.accepted) / sum(e.weight for e in close.accepted)
+        commit = {
+            "state": r + 1, "round": r, "step": r + 1, "samples": close.samples,
+            "loss": loss, "contributors": sorted({e.peer for e in close.accepted}), "shards": shards,
+            "rejected": [e.dump() for e in close.rejected],
+            "lr": optim.lr_at(run.config.aggregator_optimizer, r + 1),
+            "opened_at": close.opened_at, "closed_at": close.closed_at,
+            "committed_at": run.clock.time(),
+            "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
+                          "delta": delta_sums},
+        }
+        if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit)):
+            log.info("state %d was committed by another scheduler", r + 1)
+        existing = run.commit_of(r + 1)
+    if run.latest_hint() < r + 1:
+        bucket.write_json(keys.latest, run.record("LATEST", {"state": r + 1}))
+    return existing
+
+
+def prune(run: Run, newest: int, window: int = 3) -> None:
+    """Drop bulk data no peer or scheduler will read again once state ``newest`` is committed.
+
+    Kept forever: every COMMIT and CLOSE (the ledger), and the parameters and optimizer state of
+    every ``checkpoint_every``-th state. Kept whole: the last ``keep_states`` states and their
+    rounds (late shards fold one round later; restarted peers resume from their manifests).
+    """
+    keys, bucket, cfg = run.keys, run.bucket, run.config
+    last = newest - cfg.keep_states
+    # ``window`` states back once per process (a crash may have skipped some), then only new ones
+    first = max(1, last - window) if run.pruned_through is None else run.pruned_through + 1
+    run.pruned_through = max(last, run.pruned_through or 0)
+    for s in range(first, last + 1):
+        bucket.delete(keys.applied_dir(s))
+        bucket.delete(keys.streams(s))
+        bucket.delete(keys.delta(s))
+        if s % cfg.checkpoint_every:
+            bucket.delete(keys.params(s))
+            bucket.delete(keys.optim_dir(s))
+        for scratch in keys.round_scratch(s - 1):
+            bucket.delete(scratch)

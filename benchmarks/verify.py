@@ -30,11 +30,11 @@ import numpy as np
 
 from dedloc_pipeline.protocol import recompute, verify
 from dedloc_pipeline.protocol.close import Close
-from dedloc_pipeline.protocol.shard import DataRef, Entry
-from dedloc_pipeline.storage.layout import volunteer_of
 from dedloc_pipeline.protocol.run import init_run
+from dedloc_pipeline.protocol.shard import DataRef, Entry
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.storage.layout import volunteer_of
 from dedloc_pipeline.testing import collaborate, small_config
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
@@ -81,7 +81,8 @@ def _cross(entries):
 
 
 def _entry(r: int, stream: str, start: int, count: int) -> Entry:
-    return Entry.model_construct(round=r, samples=count, stale_samples=0, data=DataRef(stream=stream, ranges=[(start, count)]))
+    return Entry.model_construct(round=r, samples=count, stale_samples=0,
+                                 data=DataRef(stream=stream, ranges=[(start, count)]))
 
 
 def _int8(g: np.ndarray, run) -> np.ndarray:

@@ -16,10 +16,10 @@ from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import stream_next
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
-from dedloc_pipeline.testing import stream_next
 
 
 def _noise(run, seed, scale=1e-3):

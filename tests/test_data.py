@@ -111,7 +111,6 @@ def test_bad_data_is_a_clear_error(bengali, tmp_path):
 
 def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
     from dedloc_pipeline.evaluation.heldout import heldout_scores
-
     from dedloc_pipeline.testing import collaborate
 
     url, name = bengali

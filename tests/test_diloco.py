@@ -20,12 +20,11 @@ import torch
 from dedloc_pipeline.model.albert import pretraining_loss_sum
 from dedloc_pipeline.model.data import make_source
 from dedloc_pipeline.model.flat import FlatLayout
+from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.optim import lr_at
 from dedloc_pipeline.storage import vector
-
-from dedloc_pipeline.protocol import shard
-
 from dedloc_pipeline.testing import collaborate
+
 from .test_equivalence import reference
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]

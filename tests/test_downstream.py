@@ -15,7 +15,7 @@ from seqeval.metrics.sequence_labeling import get_entities
 from transformers import AlbertConfig, AlbertForMaskedLM, AlbertForPreTraining
 
 from dedloc_pipeline.evaluation import downstream
-from dedloc_pipeline.evaluation.downstream import IGNORE, TaskData
+from dedloc_pipeline.evaluation.downstream import IGNORE
 from dedloc_pipeline.model import tokenizer
 
 CORPUS = Path(__file__).parents[1] / ".dedloc/corpus"

@@ -16,7 +16,6 @@ from dedloc_pipeline.model.data import make_source
 from dedloc_pipeline.model.families import loss_sum
 from dedloc_pipeline.model.flat import FlatLayout
 from dedloc_pipeline.protocol.optim import lr_at
-
 from dedloc_pipeline.testing import collaborate
 
 
@@ -129,6 +128,7 @@ def test_a_causal_decoder_in_n_peers_equals_one_process(make_run):
 
 def test_int8_loss_curve_stays_close_to_exact(bucket):
     from dedloc_pipeline.protocol.run import init_run
+
     from .conftest import small_config
 
     curves = {}

@@ -11,9 +11,9 @@ from dedloc_pipeline.evaluation.export import export, export_to_bucket, model_at
 from dedloc_pipeline.model.data import PairSource
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import collaborate
 
 from .conftest import small_config
-from dedloc_pipeline.testing import collaborate
 
 
 def test_export_loads_back_with_transformers(bengali, tmp_path):

@@ -15,11 +15,11 @@ from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
+from dedloc_pipeline.testing import collaborate, stream_next
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
 from .faults import Faults, inject
-from dedloc_pipeline.testing import collaborate, stream_next
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 

@@ -104,9 +104,9 @@ def test_pretrain_flow_continues_a_run_stopped_mid_round(harness, tmp_path):
 
 
 def test_stop_marker_ends_the_flow(harness, tmp_path):
-    from flows.pretraining import pretrain
     from dedloc_pipeline.protocol.config import RunConfig
     from dedloc_pipeline.protocol.run import init_run
+    from flows.pretraining import pretrain
     b = Bucket(f"file://{tmp_path}/bucket")
     run = init_run(b, RunConfig(run="stopped", **CONFIG))
     b.write_json(run.keys.stop(), {"by": "organizer"})
@@ -150,10 +150,10 @@ def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
 
 
 def test_evaluate_synthetic_run_scores_heldout_only(harness, tmp_path):
-    from flows.evaluation import evaluate
-    from flows.tokenization import tokenize
     from dedloc_pipeline.protocol.config import RunConfig
     from dedloc_pipeline.protocol.run import init_run
+    from flows.evaluation import evaluate
+    from flows.tokenization import tokenize
     url = f"file://{tmp_path}/bucket"
     card = tokenize(bucket=url, data="synthetic", seq_len=32)
     assert card["name"] == "synthetic" and len(card["preview_input_ids"]) == 3

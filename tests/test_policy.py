@@ -57,6 +57,7 @@ from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import DataLayout, RunLayout
 from dedloc_pipeline.trust import policy
+
 from .conftest import _free_port, small_config
 
 PREFIX = "collab"
@@ -64,7 +65,7 @@ RUN = "least"
 ME, OTHER = "alice", "bob"
 REGION = "us-east-1"
 ROUNDS = [0, 5, 12345678]
-PART = "0001700000000-abcdef"  # as worker._upload names a part
+PART = "0001700000000-abcdef"  # as storage.part.name names one
 BOOTSTRAP = 3  # unauthenticated requests: create the admin user, its policy, its access key
 
 

@@ -262,8 +262,12 @@ def test_aggregation_on_two_task_workers(production):
 def test_a_phase_nobody_serves_fails_in_time(production):
     """No aggregator serving (or another version of flows/): the phase raises, it does not hang."""
     from prefect import flow
-    from prefect.settings import (PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED,
-                                  PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK, temporary_settings)
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_LOGGING_TO_API_ENABLED,
+        PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK,
+        temporary_settings,
+    )
 
     from flows.aggregators import STORAGE_SETTING, reduce_part, run_parts
 

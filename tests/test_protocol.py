@@ -16,9 +16,9 @@ from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import collaborate, stream_next
 
 from .conftest import small_config
-from dedloc_pipeline.testing import collaborate, stream_next
 
 
 def put_shard(run, r, peer, grad=None, samples=4, part="0001", manifest=None):
@@ -391,6 +391,7 @@ def test_delayed_updates_keep_computing_while_a_round_is_reduced(make_run, delay
 
 def test_stop_marker_sends_workers_and_scheduler_home(make_run):
     from typer.testing import CliRunner
+
     from dedloc_pipeline.cli import app
     run = make_run()
     collaborate(run, [("a", 4)], rounds=1)

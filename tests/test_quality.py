@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.quality import one_process
-
 from dedloc_pipeline.testing import collaborate
 
 

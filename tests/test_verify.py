@@ -14,9 +14,8 @@ from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
-from dedloc_pipeline.trust import identity
-
 from dedloc_pipeline.testing import collaborate
+from dedloc_pipeline.trust import identity
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 
@@ -208,10 +207,12 @@ def test_claims_the_validator_cannot_recompute(make_run):
 
 
 def test_a_flagged_volunteer_is_revoked_with_the_organizers_key(tmp_path, bucket):
-    from .conftest import small_config
     from dedloc_pipeline.protocol.run import init_run
+
+    from .conftest import small_config
     org = identity.generate(tmp_path / "org.pem")
-    run = init_run(bucket, small_config(organizer_key=identity.public(org), codec="int8", keep_states=10), organizer=org)
+    cfg = small_config(organizer_key=identity.public(org), codec="int8", keep_states=10)
+    run = init_run(bucket, cfg, organizer=org)
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("alice", "bob", "mallory")}
     identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()})
     forged(run, "mallory", gradient_of(run, "mallory", 100, 8), 8, [(0, 8)], signer=keys["mallory"])

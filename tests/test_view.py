@@ -18,7 +18,6 @@ from dedloc_pipeline.protocol import heartbeat, view
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
-from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 
 from .test_protocol import put_shard
@@ -272,6 +271,7 @@ def test_a_lone_worker_without_a_view_uploads_only_a_round_it_fills_itself(make_
 def _worker_requests(tmp_path, others: int) -> tuple[Counter, Counter]:
     url = f"file://{tmp_path}/b{others}"
     from dedloc_pipeline.protocol.run import init_run
+
     from .conftest import small_config
     run = init_run(Bucket(url), small_config("cost", target_batch_size=1000))
     for i in range(others):

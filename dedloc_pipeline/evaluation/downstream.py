@@ -18,8 +18,13 @@ from typing import Literal
 
 import torch
 from seqeval.metrics import f1_score, precision_score, recall_score
-from transformers import (AlbertConfig, AlbertForSequenceClassification, AlbertForTokenClassification,
-                          PreTrainedTokenizerFast, get_linear_schedule_with_warmup)
+from transformers import (
+    AlbertConfig,
+    AlbertForSequenceClassification,
+    AlbertForTokenClassification,
+    PreTrainedTokenizerFast,
+    get_linear_schedule_with_warmup,
+)
 
 IGNORE = -100  # label id the loss skips: special tokens and non-first sub-tokens
 NER_LABELS = ["O", "B-PER", "I-PER", "B-ORG", "I-ORG", "B-LOC", "I-LOC"]  # WikiANN's order
@@ -97,7 +102,7 @@ def _entity_pools(rng: random.Random) -> list[dict[str, list[str]]]:
     from faker.providers.person.bn_BD import Provider as Person
     first, last = _thirds(Person.first_names, rng), _thirds(Person.last_names, rng)
     cities, countries, companies = (_thirds(x, rng) for x in (Address.cities, Address.countries, Company.companies))
-    return [{"PER": [f"{f} {l}" for f in first[i] for l in last[i]], "LOC": cities[i] + countries[i],
+    return [{"PER": [f"{f} {name}" for f in first[i] for name in last[i]], "LOC": cities[i] + countries[i],
              "ORG": companies[i]} for i in range(3)]
 
 

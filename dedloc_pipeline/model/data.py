@@ -159,7 +159,8 @@ class PairSource:
             return {"input_ids": ids, "labels": np.where(present > 0, ids, -100), "attention_mask": present}
         types = np.zeros_like(ids)
         types[int(z["b_start"][pos]):n] = 1
-        masked, labels = _mask(ids, np.random.default_rng([self.seed, _stream_seed(stream), epoch + 1, d, pos]), self.vocab_size,
+        rng = np.random.default_rng([self.seed, _stream_seed(stream), epoch + 1, d, pos])
+        masked, labels = _mask(ids, rng, self.vocab_size,
                                self.n_special)
         return {"input_ids": masked, "labels": labels, "token_type_ids": types, "attention_mask": present,
                 "sentence_order_label": np.int64(z["sentence_order_label"][pos])}

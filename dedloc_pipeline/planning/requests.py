@@ -20,7 +20,7 @@ from ..storage.vector import VectorFormat
 
 CHECKSUM_JSON_BYTES = 38  # one chunk's 32-hex checksum in indented JSON (COMMIT, CLOSE)
 SHARD_ENTRY_BYTES = 250  # a shard's entry in a COMMIT (key, peer, samples, loss, manifest hash)
-PRUNE_WINDOW = 3  # scheduler.prune's window: the states a process looks back at its first prune
+PRUNE_WINDOW = 3  # ledger.prune's window: the states a process looks back at its first prune
 S3_PAGE = 1000  # keys per LIST page and per DeleteObjects request
 
 
@@ -156,7 +156,7 @@ class Traffic:
         return Requests(get=2, head=2)
 
     def prune_state(self, shards: int, peers: int, checkpoint: bool = False) -> Requests:
-        """``scheduler.prune`` deleting one state that leaves the kept window, and its round's
+        """``ledger.prune`` deleting one state that leaves the kept window, and its round's
         scratch: a LIST page and a DeleteObjects per 1000 keys of each prefix (streams.json, a
         single object, too). A checkpoint keeps its params and optimizer state."""
         dense = self.dense
@@ -171,12 +171,12 @@ class Traffic:
         return r
 
     def prune_missing(self, checkpoint: bool = False) -> Requests:
-        """``scheduler.prune`` deleting a state that is gone already (the ``PRUNE_WINDOW`` a
+        """``ledger.prune`` deleting a state that is gone already (the ``PRUNE_WINDOW`` a
         process looks back once): one LIST a prefix."""
         return Requests(list=1) * (9 - 2 * checkpoint)
 
     def prune_steady(self, shards: int, peers: int) -> Requests:
-        """``scheduler.prune`` after one commit in a long run, on average: one state leaves the
+        """``ledger.prune`` after one commit in a long run, on average: one state leaves the
         kept window (a process deletes each state once)."""
         k = 1 / self.config.checkpoint_every
         return self.prune_state(shards, peers) * (1 - k) + self.prune_state(shards, peers, True) * k

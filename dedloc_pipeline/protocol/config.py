@@ -147,7 +147,8 @@ class RunConfig(BaseModel):
     aggregation: Literal["mean", "trimmed_mean", "centered_clip"] = Field(
         "mean", description="mean: exact (N peers = one process); the others bound what a minority "
         "of byzantine peers can do, at the cost of exactness")
-    trim_fraction: float = Field(0.2, ge=0, lt=0.5, description="trimmed_mean: shards dropped at each end, per coordinate")
+    trim_fraction: float = Field(0.2, ge=0, lt=0.5,
+                                 description="trimmed_mean: shards dropped at each end, per coordinate")
     clip_iters: int = Field(3, gt=0, description="centered_clip: fixed-point iterations")
     norm_screen: float | None = Field(
         10.0, gt=1, description="reject a shard whose norm is above this multiple of the median of "

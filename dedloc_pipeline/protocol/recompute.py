@@ -96,7 +96,8 @@ class Recomputer:
             try:
                 self._states[s] = self.run.load_params(s)
             except (vector.CorruptShard, RunError) as exc:
-                raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
+                raise Unverifiable(f"state {s} is no longer in the bucket (pruned): {exc}",
+                                   fault=False, pruned=True) from exc
             while len(self._states) > self.keep:
                 del self._states[next(iter(self._states))]
         return self._states[s]
@@ -116,7 +117,8 @@ class Recomputer:
         worker sums them, then divided by the samples."""
         if self.run.config.algorithm == "diloco":
             raise Unverifiable("a diloco shard is where the volunteer's inner steps went, which depends on its "
-                               "inner optimizer state (never uploaded): only its claims and norm are checked", fault=False)
+                               "inner optimizer state (never uploaded): only its claims and norm are checked",
+                               fault=False)
         from ..model.families import loss_sum
 
         self.check_claim(entry)

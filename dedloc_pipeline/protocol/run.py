@@ -12,8 +12,8 @@ from ..model.data import SYNTHETIC, DataError, card_hash, check_data, unigram_lo
 from ..model.presets import seq_len_of
 from ..storage import codec, vector
 from ..storage.bucket import Bucket
-from ..storage.vector import VectorFormat
 from ..storage.layout import LAYOUT_VERSION, DataLayout, RunLayout
+from ..storage.vector import VectorFormat
 from ..trust import identity
 from .clock import REAL, Clock
 from .config import RunConfig

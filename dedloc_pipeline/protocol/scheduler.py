@@ -130,7 +130,8 @@ class Scheduler:
                                                   if n <= limit and not known(k, tag)]).items() if v is not None}
         for k, (n, tag) in listed.items():
             if n > limit and not known(k, tag or ("size", n)):  # never read: it could be any size
-                self._seen[k] = (tag or ("size", n), self._reject(r, keys.shard_of(k), f"manifest of {n} bytes, above {limit}"))
+                reason = f"manifest of {n} bytes, above {limit}"
+                self._seen[k] = (tag or ("size", n), self._reject(r, keys.shard_of(k), reason))
         new = [k for k, v in raw.items() if not known(k, listed[k][1] or v)]
         if new:
             stored, opening = self._stored(r), self._opening(r)
@@ -198,7 +199,8 @@ class Scheduler:
         late, _ = self._verdicts(r - 1, skip=prev.listed() if prev is not None else set())
         return admission.folded(late)
 
-    def _admitted(self, r: int, accepted: list[Entry], live: frozenset[str]) -> tuple[list[Entry], int, list[Rejection]]:
+    def _admitted(self, r: int, accepted: list[Entry],
+                  live: frozenset[str]) -> tuple[list[Entry], int, list[Rejection]]:
         """The flagged volunteers' shards out, then the others weighed: (weighted, samples, rejected).
         The flags are read as a round opens and again when it is about to close (one LIST), so a
         flag written mid-round keeps its volunteer out of that round's CLOSE."""
@@ -289,7 +291,8 @@ class Scheduler:
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
-                          horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped, eta_s=self._eta, at=at,
+                          horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
+                          eta_s=self._eta, at=at,
                           written_at=max(at, self.clock.time()))
             view.write(bucket, keys, v)
         except Exception as exc:

@@ -43,7 +43,8 @@ Index = Annotated[int, Field(ge=0, lt=1 << 48)]
 
 class DataRef(BaseModel):
     stream: str
-    ranges: list[tuple[Index, Annotated[int, Field(gt=0, lt=1 << 32)]]] = Field(min_length=1, max_length=64)  # (first, count)
+    # (first, count)
+    ranges: list[tuple[Index, Annotated[int, Field(gt=0, lt=1 << 32)]]] = Field(min_length=1, max_length=64)
 
     def end(self) -> int:
         return max(a + c for a, c in self.ranges) if self.ranges else 0

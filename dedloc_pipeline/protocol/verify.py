@@ -35,8 +35,17 @@ from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
 from .close import Close
-from .recompute import (COPY_COSINE, TOLERANCES, Recomputer, Tolerance, Unverifiable, compare, copy_suspects,
-                        read_shard, similarities)
+from .recompute import (
+    COPY_COSINE,
+    TOLERANCES,
+    Recomputer,
+    Tolerance,
+    Unverifiable,
+    compare,
+    copy_suspects,
+    read_shard,
+    similarities,
+)
 from .run import Run
 from .shard import Entry, commit_hash
 
@@ -77,7 +86,8 @@ class Verifier:
             raise ValueError(f"fraction {fraction} is not in [0, 1]")
         self.run, self.fraction, self.at_least, self.poll_s = run, fraction, at_least, poll_s
         # diloco shards (the sparse codec's only use) are not recomputed: no tolerance to apply
-        self.tolerance, self.copy_cosine = tolerance or TOLERANCES.get(run.config.codec, Tolerance(0.0, 1.0)), copy_cosine
+        self.tolerance = tolerance or TOLERANCES.get(run.config.codec, Tolerance(0.0, 1.0))
+        self.copy_cosine = copy_cosine
         self.revoke = revoke
         self.recompute = Recomputer(run, device, micro_batch)
 
@@ -118,7 +128,8 @@ class Verifier:
         for v in record["shards"]:
             if v["flag"]:
                 self._flag(r, v)
-        bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record))  # last: a crash redoes the round
+        # last: a crash redoes the round
+        bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record))
         bad = [v for v in record["shards"] if v["flag"]]
         log.info("round %d verified: %d shards recomputed, %d flagged", r, len(record["shards"]), len(bad))
         return self.run.read_record(keys.verdicts(r), f"verdicts of round {r}")
@@ -182,7 +193,8 @@ class Verifier:
         flag = {"volunteer": v["volunteer"], "peer": v["peer"], "round": r, "shard": v["key"],
                 "verdict": v["verdict"], "reason": v["reason"], "cosine": v["cosine"], "norm_ratio": v["norm_ratio"],
                 "flagged_at": self.run.clock.time()}
-        self.run.bucket.create_json(self.run.keys.flag(v["volunteer"]), self.run.record(f"flag of {v['volunteer']}", flag))
+        volunteer = v["volunteer"]
+        self.run.bucket.create_json(self.run.keys.flag(volunteer), self.run.record(f"flag of {volunteer}", flag))
         log.warning("round %d: volunteer %s flagged: %s", r, v["volunteer"], v["reason"])
         if self.revoke:
             revoke(self.run, self.run.organizer("roster"), v["volunteer"])

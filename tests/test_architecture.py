@@ -21,7 +21,7 @@ ALLOWED = {
     "model": {"storage"},
     "protocol": {"storage", "trust", "model"},
     "monitoring": {"storage", "trust", "model", "protocol"},
-    "planning": {"storage", "trust", "model", "protocol", "monitoring"},
+    "planning": {"storage", "trust", "model", "protocol"},
     "evaluation": {"storage", "model", "protocol"},
 }
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats", "storage.codec",

@@ -12,9 +12,10 @@ import datetime
 import json
 from html import escape
 
+from ..protocol.clock import duration
 from ..protocol.run import Run
 from . import plots
-from .status import duration, status
+from .status import status
 
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from ..protocol import heartbeat, view
+from ..protocol.clock import duration
 from ..protocol.run import Run
 
 
@@ -105,18 +106,6 @@ def status(run: Run, now: float | None = None) -> dict:
         "history": history,
         "at": now,
     }
-
-
-def duration(seconds: float | None) -> str:
-    """``42 s``, ``3 min 5 s``, ``2 h 10 min``: what a person reads at a glance."""
-    if seconds is None:
-        return "?"
-    s = round(seconds)
-    if s < 60:
-        return f"{seconds:.1f} s" if seconds < 10 else f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    return f"{s // 3600} h {s % 3600 // 60} min"
 
 
 def show(s: dict, console) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..monitoring.status import duration
+from ..protocol.clock import duration
 from .estimate import HOUR, Estimate
 from .prices import PriceTable
 

@@ -27,3 +27,15 @@ class Clock:
 
 
 REAL = Clock()
+
+
+def duration(seconds: float | None) -> str:
+    """``42 s``, ``3 min 5 s``, ``2 h 10 min``: what a person reads at a glance."""
+    if seconds is None:
+        return "?"
+    s = round(seconds)
+    if s < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"

@@ -45,13 +45,16 @@ browser:
 lint: install
 	$(BIN)/ruff check .
 
+# Two processes (pytest-xdist), a test module at a time (its module-wide servers stay shared), in
+# the order tests/conftest.py gives: the long real-part modules first.
+PYTEST = $(BIN)/python -m pytest -q -ra --durations=15 -n 2 --dist loadfile --no-loadscope-reorder
 test: lint corpus browser
-	$(BIN)/python -m pytest -q -ra --durations=15 tests
+	$(PYTEST) tests
 
-# The fast tier: everything but the multi-process cases marked slow. test_monitoring's report
-# page is rendered by chromium, so the browser is still needed.
+# The fast tier: everything but the cases marked slow (processes, servers, long collaborations).
+# test_monitoring's report page is rendered by chromium, so the browser is still needed.
 test-fast: install corpus browser
-	$(BIN)/python -m pytest -q -ra --durations=15 -m "not slow" tests
+	$(PYTEST) -m "not slow" tests
 
 # Every benchmark in one run (docs/benchmarks.md): tables on screen, numbers in .dedloc/bench/.
 BENCH_STAMP := $(VENV)/.bench-stamp

@@ -21,6 +21,11 @@ os.environ.update({
     "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",   # Prefect's run telemetry (Cloud only)
     "HF_HUB_DISABLE_TELEMETRY": "1",                           # huggingface_hub (transformers, datasets)
 })
+# On pytest-xdist's processes (`make test` runs two), torch and what the tests start compute on one
+# thread each: two processes of two threads each on two cores took 40% more CPU time in all.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 # Every process the tests start carries this session's id in its environment, so the check at
 # the end of the run finds it even after its parent died and it was reparented (a killed
@@ -86,12 +91,20 @@ def s3_endpoint(s3_server) -> str:
     return s3_server.url
 
 
+# The modules of the real-part smokes, longest first. `make test` runs the suite on two processes
+# a module at a time (pytest-xdist's loadfile); these go first, so neither process ends with a
+# minutes-long module while the other is idle.
+LONG_MODULES = ("test_deployment", "test_flows", "test_production", "test_e2e", "test_soak", "test_hostile")
+
+
 def pytest_collection_modifyitems(items):
     """A case on moto's server is a server case: slow (the fast tier, ``-m "not slow"``, starts
-    no process)."""
+    no process). The long modules run first."""
     for item in items:
         if "s3_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    rank = {name: i for i, name in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
 
 
 @pytest.fixture

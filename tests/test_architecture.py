@@ -202,6 +202,7 @@ def test_light_commands_start_without_torch():
     assert out.stdout.strip() == "[]", f"torch-free modules loaded {out.stdout.strip()}"
 
 
+@pytest.mark.slow
 def test_the_model_still_loads_torch_when_asked():
     """The other side: the worker's module does need torch (so the check above is not vacuous)."""
     code = "import sys, dedloc_pipeline.protocol.worker; print('torch' in sys.modules)"

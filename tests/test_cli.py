@@ -243,6 +243,7 @@ def _closed_port() -> int:
         return s.getsockname()[1]  # released on close: nothing listens there
 
 
+@pytest.mark.slow
 def test_unreachable_bucket(tmp_path):
     """An S3 endpoint that refuses connections: a bounded wait (retries), then one error line."""
     port = _closed_port()

@@ -109,6 +109,7 @@ def test_bad_data_is_a_clear_error(bengali, tmp_path):
             src.sample("p", k)
 
 
+@pytest.mark.slow
 def test_collaborative_pretraining_on_bengali_lowers_heldout_loss(bengali):
     from dedloc_pipeline.evaluation.heldout import heldout_scores
     from dedloc_pipeline.testing import collaborate

@@ -31,6 +31,7 @@ PEERS = [("a", 4), ("b", 3), ("c", 5)]
 
 
 @pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
+@pytest.mark.slow
 def test_one_inner_sgd_step_is_the_default_algorithm_with_sgd(make_run, delayed):
     rounds = 3
     sgd = {"name": "sgd", "lr": 0.5, "warmup_steps": 2}
@@ -112,6 +113,7 @@ def diloco_reference(run, rounds: int, micro: dict[str, int]) -> list[np.ndarray
     return thetas
 
 
+@pytest.mark.slow
 def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run):
     rounds = 3
     run = make_run(run="diloco", codec="none", optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
@@ -128,6 +130,7 @@ def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run):
     assert max(s["samples"] for s in shards) >= 2 * 8, "no shard took two inner steps"
 
 
+@pytest.mark.slow
 def test_sparse_pseudo_gradients_take_hundredths_of_a_byte_per_parameter(make_run):
     rounds = 3
     run = make_run(run="sparse", codec="sparse", algorithm="diloco", inner_batch=8, target_batch_size=48,

@@ -134,3 +134,14 @@ def test_the_commands_the_docs_show_exist(doc):
              for opt in (re.findall(r"(?<![\w-])--[a-z][\w-]*", rest) if cmd in known else ["(no such command)"])
              if opt not in known.get(cmd, ()) and opt != "--help"}
     assert (makes, wrong) == (set(), set())
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_tests_the_docs_name_exist(doc):
+    """Every ``test_module::test_case`` a doc cites as the check of something is a test there."""
+    missing = []
+    for module, case in re.findall(r"(test_\w+)(?:\.py)?::(test_\w+)", doc.read_text()):
+        path = ROOT / "tests" / f"{module}.py"
+        if not path.exists() or not re.search(rf"^def {case}\(", path.read_text(), re.M):
+            missing.append(f"{module}::{case}")
+    assert missing == [], f"{doc.relative_to(ROOT)}: {missing}"

@@ -144,6 +144,7 @@ def test_ner_scores_whole_words_and_truncated_entities_still_count(tok, ner):
     assert cut["recall"] < 0.8  # entities past the cut are missed, not dropped from the gold
 
 
+@pytest.mark.slow
 def test_finetune_from_random_init_learns_offline_ner(tok, config, ner):
     result = downstream.finetune(ner, tok, config, None, epochs=6, patience=3, lr=5e-3, batch_size=16)
     assert result["metric"] == "f1" and result["source"] == ner.source and result["train_examples"] == 600
@@ -155,6 +156,7 @@ def test_finetune_from_random_init_learns_offline_ner(tok, config, ner):
     assert json.loads(json.dumps(result)) == result  # recorded as JSON in the bucket: plain floats only
 
 
+@pytest.mark.slow
 def test_finetune_from_random_init_classifies_above_chance(tok, config, news):
     result = downstream.finetune(news, tok, config, None, epochs=10, patience=4, lr=1e-3, batch_size=16,
                                  seq_len=64, max_train=600)

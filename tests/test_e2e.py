@@ -1,7 +1,8 @@
 """End to end: the real `dedloc` command line, each role its own OS process, over a real bucket.
 
-One smoke case per real bucket (a local folder; S3 on moto's server): the processes, their
-command lines and the bucket are what is tested, so nothing here depends on how fast they run.
+One smoke case, on S3 (moto's server): the processes, their command lines and the bucket are
+what is tested, so nothing here depends on how fast they run. A local folder's multi-process
+case is `make pretrain`'s (tests/test_deployment.py): worker processes on a file bucket.
 What depends on time (a peer's timeout, a killed worker, a late joiner, a stale view, the close
 timeout) is tested on the fake clock in one process (tests/test_timing.py), and what the rounds
 learn by the equivalence and hostile tests. Every process imports torch (seconds of start-up on
@@ -178,20 +179,13 @@ def check_history(c: Cluster, s: dict, rounds: int) -> None:
     assert_counted_once(c.run)
 
 
-def test_three_workers_on_a_local_bucket(cluster, tmp_path):
-    rounds = 3
-    c = cluster(f"file://{tmp_path}/bucket")
-    s = collaborate(c, rounds, status_process=True)
-    check_history(c, s, rounds)
-
-
 def test_three_workers_on_s3(cluster, s3_bucket):
-    """The same against a real S3 protocol server (moto on loopback); credentials and endpoint
-    reach the processes through the usual AWS variables (set by the s3_bucket fixture)."""
+    """Against a real S3 protocol server (moto on loopback); credentials and endpoint reach the
+    processes through the usual AWS variables (set by the s3_bucket fixture)."""
     assert os.environ.get("AWS_ENDPOINT_URL", "").startswith("http://127.0.0.1:")
     rounds = 3
     c = cluster(s3_bucket.url)
-    s = collaborate(c, rounds)
+    s = collaborate(c, rounds, status_process=True)
     check_history(c, s, rounds)
     # it really went through S3: the COMMITs are objects in that bucket
     assert s3_bucket.exists(f"runs/{RUN}/state/{rounds:08d}/COMMIT.json")

@@ -91,6 +91,7 @@ CASES = [
 
 @pytest.mark.parametrize("peers,optimizer,delayed", CASES,
                          ids=[f"{len(p)}peers-{o}-{'delayed' if d else 'sync'}" for p, o, d in CASES])
+@pytest.mark.slow
 def test_n_peers_equal_one_process(make_run, peers, optimizer, delayed):
     rounds = 3
     opt = {"name": optimizer, "lr": 3e-3, "warmup_steps": 2}
@@ -113,6 +114,7 @@ def test_n_peers_equal_one_process(make_run, peers, optimizer, delayed):
         assert any(s["stale_samples"] for s in shards), "delayed updates never produced a stale sample"
 
 
+@pytest.mark.slow
 def test_a_causal_decoder_in_n_peers_equals_one_process(make_run):
     """The same invariant for the causal family (model/causal.py): next-token loss, Llama."""
     rounds = 3
@@ -126,6 +128,7 @@ def test_a_causal_decoder_in_n_peers_equals_one_process(make_run):
     assert losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow
 def test_int8_loss_curve_stays_close_to_exact(bucket):
     from dedloc_pipeline.protocol.run import init_run
 

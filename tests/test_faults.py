@@ -32,6 +32,7 @@ def finish(run, r):
 # case 6: storage faults
 
 @pytest.mark.parametrize("backend", ["file", "s3"])
+@pytest.mark.slow
 def test_a_collaboration_through_a_failing_bucket_commits_the_same_states(backend, tmp_path, request):
     """10% of requests fail or time out (half of them after taking effect), in every peer's and
     the scheduler's filesystem calls and zarr chunk I/O: retries carry the run to the same
@@ -223,6 +224,7 @@ def _heldout_loss(run, state):
     ("centered_clip", "flipped_x1000", True),
     ("centered_clip", "flipped", True),
 ])
+@pytest.mark.slow
 def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, falls):
     """One peer in five (20%) sends its gradient sign-flipped, or scaled x(-1000), every round.
     The norm screen is off here, so only the aggregation stands in the way (a gradient scaled
@@ -254,6 +256,7 @@ Worker(run, "a", micro_batch=4, threads=1, poll_s=0).serve()
 """
 
 
+@pytest.mark.slow  # a worker process, killed
 def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
     """SIGKILL after the chunks, before the manifest: the torn shard is never read, the restarted
     peer computes those samples again (they were never counted), and pruning removes the debris."""

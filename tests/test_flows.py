@@ -13,7 +13,6 @@ import threading
 import pytest
 
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
 
@@ -83,26 +82,6 @@ def test_pretrain_flow_commits_rounds_and_publishes_artifacts(harness, tmp_path)
     assert progress and progress[0].data == 100.0
 
 
-def test_pretrain_flow_continues_a_run_stopped_mid_round(harness, tmp_path):
-    """A cancelled flow leaves at most a closed, half-reduced round; a new one finishes it."""
-    from flows.pretraining import pretrain
-    url = f"file://{tmp_path}/bucket"
-    with Volunteers(url, "resume", ["a", "b"], until=1):
-        pretrain(bucket=url, run="resume", rounds=1, config=CONFIG, poll_s=0.2)
-    run = Run(Bucket(url), "resume")
-    with Volunteers(url, "resume", ["a", "b"], until=3):
-        sched = Scheduler(run, 1, 0.1)
-        while sched.try_close(1) is None:  # the old flow closed round 1, reduced one part, died
-            threading.Event().wait(0.2)
-        from dedloc_pipeline.protocol import aggregator
-        aggregator.prepare(run, 1)
-        aggregator.reduce_part(run, 1, 0)
-        close = Bucket(url).read_bytes(run.keys.close(1))
-        out = pretrain(bucket=url, run="resume", rounds=3, poll_s=0.2)
-    assert out["state"] == 3 and out["rounds_done"] == 2
-    assert Bucket(url).read_bytes(run.keys.close(1)) == close
-
-
 def test_stop_marker_ends_the_flow(harness, tmp_path):
     from dedloc_pipeline.protocol.config import RunConfig
     from dedloc_pipeline.protocol.run import init_run
@@ -114,39 +93,21 @@ def test_stop_marker_ends_the_flow(harness, tmp_path):
     assert out["stopped_by"] == "STOP marker" and out["state"] == 0
 
 
-def test_tokenize_pretrain_evaluate_on_bengali(harness, tmp_path):
-    """The organizer's path on the offline corpus as flows: tokenizer and shards, rounds, then the
-    held-out MLM loss next to random init's, for every state kept. Fine-tuning on both tasks is
-    `make pretrain`'s (tests/test_deployment.py), which runs this same pipeline through the
-    deployment; here only what the flows themselves return and record.
-
-    Why no test asserts that pretraining beats random init downstream: a run the size of a test
-    does not get there (`make quality` measures what does, docs/first-run.md). Here:
-    the path runs end to end, the held-out loss falls below random init's, and the evaluation
-    reports what it measured.
-    """
-    from flows.evaluation import evaluate
-    from flows.pretraining import pretrain
+def test_tokenize_makes_a_bengali_data_set_once(harness, tmp_path):
+    """The offline corpus as a data set: tokenizer, shards and card, with the corpus's licence;
+    the same recipe again keeps it as it is. Pretraining and evaluating on it through the
+    deployment is `make pretrain`'s (tests/test_deployment.py)."""
     from flows.tokenization import tokenize
     url = f"file://{tmp_path}/bucket"
-    card = tokenize(bucket=url, data="bn", vocab_size=2000, seq_len=32, max_documents=300, corpus_dir=CORPUS)
-    assert card["vocab_size"] == 2000 and card["splits"]["train"]["pairs"] > 300
+    card = tokenize(bucket=url, data="bn", vocab_size=500, seq_len=32, max_documents=60, corpus_dir=CORPUS)
+    assert card["vocab_size"] == 500 and card["splits"]["train"]["pairs"] > 60
     assert card["sources"]["shobdo.txt"]["license"] == "Apache-2.0"
-    again = tokenize(bucket=url, data="bn", vocab_size=2000, seq_len=32, max_documents=300, corpus_dir=CORPUS)
+    assert Bucket(url).read_json("data/bn/DATA.json") == card
+    again = tokenize(bucket=url, data="bn", vocab_size=500, seq_len=32, max_documents=60, corpus_dir=CORPUS)
     assert again["created_at"] == card["created_at"]  # same recipe: kept, not remade
-    with Volunteers(url, "ev", ["a", "b"], until=4):
-        pretrain(bucket=url, run="ev", rounds=4, config=dict(CONFIG, data="bn"), poll_s=0.2)  # tiny's recipe
-    res = evaluate(bucket=url, run="ev", samples=32, tasks=[], corpus_dir=CORPUS, curve=True)
-    mlm = res["mlm-heldout"]
-    # the learning curve: every state the run keeps (all 4 within keep_states of the last, and 0)
-    assert [c["state"] for c in res["curve"]] == [0, 2, 3, 4] and res["curve"][-1] == mlm
-    assert res["curve"][0]["loss"] == res["curve"][0]["random_init_loss"] == mlm["random_init_loss"]
-    assert Run(Bucket(url), "ev").config.unigram_bias  # the run starts at the unigram loss ...
-    assert res["state"] == 4 and mlm["loss"] < mlm["random_init_loss"]  # ... and goes below it
-    assert mlm["unigram_entropy"] == Bucket(url).read_json("data/bn/DATA.json")["unigram_entropy"]
-    assert Bucket(url).read_json("runs/ev/evals/00000004/mlm-heldout.json")["loss"] == mlm["loss"]
-    assert set(res) == {"state", "curve", "mlm-heldout"}
-    assert _artifacts("ev-eval")
+    other = tokenize(bucket=url, data="bn", vocab_size=500, seq_len=32, max_documents=50, corpus_dir=CORPUS)
+    assert other["created_at"] != card["created_at"]  # another recipe: made anew
+    assert other["splits"]["train"]["pairs"] < card["splits"]["train"]["pairs"]
 
 
 def test_evaluate_synthetic_run_scores_heldout_only(harness, tmp_path):

@@ -170,19 +170,6 @@ class Volunteering(Volunteers):
         return super().__exit__(*exc)
 
 
-def test_prefect_yaml_deployment_runs_on_a_process_worker(production):
-    url = f"file://{production.tmp}/bucket-threads"
-    t0 = time.monotonic()
-    with Volunteering(url, "prod", ["a", "b"], until=2):
-        flow_run, res = _run_deployment(production.env, url, "prod")
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:] + _tail(production.tmp / "worker.log")
-    run = Run(Bucket(url), "prod")
-    assert run.latest() == 2
-    assert all(run.commit_of(s)["samples"] >= CONFIG["target_batch_size"] for s in (1, 2))
-    assert flow_run and "Completed" in res.stdout
-    print(f"pretrain/production, 2 rounds: {time.monotonic() - t0:.1f}s")
-
-
 async def _task_runs(flow_run_id):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
@@ -209,7 +196,9 @@ def _replay_round(url, run, r, api):
     return Run(Bucket(f"file://{dst}"), run).commit_of(r + 1)
 
 
-def test_aggregation_on_two_task_workers(production):
+def test_prefect_yaml_deployment_aggregates_on_two_task_workers(production):
+    """One flow run of pretrain/production: taken by the process worker from the pool, its
+    rounds reduced and applied by two task workers."""
     tmp, env = production.tmp, production.env
     url = f"file://{tmp}/bucket-task-workers"
     logs = [tmp / f"aggregator-{i}.log" for i in (1, 2)]
@@ -235,6 +224,7 @@ def test_aggregation_on_two_task_workers(production):
     assert run.latest() == 2
     commits = [run.commit_of(s) for s in (1, 2)]
     assert all(c["samples"] >= CONFIG["target_batch_size"] for c in commits)
+    assert flow_run and "Completed" in res.stdout
 
     # Every reduce and apply of both rounds ran on a task worker, and both workers took some.
     done = [re.findall(r"^aggregator (\S+): (reduce_part|apply_part) tw round (\d) part (\d+) done",

@@ -86,6 +86,7 @@ def test_display_shows_the_worker_and_the_ledger(make_run):
     assert len(lines) >= 2 and all(ln.count(" alice state 1: ") == 1 and "\x1b" not in ln for ln in lines)
 
 
+@pytest.mark.slow
 def test_join_returns_the_summary(make_run, bucket, capsys):
     """The notebook API: alone with a scheduler, until state 1, then until another thread says stop."""
     run = make_run()

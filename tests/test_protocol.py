@@ -208,6 +208,7 @@ def _fill_round(run, r, peers=(("a", 4), ("b", 3), ("c", 5))):
 
 
 @pytest.mark.parametrize("crash_after", ["close", "one_reduce", "all_reduce", "one_apply", "all_apply"])
+@pytest.mark.slow
 def test_scheduler_killed_between_close_and_commit_gives_the_same_state(tmp_path, crash_after):
     cfg = small_config(codec="int8", optimizer={"name": "lamb"})
     ref, crashed = Bucket(str(tmp_path / "ref")), Bucket(str(tmp_path / "crash"))
@@ -285,6 +286,7 @@ def test_synced_peers_rebuild_each_state_from_its_delta(make_run):
     assert delta < snap / 3  # peers download about a byte per parameter, not four
 
 
+@pytest.mark.slow
 def test_a_peer_that_joins_later_pulls_the_snapshot_and_contributes(make_run):
     run = make_run()
     collaborate(run, [("a", 4), ("b", 3)], rounds=2)
@@ -306,6 +308,7 @@ def test_a_restarted_peer_continues_its_data_stream(make_run):
     assert len(seen) == len(set(seen))  # no sample counted twice
 
 
+@pytest.mark.slow
 def test_a_peer_back_after_its_manifests_were_pruned_continues_its_stream(make_run):
     """Found by the soak: the returning peer's manifests are gone with their rounds; the
     latest state's streams record still says where its stream is counted up to."""
@@ -344,6 +347,7 @@ def test_missing_run_is_a_clear_error(bucket):
         Run(bucket, "nope")
 
 
+@pytest.mark.slow
 def test_old_rounds_are_pruned_but_the_ledger_and_checkpoints_stay(make_run):
     run = make_run(keep_states=2, checkpoint_every=3)
     collaborate(run, [("a", 4), ("b", 3)], rounds=7)

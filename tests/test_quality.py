@@ -6,11 +6,13 @@ own states. So what the benchmark reports between the two is the protocol's appr
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from benchmarks.quality import one_process
 from dedloc_pipeline.testing import collaborate
 
 
+@pytest.mark.slow
 def test_one_process_at_the_same_samples_is_the_collaboration_without_its_approximations(make_run):
     run = make_run(codec="none", delayed_updates=False, optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2})
     collaborate(run, [("a", 4), ("b", 3), ("c", 5)], rounds=3)

@@ -79,6 +79,7 @@ ALGORITHMS = {"dedloc": {}, "diloco": {"algorithm": "diloco", "inner_batch": 8}}
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.slow
 def test_a_killed_worker_does_not_stop_the_run(fake_run, algorithm):
     """The victim stops (a SIGKILL: no leave, no last heartbeat) while it holds samples of the open
     round (in diloco: in the middle of its inner steps). Without delayed updates every round
@@ -109,6 +110,7 @@ def test_a_killed_worker_does_not_stop_the_run(fake_run, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.slow
 def test_a_worker_joining_late_pulls_the_state_and_contributes(fake_run, algorithm):
     """It starts from the newest state (in diloco with a fresh inner optimizer), its shards go to
     that state's round, and the established workers go on beside it."""
@@ -189,6 +191,7 @@ def test_a_view_unchanged_for_peer_timeout_is_no_view(fake_run):
 
 
 @pytest.mark.parametrize("min_fraction", [0.5, 0.75])
+@pytest.mark.slow
 def test_a_round_short_of_its_target_closes_at_the_close_timeout(fake_run, min_fraction):
     """The victim goes silent holding samples of round 1 after the others sent their first parts
     (32 samples, two thirds of the target) counting on it; peer_timeout_s is long, so they wait. At

@@ -57,6 +57,7 @@ def verdicts(record):
 
 
 @pytest.mark.parametrize("codec_name,delayed", [("int8", True), ("none", False)])
+@pytest.mark.slow
 def test_honest_shards_verify(make_run, codec_name, delayed):
     """Every shard of a real collaboration, recomputed: int8 with the workers' error feedback and
     one-step-stale samples (computed on the state before), and exact fp32 to a far tighter bound."""
@@ -99,6 +100,7 @@ ATTACKS = {
 
 
 @pytest.mark.parametrize("attack", sorted(ATTACKS))
+@pytest.mark.slow
 def test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged(make_run, attack):
     run = make_run(codec="int8", target_batch_size=24, keep_states=10)
     make, samples, ranges = ATTACKS[attack]
@@ -165,6 +167,7 @@ def test_the_choice_follows_the_next_commit(make_run):
     assert len(verify.chosen(many[:3], h, 0.0)) == 1  # at least one a round
 
 
+@pytest.mark.slow
 def test_a_restarted_verifier_does_not_redo_a_round(make_run):
     run = make_run(keep_states=10)
     collaborate(run, PEERS, rounds=2)
@@ -180,6 +183,7 @@ def test_a_restarted_verifier_does_not_redo_a_round(make_run):
     assert again.verify_round(0) == run.bucket.read_json(run.keys.verdicts(0))
 
 
+@pytest.mark.slow
 def test_a_round_whose_state_was_pruned_is_skipped(make_run):
     """keep_states 2: after state 4, states 1 and 2 and rounds 0 and 1 are gone. Round 1 is
     recorded as skipped, never a crash; round 3, still whole, verifies (the control)."""
@@ -227,6 +231,7 @@ def test_a_flagged_volunteer_is_revoked_with_the_organizers_key(tmp_path, bucket
     assert roster.key_of("alice") == identity.public(keys["alice"])
 
 
+@pytest.mark.slow
 def test_the_verify_command(make_run):
     run = make_run(keep_states=10)
     collaborate(run, PEERS, rounds=2)

@@ -8,6 +8,7 @@ from benchmarks import wire
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.slow
 def test_default_codecs_stay_under_one_byte_per_parameter_per_peer_per_round():
     """int8 shards up and int4 parameter deltas down, counted by each peer's IOStats over the
     rounds after the first, in a real 4-peer lock-step collaboration."""

@@ -39,6 +39,7 @@ def test_corpus_is_real_bengali_with_provenance(built):
     assert sum(_bengali_share(t) > 0.5 for _, t in rows) > 0.9 * len(rows)
 
 
+@pytest.mark.slow
 def test_tokenizer_trained_on_the_offline_corpus_covers_held_out_text(built):
     lines = (built / "shobdo.txt").read_text(encoding="utf-8").splitlines()
     train, held_out = lines[:40_000:2], lines[1:40_000:40]

@@ -274,6 +274,7 @@ def test_latest_is_a_hint_and_commits_are_the_truth(make_run):
 
 # peers: download, join, restart
 
+@pytest.mark.slow
 def test_synced_peers_rebuild_each_state_from_its_delta(make_run):
     run = make_run(codec="int8")
     workers = collaborate(run, [("a", 4), ("b", 3)], rounds=4)
@@ -296,6 +297,7 @@ def test_a_peer_that_joins_later_pulls_the_snapshot_and_contributes(make_run):
     assert "late" in run.commit_of(3)["contributors"] + run.commit_of(4)["contributors"]
 
 
+@pytest.mark.slow
 def test_a_restarted_peer_continues_its_data_stream(make_run):
     run = make_run()
     collaborate(run, [("a", 4), ("b", 4)], rounds=2)

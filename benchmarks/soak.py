@@ -50,12 +50,15 @@ from . import soak_verdict
 EVENTS = {1: "leave", 3: "join", 5: "restart", 7: "return", 9: "leave"}  # offset in a cycle (>= 10 rounds)
 
 
-def soak_config(run: str = "soak", **kw):
-    """The tests' small config (``dedloc_pipeline.testing``), with int8 shards, delayed updates
-    and pruning as in production."""
-    from dedloc_pipeline.testing import small_config
+def soak_config(run: str = "soak", preset: str = "tiny", **kw):
+    """The tests' small config (``dedloc_pipeline.testing``) on ``preset`` (docs/soak.md's figures:
+    tiny, TINY's chunks; the test's: micro), with int8 shards, delayed updates and pruning as in
+    production."""
+    from dedloc_pipeline.testing import SMALL, TINY, small_config
 
-    return small_config(run, **dict(dict(codec="int8", delayed_updates=True, keep_states=3, checkpoint_every=50), **kw))
+    cut = TINY if preset == "tiny" else dict(preset=preset, chunk_size=SMALL["chunk_size"])
+    return small_config(run, **dict(cut, codec="int8", delayed_updates=True, keep_states=3, checkpoint_every=50,
+                                    **kw))
 
 
 def schedule(rounds: int, every: int = 10) -> dict[int, str]:
@@ -110,7 +113,8 @@ def bucket_usage(root: str, run_root: str, latest: int, keep_states: int, checkp
 
 # the run
 def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3, every: int = 10,
-         bucket_dir: str | None = None, keep_bucket: bool = False, trim: bool = False, log=print) -> dict:
+         bucket_dir: str | None = None, keep_bucket: bool = False, trim: bool = False, preset: str = "tiny",
+         log=print) -> dict:
     """Run ``rounds`` rounds with churn and return the samples, the events and the verdicts.
 
     ``trim``: a diagnostic. After each RSS sample, ``malloc_trim(0)`` hands glibc's free heap
@@ -127,7 +131,7 @@ def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3
     code = _code_version()  # what this process imported, whatever is committed meanwhile
     tmp = bucket_dir or tempfile.mkdtemp(prefix="dedloc-soak-")
     root = os.path.join(tmp, "bucket")
-    cfg = soak_config()
+    cfg = soak_config(preset=preset)
     run = init_run(Bucket(f"file://{root}"), cfg)
     rng = random.Random(seed)
     events_at = schedule(rounds, every)
@@ -266,12 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path(".dedloc/bench/soak.json"))
     ap.add_argument("--keep-bucket", action="store_true")
+    ap.add_argument("--preset", default="tiny", help="the model (docs/soak.md's figures: tiny)")
     ap.add_argument("--trim", action="store_true", help="diagnostic: malloc_trim(0) after each RSS sample")
     args = ap.parse_args(argv)
     from rich.console import Console
 
     res = soak(args.rounds, sample_every=args.sample_every, seed=args.seed, keep_bucket=args.keep_bucket,
-               trim=args.trim)
+               trim=args.trim, preset=args.preset)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
     Console().print(soak_verdict.table(res))

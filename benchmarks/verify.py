@@ -35,13 +35,13 @@ from dedloc_pipeline.protocol.shard import DataRef, Entry
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import volunteer_of
-from dedloc_pipeline.testing import collaborate, small_config
+from dedloc_pipeline.testing import TINY, collaborate, small_config
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 
 
 def make_run(codec_name: str):
-    cfg = small_config("bench", codec=codec_name, delayed_updates=True, keep_states=100)
+    cfg = small_config("bench", **TINY, codec=codec_name, delayed_updates=True, keep_states=100)
     return init_run(Bucket(tempfile.mkdtemp(prefix="verify-bench-")), cfg)
 
 

@@ -22,9 +22,10 @@ from .protocol.run import Run
 from .protocol.scheduler import Scheduler
 from .protocol.worker import Worker
 
-# Small enough to be quick on 2 cores, big enough to cut the ~1.9M-parameter vector into
-# several chunks and several aggregator parts (one part straddles tensors).
-SMALL = dict(seq_len=32, chunk_size=1 << 18, block_size=4096, chunks_per_part=3)
+# The micro preset (~0.3M parameters) in chunks of 10 blocks: quick on 2 cores, and cut as tiny is
+# in chunks of 2^18 (8 chunks, 3 aggregator parts, one straddling tensors). Benchmarks take TINY.
+SMALL = dict(preset="micro", seq_len=32, chunk_size=10 * 4096, block_size=4096, chunks_per_part=3)
+TINY = dict(preset="tiny", chunk_size=1 << 18)
 
 
 def small_config(run: str = "test", **kw) -> RunConfig:

@@ -36,9 +36,9 @@ os.environ[_SESSIONS_VAR] = ":".join(filter(None, [os.environ.get(_SESSIONS_VAR)
 
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import SMALL, small_config
+from dedloc_pipeline.testing import SMALL, TINY, small_config
 
-__all__ = ["SMALL", "small_config"]  # tests import both from here
+__all__ = ["SMALL", "TINY", "small_config"]  # tests import them from here
 
 
 @pytest.fixture

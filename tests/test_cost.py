@@ -109,8 +109,8 @@ def test_a_measured_snapshot_per_volunteer_hour_and_day():
 # the model against the protocol
 
 # FlatLayout(build_model(preset)).n, measured once (tests/test_presets.py builds them)
-MEASURED_PARAMS = {("tiny", None): 1_971_138, ("tiny", 256): 1_987_522, ("small", None): 5_628_930,
-                   ("sahajbert", None): 18_105_474}
+MEASURED_PARAMS = {("micro", None): 304_402, ("tiny", None): 1_971_138, ("tiny", 256): 1_987_522,
+                   ("small", None): 5_628_930, ("sahajbert", None): 18_105_474}
 
 
 @pytest.mark.parametrize("preset,seq_len", sorted(MEASURED_PARAMS, key=str))

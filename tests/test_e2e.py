@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
 RUN = "e2e"
 TARGET = 48
-INIT = ["--seq-len", "32", "--chunk-size", "262144", "--target-batch", str(TARGET), "--micro-batch", "4",
-        "--lr", "0.002", "--warmup-steps", "0"]
+INIT = ["--preset", "micro", "--seq-len", "32", "--chunk-size", "40960", "--target-batch", str(TARGET),
+        "--micro-batch", "4", "--lr", "0.002", "--warmup-steps", "0"]
 WAIT = 480.0  # a safety bound on any one wait (a process start imports torch: a minute under load)
 
 

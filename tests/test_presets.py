@@ -15,7 +15,8 @@ from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 
 
-@pytest.mark.parametrize("preset,low,high", [("tiny", 1.5e6, 2.5e6), ("small", 3e6, 8e6), ("sahajbert", 16e6, 20e6)])
+@pytest.mark.parametrize("preset,low,high", [("micro", 2e5, 4e5), ("tiny", 1.5e6, 2.5e6), ("small", 3e6, 8e6),
+                                             ("sahajbert", 16e6, 20e6)])
 def test_preset_sizes(preset, low, high):
     model = build_model(preset, seed=0)
     n = FlatLayout(model).n

@@ -1,5 +1,5 @@
-"""A short soak (benchmarks/soak.py, docs/soak.md): 20 rounds with churn in a process of its own,
-so the RSS measured is the soak's and not pytest's. Two churn cycles: every kind of event twice,
+"""A short soak (benchmarks/soak.py, docs/soak.md): 20 rounds with churn on the micro preset in a
+process of its own, so the RSS measured is the soak's and not pytest's. Two churn cycles: every kind of event twice,
 and both halves of the run in the same phase of the cycle. (40 rounds take ~80 s here; the
 300-round figures are in docs/soak.md.)"""
 
@@ -18,9 +18,9 @@ ROUNDS = 20
 # RSS may grow by at most this much from the first half's peak (after warm-up) to the second
 # half's. The process holds 2 to 4 workers as peers come and go, and its peaks moved by +7 to +47
 # MB with the churn alone (12, 20 and 300 rounds, docs/soak.md): 100 MB is twice the largest.
-# A leak of 10 MB a round, a little more than one fp32 copy of the ~1.97M-parameter vector
-# (7.9 MB, the unit of what a worker or the scheduler holds), passes it over the second half's
-# 10 rounds; slower leaks are for the 300-round run's slope to show.
+# A leak of 10 MB a round (eight fp32 copies of micro's ~0.3M-parameter vector, the unit of what a
+# worker or the scheduler holds; one of tiny's) passes it over the second half's 10 rounds; slower
+# leaks are for the 300-round run's slope to show.
 RSS_GROWTH_MB = 100
 
 
@@ -28,7 +28,8 @@ RSS_GROWTH_MB = 100
 def soak(tmp_path_factory):
     out = tmp_path_factory.mktemp("soak") / "soak.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--rounds", str(ROUNDS), "--out", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--rounds", str(ROUNDS), "--preset", "micro",
+                           "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     # exit 1: the soak ran and some check failed (asserted one by one below)
     assert proc.returncode in (0, 1) and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -100,16 +100,15 @@ def test_served_pretrain_survives_cancel_and_restart(served, tmp_path):
 
 
 def test_make_pretrain_runs_a_whole_collaboration(tmp_path):
-    """The first run, shortened (4 rounds on a capped corpus): tokenizer, signed rounds from two
-    worker processes, evaluation and fine-tuning, and what it says: the summary, the learning
-    curve's PNG, and a last line in plain words. Whether 4 rounds inside the recipe's 20-step
-    warmup get below the unigram start depends on which samples fill them, so that is not asserted
-    here: learning on the Bengali corpus is test_data's, in one process."""
+    """The first run, shortened (4 rounds of the micro preset on a capped corpus): tokenizer,
+    signed rounds from two worker processes, evaluation and fine-tuning, and what it says: the
+    summary, the learning curve's PNG, and a last line in plain words. Whether 4 rounds inside the
+    recipe's 20-step warmup get below the unigram start depends on which samples fill them, so that
+    is not asserted here: tiny's learning on the Bengali corpus is test_data's, in one process."""
     port = _free_port()
     env = dict(os.environ, BUCKET=f"file://{tmp_path}/bucket", RUN="ci", ROUNDS="4", WORKERS="2",
-               TARGET="32", PREFECT_PORT=str(port), DEDLOC_PREFECT_HOME=str(tmp_path / "prefect"),
-               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", MAX_DOCS="300", EVAL_EPOCHS="1",
-               EVAL_TRAIN="48")
+               PRESET="micro", TARGET="32", PREFECT_PORT=str(port), DEDLOC_PREFECT_HOME=str(tmp_path / "prefect"),
+               LOGS=str(tmp_path / "logs"), PREFECT_UI="0", MAX_DOCS="300", EVAL_EPOCHS="1", EVAL_TRAIN="48")
     res = subprocess.run(["make", "--no-print-directory", "pretrain"], cwd=ROOT, env=env, text=True,
                          capture_output=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

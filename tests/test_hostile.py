@@ -1,16 +1,17 @@
 """One malicious volunteer in four, throughout a signed run (issue 15), in one process.
 
-Mallory is enrolled like everyone else and runs the real worker, changed in two ways: every
-shard carries its honest gradient reversed at three times its length (the lock-step driver's
+Mallory is enrolled like everyone else and runs the real worker, changed in two ways: every shard
+carries its honest gradient reversed at three times its length (the lock-step driver's
 ``tamper``), and claims eight times the samples it computed (its ``train`` computes the first
 eighth of each micro-batch it is given: its data references run on contiguously, as an honest
 peer's would). The defended run (centered_clip, capped claims, the validator recomputing every
-shard as each round commits) must end where the same run without mallory ends, within 2% of
-the held-out loss. The control is the same attack on the plain mean without a validator: it
-keeps less than a third of what the honest run learned. The driver is lock-step, so each run's
-losses are the same on every machine whatever its load (measured at 6 rounds on the micro preset:
-held-out 7.57 at the start, honest 6.63, attacked 6.65, control 8.11; on tiny 9.03, 7.46, 7.50, 9.82). The real processes, command line and
-signed roster of a signed run are `make pretrain`'s (tests/test_deployment.py).
+shard as each round commits) must end where the same run without mallory ends, within 2% of the
+held-out loss. The control is the same attack on the plain mean without a validator: it keeps less
+than a third of what the honest run learned. The driver is lock-step, so each run's losses are the
+same on every machine whatever its load (measured at 6 rounds on the micro preset: held-out 7.57
+at the start, honest 6.63, attacked 6.65, control 8.11; on tiny 9.03, 7.46, 7.50, 9.82). The real
+processes, command line and signed roster of a signed run are `make pretrain`'s
+(tests/test_deployment.py).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..protocol.close import committed
+
 if TYPE_CHECKING:
     from ..protocol.run import Run
 
@@ -42,9 +44,10 @@ class Ledger:
             c = commits[s]
             if c is None:
                 return "open", None
-            if any(x["key"] == key for x in c.get("shards", [])):
+            accepted, rejected = committed(c)
+            if any(x.key == key for x in accepted):
                 return "counted", None
-            reason = next((x["reason"] for x in c.get("rejected", []) if x["key"] == key), None)
+            reason = next((x.reason for x in rejected if x.key == key), None)
             if reason is not None:
                 return "rejected", reason
         return "missed", None

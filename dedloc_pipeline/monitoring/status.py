@@ -13,6 +13,7 @@ import json
 
 from ..protocol import heartbeat, view
 from ..protocol.clock import duration
+from ..protocol.close import committed
 from ..protocol.run import Run
 
 
@@ -88,9 +89,9 @@ def status(run: Run, now: float | None = None) -> dict:
         c = commits[s]
         for pid in set(c.get("contributors", [])):
             peer(pid)["rounds"] += 1
-        for sh in c.get("shards", []):  # counted: a claim above its volunteer's cap counts capped
-            p = peer(sh["peer"])
-            p["samples"] += sh.get("weight", sh["samples"])
+        for sh in committed(c)[0]:  # counted: a claim above its volunteer's cap counts capped
+            p = peer(sh.peer)
+            p["samples"] += sh.counted
             p["last_seen"] = max(p["last_seen"] or 0.0, c["closed_at"])
     for p in peers.values():
         p["samples"] = round(p["samples"])

@@ -63,6 +63,32 @@ class Close(BaseModel):
         return None if found is None else cls.model_validate(found)
 
 
+class Counted(BaseModel):
+    """An accepted shard as the COMMIT copies it from its CLOSE entry: the ledger's fields, what
+    status and a volunteer's ledger read of a committed round."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str
+    peer: str
+    samples: int
+    loss: float
+    manifest_sha: str
+    late: bool = False
+    weight: float | None = None
+
+    @property
+    def counted(self) -> float:
+        """The samples it counts for: its claim capped (``weight``)."""
+        return self.samples if self.weight is None else self.weight
+
+
+def committed(commit: dict) -> tuple[list[Counted], list[Rejection]]:
+    """A COMMIT's shards, accepted and rejected, typed."""
+    return ([Counted.model_validate(x) for x in commit.get("shards", [])],
+            [Rejection.model_validate(x) for x in commit.get("rejected", [])])
+
+
 def closed(run: Run, r: int) -> Close:
     """Round r's CLOSE, which a reduction or a commit needs: RunError while the round is open."""
     close = Close.read(run, r)

@@ -12,12 +12,12 @@ import logging
 
 from ..trust import identity
 from . import optim
-from .close import Close, closed
+from .close import Close, Counted, closed
 from .run import Run, RunError
 
 log = logging.getLogger(__name__)
 
-LEDGER_FIELDS = {"key", "peer", "samples", "weight", "loss", "manifest_sha", "late"}  # of each shard, in COMMIT
+LEDGER_FIELDS = set(Counted.model_fields)  # of each accepted shard's CLOSE entry, in COMMIT
 
 
 def stream_ends(before: dict[str, int], close: Close) -> dict[str, int]:

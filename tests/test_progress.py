@@ -111,7 +111,13 @@ def test_join_returns_the_summary(make_run, bucket, capsys):
 
 # Ctrl-C pressed from inside the first chunk write of the first shard (at the main thread, as a
 # terminal does), once or twice a second apart; every chunk write of that shard waits meanwhile.
-INTERRUPTED_WORKER = """
+# Unloaded the pair takes 11 s, beside four CPU-bound processes 22-30 s; once, in a loaded CI run,
+# the first was still running at 100 s. A process still running at HANG_S prints every thread's
+# stack (faulthandler) and exits, so a hang says where it is.
+HANG_S = 240
+INTERRUPTED_WORKER = f"""
+import faulthandler
+faulthandler.dump_traceback_later({HANG_S}, exit=True)
 import asyncio, os, signal, sys, threading
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.storage import bucket as storage
@@ -135,7 +141,7 @@ app(sys.argv[1:], prog_name="dedloc")
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(2 * HANG_S + 120)
 def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
     """Alone in a run of target 8 a worker uploads after two micro-batches. One Ctrl-C during the
     chunk writes: the shard completes, manifest last, and the summary counts it. Two: the shard
@@ -152,7 +158,7 @@ def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
                  "--peer-id", "alice", "--threads", "1", "--poll", "0.2", "--device", "cpu", "--plain"],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         for presses, (url, p) in procs.items():
-            out, _ = p.communicate(timeout=100)
+            out, _ = p.communicate(timeout=HANG_S + 30)  # faulthandler ends it first
             run = Run(Bucket(url), "r")
             manifests = run.bucket.find(run.keys.manifests_dir(0))
             for m in manifests:  # the scheduler's own checks: chunks present, checksums right

@@ -54,9 +54,9 @@ def soak_config(run: str = "soak", preset: str = "tiny", **kw):
     """The tests' small config (``dedloc_pipeline.testing``) on ``preset`` (docs/soak.md's figures:
     tiny, TINY's chunks; the test's: micro), with int8 shards, delayed updates and pruning as in
     production."""
-    from dedloc_pipeline.testing import SMALL, TINY, small_config
+    from dedloc_pipeline.testing import TINY, small_config
 
-    cut = TINY if preset == "tiny" else dict(preset=preset, chunk_size=SMALL["chunk_size"])
+    cut = TINY if preset == "tiny" else {"preset": preset}  # others in small_config's chunks
     return small_config(run, **dict(cut, codec="int8", delayed_updates=True, keep_states=3, checkpoint_every=50,
                                     **kw))
 

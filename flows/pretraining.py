@@ -109,6 +109,7 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
             log.info("state %d committed: loss %.4f from %d samples", s["state"], s["loss"], s["samples"])
             if rounds and rounds > first:
                 update_progress_artifact(progress, 100.0 * min(1.0, (s["state"] - first) / (rounds - first)))
+    sched.end(snap.state, reason)
     published = publish_report(bucket, run)
     create_table_artifact(key=artifact_key(run, "leaderboard"), table=published["leaderboard"],
                           description=f"contributors of run {run}: samples counted in committed rounds")

@@ -95,13 +95,13 @@ def test_a_flagged_volunteers_shards_are_refused_from_every_peer():
 # weights
 
 def test_honest_volunteers_keep_their_exact_weights():
-    weighted, samples = admission.weigh([entry("a", samples=4), entry("b"), entry("c", samples=12)], 24, 0.1)
+    weighted, samples, _ = admission.weigh([entry("a", samples=4), entry("b"), entry("c", samples=12)], 24, 0.1)
     assert [e.weight for e in weighted] == [4.0, 8.0, 12.0] and samples == 24
 
 
 def test_a_claim_counts_for_twice_the_median_volunteer_its_parts_scaled_alike():
     shards = [entry("a"), entry("b"), entry("c"), entry("m", "0001", 48), entry("m", "0002", 48, start=48)]
-    weighted, samples = admission.weigh(shards, target=24, max_share=0.1)
+    weighted, samples, _ = admission.weigh(shards, target=24, max_share=0.1)
     assert [e.weight for e in weighted] == [8.0, 8.0, 8.0, 8.0, 8.0]  # m: 96 claimed, capped at 2 x 8
     assert samples == 16 + 24
     assert [e.weight for e in shards] == [None] * 5  # the entries given are left as they were
@@ -110,15 +110,15 @@ def test_a_claim_counts_for_twice_the_median_volunteer_its_parts_scaled_alike():
 def test_the_first_shard_of_a_round_is_capped_by_the_volunteers_still_computing():
     """Alone, m's claim would fill the round; counted with the three volunteers heartbeating (or of
     the state it builds on), it counts for twice its fair share of the target: 2 x 24 / 4."""
-    (alone,), samples = admission.weigh([entry("m", samples=96)], 24, 0.1)
+    (alone,), samples, _ = admission.weigh([entry("m", samples=96)], 24, 0.1)
     assert alone.weight == 96.0 and samples == 96
-    (capped,), samples = admission.weigh([entry("m", samples=96)], 24, 0.1, others={"a", "b", "c"})
-    assert capped.weight == 12.0 and samples == 12
+    (capped,), samples, cap = admission.weigh([entry("m", samples=96)], 24, 0.1, others={"a", "b", "c"})
+    assert capped.weight == 12.0 and samples == 12 and cap == 12
 
 
 def test_the_cap_is_never_below_max_share_of_the_target():
     many = [entry(f"v{i:02d}", samples=1) for i in range(40)] + [entry("m", samples=10)]
-    weighted, samples = admission.weigh(many, target=100, max_share=0.05)
+    weighted, samples, _ = admission.weigh(many, target=100, max_share=0.05)
     assert weighted[-1].weight == 5.0 and samples == 40 + 5  # 2/V and 2 x median are below 5% of 100
 
 

@@ -54,6 +54,12 @@ class Accumulator:
         self.round, self.stale_samples = self.round + 1, self.samples
         return True
 
+    def back(self, state: int) -> None:
+        """Computed on state ``state`` ahead for the next round, toward round ``state`` after all:
+        it turned out short (a shard rejected, or the cap lifted), and these samples are fresh
+        there. Never kept ahead of a round that needs them, they never pile up unsent."""
+        self.round, self.stale_samples = state, 0
+
 
 class Accumulation:
     """This volunteer's model and what is accumulated on it (``acc``; None: nothing yet), with

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -92,17 +93,32 @@ def unflagged(accepted: list[Entry], flags: dict[str, dict]) -> tuple[list[Entry
     return kept, out
 
 
-def weigh(accepted: list[Entry], target: int, max_share: float,
-          others: Iterable[str] = ()) -> tuple[list[Entry], int]:
+def present(live: Iterable[str], previous: Iterable[str], opened_at: float, now: float,
+            grace_s: float) -> frozenset[str]:
+    """The volunteers present in a round besides those with shards in it: those heartbeating it
+    (``live``), and for its first ``grace_s`` seconds (the run's ``peer_timeout_s``) those who
+    contributed to the state it builds on (``previous``), whose heartbeats for it may not be in
+    yet. Only they divide the target (``weigh``): a volunteer who left caps nobody for longer
+    than a silent peer counts, so whoever is live can always fill the round."""
+    return frozenset(live) | (frozenset(previous) if now - opened_at < grace_s else frozenset())
+
+
+class Weighed(NamedTuple):
+    entries: list[Entry]  # with their weights
+    samples: int  # the round's counted samples
+    cap: int  # the most one volunteer counts for now (the round view publishes it)
+
+
+def weigh(accepted: list[Entry], target: int, max_share: float, others: Iterable[str] = ()) -> Weighed:
     """Each shard's weight in the mean and the round's counted samples. Claimed samples are
     claims: uncapped, one shard claiming 10,000 samples takes 99.8% of the mean and fills a round
     alone. So a volunteer counts for at most twice its fair share of the target (2/V, V the
-    volunteers of this round and ``others``: those of the state it builds on and those
-    heartbeating this round) or twice the round's median volunteer, whichever is more, and never
-    less than ``max_share`` of the target; its parts are scaled down alike. So the first shard of a
-    round, or of a run, is capped by the peers still computing theirs. Honest volunteers within
-    that keep their exact weights (N peers still equal one process), and one or two volunteers are
-    never capped."""
+    volunteers of this round and ``others``: those ``present`` without a shard yet) or twice the
+    round's median volunteer, whichever is more, and never less than ``max_share`` of the target;
+    its parts are scaled down alike. So the first shard of a round, or of a run, is capped by the
+    peers still computing theirs. Honest volunteers within that keep their exact weights (N peers
+    still equal one process), and one or two volunteers are never capped: a volunteer alone fills
+    its round."""
     claimed: dict[str, int] = {}
     for s in accepted:
         claimed[volunteer_of(s.peer)] = claimed.get(volunteer_of(s.peer), 0) + s.samples
@@ -111,7 +127,7 @@ def weigh(accepted: list[Entry], target: int, max_share: float,
     cap = math.ceil(max(target * max_share, 2 * target / max(len(active), 1), 2 * median))
     weighted = [s.model_copy(update={"weight": s.samples * min(1.0, cap / claimed[volunteer_of(s.peer)])})
                 for s in accepted]
-    return weighted, sum(min(n, cap) for n in claimed.values())
+    return Weighed(weighted, sum(min(n, cap) for n in claimed.values()), cap)
 
 
 def timed_out(opened_at: float, now: float, timeout_s: float | None) -> bool:

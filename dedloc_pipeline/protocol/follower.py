@@ -5,7 +5,7 @@ in the background while it computes on), and leaves when the view says the run i
 Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
 clock: no scheduler, or it died or is busy reducing) it still notices new states and the STOP
 marker by reading LATEST and STOP itself every ``fallback_s``. What a stale view still proves is
-used: a state newer than the worker's, a closed round, STOP.
+used: a state newer than the worker's, a closed round, STOP, a scheduler that ended.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ class Follower:
         if not (fresh and v.state == self.state) and self.transfers.fetching is None \
                 and self.clock.time() - self._last_sync >= self.fallback_s:
             self.sync()
-        usable = v is not None and v.state == self.state and (fresh or v.closed)
+        usable = v is not None and v.state == self.state and (fresh or v.closed or v.ended is not None)
         self.view = mine(v) if usable else None
         self.behind = fresh and v.state < self.state  # not published since this state: look again soon
         return self.view

@@ -55,6 +55,10 @@ class Snapshot:
     stopped: bool  # the organizer wrote the run's STOP marker
 
 
+ENDED = {"rounds": "the scheduler reached its last round (--until-round)",
+         "wall time": "the scheduler reached its wall time", "STOP marker": "the run is stopped (dedloc stop)"}
+
+
 def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float | None = None,
                 now: float | None = None) -> str | None:
     """Why the round loop ends now, or None to go on. A round already closed is still committed
@@ -199,16 +203,17 @@ class Scheduler:
         late, _ = self._verdicts(r - 1, skip=prev.listed() if prev is not None else set())
         return admission.folded(late)
 
-    def _admitted(self, r: int, accepted: list[Entry],
-                  live: frozenset[str]) -> tuple[list[Entry], int, list[Rejection]]:
-        """The flagged volunteers' shards out, then the others weighed: (weighted, samples, rejected).
-        The flags are read as a round opens and again when it is about to close (one LIST), so a
-        flag written mid-round keeps its volunteer out of that round's CLOSE."""
+    def _admitted(self, r: int, accepted: list[Entry], live: frozenset[str],
+                  now: float) -> tuple[admission.Weighed, list[Rejection]]:
+        """The flagged volunteers' shards out, then the others weighed among the volunteers
+        present (``admission.present``): (weighed, rejected). The flags are read as a
+        round opens and again when it is about to close (one LIST), so a flag written mid-round
+        keeps its volunteer out of that round's CLOSE."""
         accepted, flagged = admission.unflagged(accepted, self._flags)
-        cfg = self.run.config
-        weighted, samples = admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share,
-                                            self._opening(r).volunteers | live)
-        return weighted, samples, self._logged(r, flagged)
+        cfg, opening = self.run.config, self._opening(r)
+        others = admission.present(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
+        weighed = admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share, others)
+        return weighed, self._logged(r, flagged)
 
     def try_close(self, r: int, now: float | None = None) -> Close | None:
         """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one. Either
@@ -228,18 +233,19 @@ class Scheduler:
         accepted, screened = admission.screen(accepted, cfg.norm_screen)
         rejected += self._logged(r, extra + screened)
         live = self._enrolled(pending.volunteers)
-        accepted, samples, flagged = self._admitted(r, accepted, live)
+        now = self.clock.time() if now is None else now
+        (accepted, samples, cap), flagged = self._admitted(r, accepted, live, now)
         rejected += flagged
         target = cfg.target_batch_size
         opened = self._opening(r).at
-        now = self.clock.time() if now is None else now
         expired = admission.timed_out(opened, now, rule.timeout_s)
         if admission.met(samples, target, rule.min_fraction, expired):  # flags written since the round opened count too
             self._flags = verify.flagged(self.run)
-            accepted, samples, flagged = self._admitted(r, accepted, live)
+            (accepted, samples, cap), flagged = self._admitted(r, accepted, live, now)
             rejected += flagged
         if not admission.met(samples, target, rule.min_fraction, expired):
-            self._publish(r, at, samples=samples, shards=len(accepted), rejected=len(rejected), pending=pending)
+            self._publish(r, at, samples=samples, shards=len(accepted), rejected=len(rejected), pending=pending,
+                          cap=cap)
             return None
         roster = self._roster.version if self._roster is not None else None
         close = Close(round=r, samples=samples, target=target, accepted=sorted(accepted, key=lambda s: s.key),
@@ -276,7 +282,8 @@ class Scheduler:
             return None
 
     def _publish(self, r: int, at: float, samples: int = 0, shards: int = 0, rejected: int = 0,
-                 pending: heartbeat.Pending = heartbeat.Pending(), close: Close | None = None) -> None:
+                 pending: heartbeat.Pending = heartbeat.Pending(), close: Close | None = None,
+                 cap: int | None = None, ended: str | None = None) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats). A failed
         write is logged, never raised: volunteers treat a view gone stale as no view."""
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
@@ -292,7 +299,7 @@ class Scheduler:
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
-                          eta_s=self._eta, at=at,
+                          eta_s=self._eta, cap=cap, ended=ended, at=at,
                           written_at=max(at, self.clock.time()))
             view.write(bucket, keys, v)
         except Exception as exc:
@@ -349,14 +356,31 @@ class Scheduler:
         """Schedule rounds until state ``until_round`` is committed, or the run is stopped (a
         round already closed is still committed), or forever; a round that does not fill
         within ``max_wait_s`` raises TimeoutError."""
-        with ThreadPoolExecutor(self.parallel) as pool:
-            while (reason := stop_reason(snap := self.poll(), until_round)) is None:
-                wait = None if max_wait_s is None else self.clock.monotonic() + max_wait_s
-                close = snap.close or self.wait_close(snap.state, wait)
-                if close is not None:
-                    self.finish(snap.state, pool)
-                elif wait is not None and self.clock.monotonic() > wait:
-                    raise TimeoutError(f"round {snap.state} did not fill within {max_wait_s:.0f}s")
+        snap = None
+        try:
+            with ThreadPoolExecutor(self.parallel) as pool:
+                while (reason := stop_reason(snap := self.poll(), until_round)) is None:
+                    wait = None if max_wait_s is None else self.clock.monotonic() + max_wait_s
+                    close = snap.close or self.wait_close(snap.state, wait)
+                    if close is not None:
+                        self.finish(snap.state, pool)
+                    elif wait is not None and self.clock.monotonic() > wait:
+                        raise TimeoutError(f"round {snap.state} did not fill within {max_wait_s:.0f}s")
+        except BaseException as exc:  # Ctrl-C, or a failure the loop cannot go on from
+            if snap is not None:
+                self.end(snap.state, f"the scheduler exited ({type(exc).__name__}: {str(exc)[:120]})")
+            raise
+        self.end(snap.state, reason)
         if reason == "STOP marker":
             log.info("run %s stopped at state %d", self.run.name, snap.state)
         return snap.state
+
+    def end(self, state: int, reason: str) -> None:
+        """Say in the round view that no scheduler will close round ``state`` (``reason``: what
+        ended the loop), so workers stop computing for it; the next scheduler's view replaces it."""
+        try:
+            close = self._existing_close(state)
+        except Exception as exc:  # ending on a bucket error: the view still says so
+            log.warning("round %d: its CLOSE unreadable (%s)", state, exc)
+            close = None
+        self._publish(state, self.clock.time(), close=close, ended=ENDED.get(reason, reason))

@@ -37,14 +37,16 @@ def mine(v: View, r: int, beats: Iterable[Heartbeat], sent: Iterable[Sent], time
     known exactly: the newest one written before ``v.at`` or any written while it read, so the
     largest pending count among those is taken out. The others' pending samples are never
     overestimated: this peer never uploads early on its own samples. Its shards (``sent``)
-    finished after ``v.at`` are added (the view listed before them)."""
+    finished after ``v.at`` are added (the view listed before them); those finished before it
+    say whether this peer has reached the view's cap."""
     pending, speed, counted = 0, 0.0, False
     live = [(b, c) for b in beats if (c := heartbeat.counted(b, r, v.at, timeout, target, ahead_s)) is not None]
     maybe = [c for b, c in live if b.time <= v.at][-1:] + [c for b, c in live if v.at < b.time <= v.written_at]
     if maybe and not v.closed:  # as the scheduler counted it: projected to v.at
         pending, speed, counted = max(c.samples for c in maybe), maybe[-1].samples_per_s, True
-    unseen = sum(x.samples for x in sent if x.round == r and x.at > v.at)
-    return for_worker(v, pending, speed, counted, unseen)
+    ours = [x for x in sent if x.round == r]
+    unseen = sum(x.samples for x in ours if x.at > v.at)
+    return for_worker(v, pending, speed, counted, unseen, sum(x.samples for x in ours if x.at <= v.at))
 
 
 def alone(r: int, sent: Iterable[Sent], now: float) -> RoundView:

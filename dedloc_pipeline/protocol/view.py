@@ -50,7 +50,12 @@ class View(BaseModel):
     ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
     closed: bool = False
     stopped: bool = False
+    ended: str | None = Field(None, max_length=200, description="why no scheduler will close this round: the "
+                              "last one ended (its --until-round reached, its wall time, STOP, or it exited); "
+                              "whoever starts one again continues the run")
     eta_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    cap: int | None = Field(None, ge=0, description="the most samples one volunteer counts for in the open "
+                            "round now (admission.weigh): a volunteer with that many in sends no further part")
     horizon_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="how long past ``at`` the pending "
                              "samples may be projected: until the counted peers' next heartbeats are due")
     at: float = Field(allow_inf_nan=False, description="when the scheduler started this poll (its clock): "
@@ -141,17 +146,22 @@ class RoundView:
     peers: int = 0  # other live peers
     samples_per_s: float = 0.0  # their speed together
     closed: bool = False
+    ended: str | None = None  # the scheduler ended: nobody will close this round until one starts again
     at: float = 0.0
     eta_s: float | None = None  # the scheduler's, as of ``at``
     horizon_s: float = 0.0  # how long past ``at`` fresh_samples may grow at samples_per_s
+    capped: bool = False  # this peer's shards in the view reach its cap: a further part would not count
 
 
-def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int) -> RoundView:
+def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int,
+               own_seen: int = 0) -> RoundView:
     """A worker's RoundView from the published one: its own heartbeat that the view counted
     (``own_pending``, ``own_speed``, ``own_counted``) taken out, its own shards the view could not
-    have seen yet (``own_unseen`` samples) added; never below zero."""
+    have seen yet (``own_unseen`` samples) added; never below zero. ``own_seen``: the samples of
+    its shards the view could count, which make it ``capped`` once they reach the view's cap."""
     return RoundView(manifest_samples=v.validated_samples + own_unseen,
                      fresh_samples=max(0, v.pending_samples - own_pending),
                      peers=max(0, v.peers - int(own_counted)),
-                     samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, at=v.at,
-                     eta_s=v.eta_s, horizon_s=v.horizon_s)
+                     samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, ended=v.ended, at=v.at,
+                     eta_s=v.eta_s, horizon_s=v.horizon_s,
+                     capped=v.cap is not None and own_seen > 0 and own_seen >= v.cap and not v.closed)

@@ -206,8 +206,15 @@ class Worker:
         self.view()
         r, target = self.state, self.run.config.target_batch_size
         v = self._round()
-        full = v.closed or v.manifest_samples >= target or self.transfers.fetching is not None  # a newer state exists
+        # full: closed, filled, a newer state on its way, or this peer capped (a further part would not count)
+        full = v.closed or v.manifest_samples >= target or v.capped or self.transfers.fetching is not None
         acc = self.acc
+        if v.ended is not None and not v.closed:  # nobody will aggregate round r: computing for it is lost
+            self._report(force=False)
+            self.activity = "waiting"
+            return False
+        if not full and acc is not None and acc.round == r + 1:
+            acc.back(r)
         if full and acc is not None and acc.round == r and not acc.carry(self.delayed):
             self._upload(acc)  # may still make it before CLOSE; late otherwise
         ahead = full and acc is not None and acc.round == r + 1 and acc.samples >= target

@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 from .init_options import config_args, describe, one_line, with_settings
 from .model.data import DataError
 from .model.presets import PRESETS
+from .monitoring import stop as signals
 from .protocol.config import recipe_config
 from .protocol.run import ORGANIZER_KEY_ENV, Run, RunError, init_run
 from .storage.bucket import Bucket, StorageError
@@ -38,10 +39,12 @@ class _Group(TyperGroup):
     and usage errors exit 2; usage errors come from click, which would otherwise draw a multi-line
     panel. Anything the commands did not anticipate (a botocore error, a bug), which would
     otherwise print only a traceback, exits 1 with its type; the traceback is still shown first
-    when logging is verbose. Ctrl-C exits 130, quietly.
+    when logging is verbose. Ctrl-C exits 130, quietly; SIGTERM and SIGHUP are taken as Ctrl-C
+    (every command cleans up after them as after it) and exit 143 and 129.
     """
 
     def invoke(self, ctx):
+        signals.as_interrupt()
         try:
             return super().invoke(ctx)
         except _PASS:
@@ -56,8 +59,8 @@ class _Group(TyperGroup):
         except _ERRORS as exc:
             typer.echo(f"error: {describe(exc)}", err=True)
             raise typer.Exit(2)
-        except KeyboardInterrupt:
-            raise typer.Exit(130)
+        except KeyboardInterrupt as exc:
+            raise typer.Exit(signals.exit_status(exc))
         except Exception as exc:
             if logging.getLogger().isEnabledFor(logging.INFO):
                 traceback.print_exc()
@@ -112,15 +115,15 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            verbose: bool = True):
     """Join a run as a volunteer: compute gradients and upload shards, with a live progress display.
 
-    Ctrl-C finishes an upload under way, leaves, and prints what you contributed (exit status
-    130); a second Ctrl-C quits at once."""
+    Ctrl-C (or SIGTERM, SIGHUP) finishes an upload under way, leaves, and prints what you
+    contributed (exit status 130, 143, 129); a second one quits at once."""
     _setup(verbose)
     from .monitoring.volunteer import make_worker, summary_text, volunteer
     w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision)
     s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))
     if s["ended"] in ("ctrl_c", "interrupted"):
-        raise typer.Exit(130)
+        raise typer.Exit(signals.exit_status(s["signal"]))
 
 
 @app.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -457,3 +458,21 @@ def test_ctrl_c_exits_130_quietly(monkeypatch):
     monkeypatch.setattr(dedloc_cli, "Run", interrupted)
     res = cli("aggregate", "--bucket", "memory://b", "--run", "r")
     assert res.exit_code == 130 and not res.stderr.strip()
+
+
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_sigterm_and_sighup_are_taken_as_ctrl_c(monkeypatch, sig, code):
+    """What systemd, docker and a closed terminal send interrupts a command as Ctrl-C does (the
+    scheduler publishes that it ended, the validator stops between rounds) and exits 128 + it."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+    def signalled(*_, **__):
+        signal.raise_signal(getattr(signal, sig))
+        raise AssertionError("the signal did not interrupt")
+    monkeypatch.setattr(dedloc_cli, "Run", signalled)
+    try:
+        res = cli("aggregate", "--bucket", "memory://b", "--run", "r")
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    assert res.exit_code == code and not res.stderr.strip(), res.output

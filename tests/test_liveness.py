@@ -129,3 +129,21 @@ def test_workers_stop_computing_for_a_round_an_ended_scheduler_will_not_aggregat
         c.scheduler = sched
         c.until(lambda: run.latest() >= 4, max_ticks=60, what="state 4 after the scheduler is back")
     assert_counted_once(run)
+
+
+def test_a_scheduler_interrupted_says_so_in_the_view(fake_run):
+    """Ctrl-C (or SIGTERM, taken as it) while the scheduler waits for a round: the view says it
+    exited, so workers stop computing for a round nobody will close."""
+    from dedloc_pipeline.protocol.scheduler import Scheduler
+
+    run = fake_run()
+
+    class Interrupting(type(run.clock)):
+        def sleep(self, seconds):
+            raise KeyboardInterrupt
+
+    sched = Scheduler(run, poll_s=POLL_S, clock=Interrupting(epoch=run.clock.time()))
+    with pytest.raises(KeyboardInterrupt):
+        sched.serve()
+    view = run.bucket.read_json(run.keys.view)
+    assert view["state"] == 0 and view["ended"].startswith("the scheduler exited (KeyboardInterrupt")

@@ -109,11 +109,12 @@ def test_join_returns_the_summary(make_run, bucket, capsys):
     assert progress["samples"] == 0  # left: its pending samples withdrawn
 
 
-# Ctrl-C pressed from inside the first chunk write of the first shard (at the main thread, as a
-# terminal does), once or twice a second apart; every chunk write of that shard waits meanwhile.
-# Unloaded the pair takes 11 s, beside four CPU-bound processes 22-30 s; once, in a loaded CI run,
-# the first was still running at 100 s. A process still running at HANG_S prints every thread's
-# stack (faulthandler) and exits, so a hang says where it is.
+# Ctrl-C (or SIGTERM, as systemd and docker stop a service) sent from inside the first chunk write
+# of the first shard (at the main thread, as a terminal does), once or twice a second apart; every
+# chunk write of that shard waits meanwhile. Unloaded the pair takes 11 s, beside four CPU-bound
+# processes 22-30 s; once, in a loaded CI run, the first was still running at 100 s. A process
+# still running at HANG_S prints every thread's stack (faulthandler) and exits, so a hang says
+# where it is.
 HANG_S = 240
 INTERRUPTED_WORKER = f"""
 import faulthandler
@@ -123,13 +124,14 @@ from dedloc_pipeline.cli import app
 from dedloc_pipeline.storage import bucket as storage
 
 presses, write, pressed = int(os.environ["PRESSES"]), storage._BucketStore.set, []
+sig = getattr(signal, os.environ["SIGNAL"])
 
 async def slow_set(self, key, value):
     if key.startswith("c/"):
         if not pressed:
             pressed.append(key)
             for _ in range(presses):
-                signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+                signal.pthread_kill(threading.main_thread().ident, sig)
                 await asyncio.sleep(1.0)
         else:
             await asyncio.sleep(0.2)
@@ -144,31 +146,33 @@ app(sys.argv[1:], prog_name="dedloc")
 @pytest.mark.timeout(2 * HANG_S + 120)
 def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
     """Alone in a run of target 8 a worker uploads after two micro-batches. One Ctrl-C during the
-    chunk writes: the shard completes, manifest last, and the summary counts it. Two: the shard
-    is abandoned before its manifest. Either way every manifest's chunks are there and whole,
-    the heartbeat withdraws the pending samples, and the exit status is 130."""
+    chunk writes: the shard completes, manifest last, and the summary counts it; one SIGTERM does
+    the same. Two: the shard is abandoned before its manifest. Either way every manifest's chunks
+    are there and whole, the heartbeat withdraws the pending samples, and the exit status is 130
+    (143 after SIGTERM)."""
     procs = {}
     try:
-        for presses in (1, 2):  # both at once: most of each is importing torch
-            url = f"file://{tmp_path}/b{presses}"
+        for presses, sig in ((1, "SIGINT"), (2, "SIGINT"), (1, "SIGTERM")):  # at once: most is importing torch
+            url = f"file://{tmp_path}/b{presses}{sig}"
             init_run(Bucket(url), small_config("r", target_batch_size=8, micro_batch=4))
-            env = dict(os.environ, PRESSES=str(presses), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            procs[presses] = (url, subprocess.Popen(
+            env = dict(os.environ, PRESSES=str(presses), SIGNAL=sig, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            procs[presses, sig] = (url, subprocess.Popen(
                 [sys.executable, "-c", INTERRUPTED_WORKER, "worker", "--bucket", url, "--run", "r",
                  "--peer-id", "alice", "--threads", "1", "--poll", "0.2", "--device", "cpu", "--plain"],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for presses, (url, p) in procs.items():
+        for (presses, sig), (url, p) in procs.items():
             out, _ = p.communicate(timeout=HANG_S + 30)  # faulthandler ends it first
             run = Run(Bucket(url), "r")
             manifests = run.bucket.find(run.keys.manifests_dir(0))
             for m in manifests:  # the scheduler's own checks: chunks present, checksums right
                 shard.validate(run, 0, run.keys.shard_of(m), run.bucket.read_bytes(m))
-            assert p.returncode == 130, out
+            assert p.returncode == (143 if sig == "SIGTERM" else 130), out
             assert run.bucket.read_json(run.keys.progress(0, "alice"))["samples"] == 0, out
             assert run.bucket.find(run.keys.shards_dir(0)), out  # the upload had begun
             if presses == 1:
                 assert len(manifests) == 1, out
-                assert "stopped cleanly after Ctrl-C" in out and "uploaded  8 samples in 1 shards" in out, out
+                assert f"stopped cleanly after {'SIGTERM' if sig == 'SIGTERM' else 'Ctrl-C'}" in out, out
+                assert "uploaded  8 samples in 1 shards" in out, out
                 assert "open      8 samples in rounds not committed yet" in out, out
             else:
                 assert manifests == [], out

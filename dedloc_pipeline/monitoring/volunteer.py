@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.filesize import decimal
 
+from . import stop
 from .display import Display
 from .ledger import Ledger
 from .stop import StopRequest
@@ -30,7 +31,8 @@ def summary(worker: Worker, ended: str, ledger: Ledger | None = None) -> dict:
     out = {"peer": s.peer, "run": worker.run.name, "state": s.state, "ended": ended,
            "samples_uploaded": s.uploaded, "shards": len(s.uploads),
            "rounds": len({r for r, _, _ in s.uploads}), "samples_computed": s.computed,
-           "seconds": worker.clock.monotonic() - worker.started, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down}
+           "seconds": worker.clock.monotonic() - worker.started, "bytes_up": s.bytes_up, "bytes_down": s.bytes_down,
+           "signal": None}
     if ledger is not None:
         t = ledger.tally(s.uploads, worker.run.latest() if s.uploads else -1)
         out.update(samples_counted=t["counted"], shards_counted=t["counted_shards"], samples_open=t["open"],
@@ -39,12 +41,13 @@ def summary(worker: Worker, ended: str, ledger: Ledger | None = None) -> dict:
 
 
 ENDED = {"until_round": "state reached", "run_stopped": "the organizer stopped the run",
-         "stop_requested": "asked to stop", "ctrl_c": "stopped cleanly after Ctrl-C",
+         "stop_requested": "asked to stop", "ctrl_c": "stopped cleanly after {signal}",
          "interrupted": "interrupted"}
 
 
 def summary_text(s: dict) -> str:
-    lines = [f"{s['peer']}: stopped at state {s['state']} ({ENDED[s['ended']]}); "
+    why = ENDED[s["ended"]].format(signal=stop.name(s.get("signal")))
+    lines = [f"{s['peer']}: stopped at state {s['state']} ({why}); "
              f"in {timedelta(seconds=round(s['seconds']))} this session:",
              f"  uploaded  {s['samples_uploaded']} samples in {s['shards']} shards to {s['rounds']} rounds",
              f"  computed  {s['samples_computed']} samples; traffic {decimal(s['bytes_up'])} up, "
@@ -65,17 +68,18 @@ def summary_text(s: dict) -> str:
 
 def volunteer(worker: Worker, until_round: int | None = None, event: threading.Event | None = None,
               plain: bool | None = None, every: float = 10.0, console: Console | None = None) -> dict:
-    """Serve with a display until ``until_round``, the run's STOP, ``event`` or Ctrl-C; then
-    leave and return the summary (``ended`` says which)."""
-    stop, interrupted = StopRequest(event), False
-    with stop, Display(worker, stop, plain, every, console) as display:
+    """Serve with a display until ``until_round``, the run's STOP, ``event`` or a stop signal
+    (Ctrl-C, SIGTERM, SIGHUP); then leave and return the summary (``ended`` says which, and
+    ``signal`` which signal)."""
+    request, interrupted = StopRequest(event), False
+    with request, Display(worker, request, plain, every, console) as display:
         try:
-            state = worker.serve(until_round, stop)
+            state = worker.serve(until_round, request)
         except KeyboardInterrupt:
             state, interrupted = worker.state, True
     if interrupted:
         ended = "interrupted"
-    elif stop.presses:
+    elif request.presses:
         ended = "ctrl_c"
     elif worker.stopped:
         ended = "run_stopped"
@@ -83,7 +87,7 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
         ended = "until_round"
     else:
         ended = "stop_requested"
-    return summary(worker, ended, None if interrupted else display.ledger)
+    return dict(summary(worker, ended, None if interrupted else display.ledger), signal=request.signum)
 
 
 def _import_tqdm_auto() -> None:

@@ -120,6 +120,16 @@ INTERRUPTED_WORKER = f"""
 import faulthandler
 faulthandler.dump_traceback_later({HANG_S}, exit=True)
 import asyncio, os, signal, sys, threading
+# As a terminal starts it: a process inherits ignored and blocked signals from whatever started
+# it (a script's background job ignores SIGINT), and the first press was once lost in a loaded CI
+# run with the worker waiting on; say so if this one inherited either, then start clean.
+SIGS = set((signal.SIGINT, signal.SIGTERM))
+inherited = [signal.Signals(s).name + " ignored" for s in SIGS if signal.getsignal(s) is signal.SIG_IGN]
+inherited += [signal.Signals(s).name + " blocked" for s in signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGS) & SIGS]
+if inherited:
+    print("inherited:", ", ".join(inherited), flush=True)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.storage import bucket as storage
 

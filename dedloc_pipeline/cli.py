@@ -178,9 +178,12 @@ def keygen(out: str = typer.Option(..., help="file for the new private key (kept
 def enroll(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            organizer_key: str = typer.Option(..., help="the private key the run was created with"),
            volunteer: str = typer.Option(..., help="name; its peers are NAME or NAME.anything"),
-           public_key: str = typer.Option(..., help="the volunteer's public key (`dedloc keygen` prints it)")):
+           public_key: str = typer.Option(..., help="the volunteer's public key (`dedloc keygen` prints it)"),
+           replace: bool = typer.Option(False, "--replace", help="give a name enrolled with another key to this "
+                                        "one (the old key's shards are refused from then on)")):
     """Admit a volunteer's shards: add its public key to the run's signed roster."""
-    roster = _change_roster(bucket, run, endpoint_url, organizer_key, enroll={volunteer: public_key})
+    roster = _change_roster(bucket, run, endpoint_url, organizer_key, enroll={volunteer: public_key},
+                            replace=replace)
     typer.echo(f"run {run}: {volunteer} enrolled (roster version {roster.version}, "
                f"{len(roster.volunteers)} volunteers)")
 

@@ -159,6 +159,23 @@ def test_bad_peer_id(trained):
     url, run, _ = trained
     line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--peer-id", "no spaces/please"))
     assert "peer id" in line
+    line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--peer-id", "shards"))
+    assert line == "error: peer id 'shards' is reserved (a round's folders: manifests, progress, shards)"
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--device", "tpu"], "--device tpu: not a torch device (cpu, cuda, cuda:1, mps)"),
+    (["--device", "meta"], "--device meta: this worker trains on cpu, cuda or mps"),
+    (["--micro-batch", "-4"], "--micro-batch -4: at least 1"),
+    (["--threads", "0"], "--threads 0: at least 1"),
+    (["--poll", "-1"], "--poll -1.0: at least 0"),
+])
+def test_bad_worker_options_are_refused_before_it_starts(trained, args, line):
+    """Each names the option and exits 2, before any model is built (the first report: a traceback,
+    `not enough values to unpack`, and a worker that uploaded, then died of a negative sleep)."""
+    url, run, _ = trained
+    res = cli("worker", "--bucket", url, "--run", run.name, *args)
+    assert res.exit_code == 2 and error_line(res) == f"error: {line}", res.output
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -308,12 +325,22 @@ def test_keys_enrolment_and_revocation(tmp_path):
                                            "--volunteer", "alice", "--public-key", alice_pub))
     assert "not an Ed25519 public key" in error_line(cli("enroll", "--bucket", b, "--run", "r", "--organizer-key",
                                                          org, "--volunteer", "alice", "--public-key", "xyz"))
+    private = open(vol).read()
     res = cli("enroll", "--bucket", b, "--run", "r", "--organizer-key", org, "--volunteer", "alice",
-              "--public-key", alice_pub)
+              "--public-key", private)
+    assert "that is a private key (not shown)" in error_line(res) and "PRIVATE" not in res.output
+    assert private.splitlines()[1] not in res.output  # never echoed
+    enroll = ["enroll", "--bucket", b, "--run", "r", "--organizer-key", org]
+    assert "is reserved" in error_line(cli(*enroll, "--volunteer", "shards", "--public-key", alice_pub))
+    res = cli(*enroll, "--volunteer", "alice", "--public-key", alice_pub)
     assert res.exit_code == 0 and "version 1" in res.output
+    other = cli("keygen", "--out", str(tmp_path / "other.pem")).output.split("public key: ")[1].strip()
+    assert "enrolled with another key: pass --replace" in error_line(
+        cli(*enroll, "--volunteer", "alice", "--public-key", other))
+    assert cli(*enroll, "--volunteer", "alice", "--public-key", alice_pub).exit_code == 0  # the same key: fine
     assert cli(*worker, "--key", vol).exit_code == 0
     res = cli("revoke", "--bucket", b, "--run", "r", "--organizer-key", org, "--volunteer", "alice")
-    assert res.exit_code == 0 and "version 2" in res.output
+    assert res.exit_code == 0 and "version 3" in res.output
     assert "revoked" in error_line(cli(*worker, "--key", vol))
     cli("init", "--bucket", b, "--run", "open", "--seq-len", "32", "--chunk-size", str(1 << 18))
     assert "without --organizer-key" in error_line(cli("revoke", "--bucket", b, "--run", "open", "--organizer-key",

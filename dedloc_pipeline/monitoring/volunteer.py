@@ -110,15 +110,26 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
     from ..protocol.run import Run
     from ..protocol.worker import Worker
     from ..storage.bucket import Bucket
-    from ..storage.layout import PEER_ID, is_name
+    from ..storage.layout import name_problem
     from ..trust import identity
 
-    if peer_id is not None and not is_name(peer_id):
-        raise ValueError(f"peer id {peer_id!r} must match {PEER_ID}")
+    if peer_id is not None and (problem := name_problem(peer_id)):
+        raise ValueError(problem)
+    for flag, value, least in (("--micro-batch", micro_batch, 1), ("--threads", threads, 1), ("--poll", poll, 0)):
+        if value is not None and not value >= least:
+            raise ValueError(f"{flag} {value}: at least {least}")
     import torch
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device}: not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device on this machine (use --device cpu)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: no Apple GPU (MPS) on this machine (use --device cpu)")
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: this worker trains on cpu, cuda or mps")
     signer = identity.load(os.path.expanduser(key)) if key else None
     return Worker(Run(Bucket(bucket, endpoint_url=endpoint_url), run), peer_id, micro_batch, threads,
                   poll_s=poll, device=device, signer=signer, precision=precision)

@@ -19,6 +19,17 @@ def is_name(value: object) -> bool:
     return isinstance(value, str) and re.fullmatch(PEER_ID, value) is not None
 
 
+def name_problem(value: object, what: str = "peer id") -> str | None:
+    """Why ``value`` cannot be a peer id or volunteer name (None: it can): the one check every
+    command makes alike (worker, enroll, policy). A peer folder named like a round's own folders
+    would fall under what volunteers may write there, so those names are reserved."""
+    if not is_name(value):
+        return f"{what} {value!r} must match {PEER_ID}"
+    if value in ROUND_FOLDERS:
+        return f"{what} {value!r} is reserved (a round's folders: {', '.join(sorted(ROUND_FOLDERS))})"
+    return None
+
+
 def volunteer_of(peer: str) -> str:
     """The volunteer a peer id belongs to (``NAME`` or ``NAME.anything``): what a key is enrolled
     for, and what influence is bounded per (one volunteer may run many peers)."""

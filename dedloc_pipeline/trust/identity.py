@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..storage.bucket import Bucket
-from ..storage.layout import RunLayout, volunteer_of
+from ..storage.layout import RunLayout, name_problem, volunteer_of
 
 NAME = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$"  # a volunteer; its peers are NAME or NAME.anything
 
@@ -103,10 +103,16 @@ def check_record(public_key: str, record: dict, what: str) -> dict:
 
 
 def check_public(public_key: str) -> str:
+    """``public_key`` if it is one. What is not is never echoed: it may be a private key pasted
+    by mistake, which a terminal's scrollback or a CI log would then keep."""
+    if "PRIVATE" in public_key or "-----BEGIN" in public_key:
+        raise IdentityError("that is a private key (not shown): keep it secret, and pass the public key "
+                            "`dedloc keygen` printed")
     try:
         Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key, validate=True))
     except ValueError as exc:
-        raise IdentityError(f"not an Ed25519 public key: {public_key!r}") from exc
+        raise IdentityError(f"not an Ed25519 public key ({len(public_key)} characters, not shown): pass the "
+                            "public key `dedloc keygen` printed") from exc
     return public_key
 
 
@@ -151,16 +157,23 @@ def read_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None:
 
 
 def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll: dict[str, str] | None = None,
-                  revoke: list[str] = ()) -> Roster:
-    """Enrol volunteers (name -> public key) and revoke others by name; sign; write."""
+                  revoke: list[str] = (), replace: bool = False) -> Roster:
+    """Enrol volunteers (name -> public key) and revoke others by name; sign; write. A name
+    enrolled with another key keeps it unless ``replace``: a typo must not hand someone's name,
+    and its stream, to another key."""
     org = public(organizer)
     roster = read_roster(bucket, run, org) or Roster(run=run)
     volunteers, revoked = dict(roster.volunteers), list(roster.revoked)
     for name, key in (enroll or {}).items():
         if not re.fullmatch(NAME, name):
             raise IdentityError(f"volunteer name {name!r} must match {NAME}")
+        if problem := name_problem(name, "volunteer name"):
+            raise IdentityError(problem)
         if check_public(key) in revoked:
             raise IdentityError(f"that key was revoked: {name!r} needs a new one (`dedloc keygen`)")
+        if volunteers.get(name, key) != key and not replace:
+            raise IdentityError(f"volunteer {name!r} is enrolled with another key: pass --replace to give the "
+                                "name to this key (the old key's shards are refused from then on)")
         volunteers[name] = key
     for name in revoke:
         if name not in volunteers:

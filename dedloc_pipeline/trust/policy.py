@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from ..storage import part, vector
-from ..storage.layout import PEER_ID, ROUND_FOLDERS, DataLayout, RunLayout, is_name
+from ..storage.layout import PEER_ID, DataLayout, RunLayout, is_name, name_problem
 
 FORMATS = ("aws", "minio", "r2")
 
@@ -125,9 +125,8 @@ def volunteer_keys(prefix: str, run: str, peer: str, data: str | None = None) ->
     _check_name("peer id", peer)
     if data is not None:
         _check_name("data set", data)
-    reserved = set(ROUND_FOLDERS)
-    if peer in reserved:  # a peer folder named like a round's folder would fall under deny_writes
-        raise ValueError(f"peer id {peer!r} is reserved (a round's folders: {', '.join(sorted(reserved))})")
+    if problem := name_problem(peer):  # a peer folder named like a round's folder would fall under deny_writes
+        raise ValueError(problem)
     keys = RunLayout(run)
     r0, rounds = keys.round(0), keys.rounds_dir
     width = len(r0) - len(rounds) - 1

@@ -503,3 +503,28 @@ def test_sigterm_and_sighup_are_taken_as_ctrl_c(monkeypatch, sig, code):
         for s, h in previous.items():
             signal.signal(s, h)
     assert res.exit_code == code and not res.stderr.strip(), res.output
+
+
+def test_damaged_records_are_named_by_their_key(tmp_path):
+    """A truncated COMMIT.json, a run.json with a bad field or without its layout version, a
+    bucket URL whose protocol is not installed: one line naming the object or field at fault
+    (the first report: `Unterminated string starting at: line 15 column 4`, `invalid value:
+    --target-batch` from commands that took no such flag, `bucket layout vNone`)."""
+    b = f"file://{tmp_path}/b"
+    run = init_run(Bucket(b), small_config("r"))
+    status = ["status", "--bucket", b, "--run", "r"]
+    commit = run.keys.commit(0)
+    good = run.bucket.read_bytes(commit)
+    run.bucket.write_bytes(commit, good[: len(good) // 2])
+    line = error_line(cli(*status))
+    assert line.startswith(f"error: {b}/{commit} is damaged: not JSON"), line
+    run.bucket.write_bytes(commit, good)
+    config = run.bucket.read_json(run.keys.config)
+    run.bucket.write_json(run.keys.config, dict(config, target_batch_size=-3))
+    line = error_line(cli(*status))
+    assert f"{b}/{run.keys.config} is invalid: target_batch_size: Input should be greater than 0" in line, line
+    assert "--target-batch" not in line
+    run.bucket.write_json(run.keys.config, {k: v for k, v in config.items() if k != "layout_version"})
+    assert "has no layout_version: not a dedloc run, or damaged" in error_line(cli(*status))
+    line = error_line(cli("status", "--bucket", "gs://somewhere/runs", "--run", "r"))
+    assert line.startswith("error: bucket gs://somewhere/runs: gs:// is not usable here"), line

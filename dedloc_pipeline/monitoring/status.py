@@ -9,8 +9,6 @@ come from their heartbeats, which any peer writes about itself, read with their 
 
 from __future__ import annotations
 
-import json
-
 from ..protocol import heartbeat, view
 from ..protocol.clock import duration
 from ..protocol.close import committed
@@ -22,7 +20,7 @@ def _commits(run: Run) -> dict[int, dict]:
     keys = run.keys
     states = sorted(s for s in map(keys.state_number, run.bucket.list(keys.states)) if s is not None)
     raw = run.bucket.read_many([keys.commit(s) for s in states])
-    return {s: json.loads(raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))}
+    return {s: run.bucket.parsed(keys.commit(s), raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))}
 
 
 def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:

@@ -7,7 +7,6 @@ create-only: a second scheduler finds it written), then LATEST, then prunes what
 
 from __future__ import annotations
 
-import json
 import logging
 
 from ..trust import identity
@@ -53,7 +52,7 @@ def _write_commit(run: Run, r: int) -> dict:
         missing = [k for k, v in found.items() if v is None]
         if missing:
             raise RunError(f"state {r + 1}: parts not applied: {missing}")
-        applied = [json.loads(found[keys.applied(r + 1, k)]) for k in range(run.n_parts)]
+        applied = [run.bucket.parsed(keys.applied(r + 1, k), found[keys.applied(r + 1, k)]) for k in range(run.n_parts)]
         delta_sums: dict[str, list[str]] = {}
         for a in applied:
             for name, s in a["checksums"]["delta"].items():

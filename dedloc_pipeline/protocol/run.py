@@ -7,6 +7,7 @@ import os
 from functools import cached_property
 
 import numpy as np
+from pydantic import ValidationError
 
 from ..model.data import SYNTHETIC, DataError, card_hash, check_data, unigram_log_probs
 from ..model.presets import seq_len_of
@@ -41,13 +42,20 @@ class Run:
             try:
                 raw = bucket.read_json(self.keys.config)
             except ValueError as exc:
-                raise RunError(f"run {name!r}: run.json is not valid JSON ({exc})") from exc
+                raise RunError(f"run {name!r}: {exc}") from exc
             if raw is None:
                 raise RunError(f"no run {name!r} in {bucket.url} (create it with `dedloc init`)")
-            if raw.get("layout_version") != LAYOUT_VERSION:
-                raise RunError(f"run {name!r} uses bucket layout v{raw.get('layout_version')}; "
+            where = f"run {name!r}: {bucket.url}/{self.keys.config}"
+            if not isinstance(raw, dict) or "layout_version" not in raw:
+                raise RunError(f"{where} has no layout_version: not a dedloc run, or damaged")
+            if raw["layout_version"] != LAYOUT_VERSION:
+                raise RunError(f"run {name!r} uses bucket layout v{raw['layout_version']}; "
                                f"this dedloc reads v{LAYOUT_VERSION}: nothing was written")
-            config = RunConfig.model_validate(raw)
+            try:
+                config = RunConfig.model_validate(raw)
+            except ValidationError as exc:  # named as run.json's fields, not as the flags that set them
+                fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                raise RunError(f"{where} is invalid: {fields}") from None
         self.config = config
         self.pruned_through: int | None = None  # the newest state this process pruned (ledger.prune)
         self._organizer = organizer

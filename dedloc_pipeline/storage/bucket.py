@@ -30,6 +30,11 @@ from .retry import RetryPolicy, transient
 from .stats import IOStats
 
 
+class Damaged(ValueError):
+    """A record in the bucket that cannot be read as what it is: a truncated or overwritten JSON
+    file. The message names its key, so the organizer knows what to restore or repair."""
+
+
 class StorageError(RuntimeError):
     """The bucket did not answer after the retries."""
 
@@ -129,7 +134,12 @@ class Bucket:
         self.stats = IOStats(sent_by_client=protocol == "s3")
         if protocol == "s3":
             s3.configure(self.options, endpoint_url, timeout, self.stats)
-        self.fs = fsspec.filesystem(protocol, skip_instance_cache=protocol != "memory", **self.options)
+        try:
+            self.fs = fsspec.filesystem(protocol, skip_instance_cache=protocol != "memory", **self.options)
+        except (ImportError, ValueError) as exc:  # gs:// without gcsfs, or no such protocol at all
+            raise StorageError(f"bucket {url}: {protocol}:// is not usable here ({exc}); s3:// works with any "
+                               "S3-compatible store (--endpoint-url for R2, MinIO, or Google Cloud Storage's "
+                               "XML API), file:// and plain paths with a folder") from exc
         self.root = rest if self.local else self.fs._strip_protocol(self.url)
         if self.local:
             self.fs.makedirs(self.root, exist_ok=True)
@@ -174,9 +184,16 @@ class Bucket:
         return Fetched(data, now)
 
     def read_json(self, key: str) -> Any:
-        """Parsed JSON or None if missing; malformed JSON raises ValueError."""
+        """Parsed JSON or None if missing; malformed JSON raises ``Damaged``, naming the key."""
         data = self.read_bytes(key)
-        return None if data is None else json.loads(data)
+        return None if data is None else self.parsed(key, data)
+
+    def parsed(self, key: str, data: bytes) -> Any:
+        """``data``, read from ``key``, as JSON; ``Damaged`` naming the key if it is not."""
+        try:
+            return json.loads(data)
+        except ValueError as exc:  # UnicodeDecodeError too
+            raise Damaged(f"{self.url}/{key} is damaged: not JSON ({exc})") from exc
 
     @_retried
     def read_many(self, keys: list[str]) -> dict[str, bytes | None]:

@@ -492,6 +492,8 @@ def test_sigterm_and_sighup_are_taken_as_ctrl_c(monkeypatch, sig, code):
     """What systemd, docker and a closed terminal send interrupts a command as Ctrl-C does (the
     scheduler publishes that it ended, the validator stops between rounds) and exits 128 + it."""
     previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    for s in previous:  # as a process started from a terminal has them (not under nohup: ignored stays ignored)
+        signal.signal(s, signal.SIG_DFL)
 
     def signalled(*_, **__):
         signal.raise_signal(getattr(signal, sig))
@@ -528,3 +530,15 @@ def test_damaged_records_are_named_by_their_key(tmp_path):
     assert "has no layout_version: not a dedloc run, or damaged" in error_line(cli(*status))
     line = error_line(cli("status", "--bucket", "gs://somewhere/runs", "--run", "r"))
     assert line.startswith("error: bucket gs://somewhere/runs: gs:// is not usable here"), line
+
+
+def test_a_signal_ignored_at_start_stays_ignored():
+    """Under ``nohup`` SIGHUP is ignored, and so it stays: the user asked for it."""
+    from dedloc_pipeline.monitoring import stop
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        stop.as_interrupt()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)

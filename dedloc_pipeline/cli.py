@@ -367,10 +367,10 @@ def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Validate a run: recompute a random share of each committed round's shards, flag the
     volunteers whose shards do not match their data or copy another's (docs/verification.md)."""
     _setup(verbose)
-    from .protocol.verify import Verifier
+    from .protocol.verify import Verifier, summary
     org = identity.load(organizer_key) if organizer_key else None
     if revoke and org is None:
         raise typer.BadParameter("--revoke needs --organizer-key", param_hint="--revoke")
     r = Run(Bucket(bucket, endpoint_url=endpoint_url), run, organizer=org)
     v = Verifier(r, fraction=fraction, device=device, poll_s=poll, revoke=revoke)
-    typer.echo(f"verified up to round {v.serve(until_round) - 1}")
+    typer.echo(f"verified up to round {v.serve(until_round) - 1}: {summary(v.tally)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -184,16 +185,26 @@ def test_a_restarted_verifier_does_not_redo_a_round(make_run):
 
 
 @pytest.mark.slow
-def test_a_round_whose_state_was_pruned_is_skipped(make_run):
+def test_a_round_whose_state_was_pruned_is_skipped(make_run, caplog):
     """keep_states 2: after state 4, states 1 and 2 and rounds 0 and 1 are gone. Round 1 is
-    recorded as skipped, never a crash; round 3, still whole, verifies (the control)."""
+    recorded as skipped, never a crash, and its log line and the validator's tally count it so
+    (the first report: "2 shards recomputed" for a round whose every shard was skipped); round 3,
+    still whole, verifies (the control)."""
     run = make_run(keep_states=2, delayed_updates=False)
     collaborate(run, PEERS, rounds=4)
     v = verify.Verifier(run, fraction=1.0, device="cpu")
-    pruned, whole = v.verify_round(1), v.verify_round(3)
-    assert pruned["shards"] and all(s["verdict"] == "skipped" and not s["flag"] for s in pruned["shards"])
-    assert "pruned" in pruned["shards"][0]["reason"] and "skipped" in pruned["copy_screen"]
+    with caplog.at_level(logging.INFO, logger="dedloc_pipeline.protocol.verify"):
+        pruned, whole = v.verify_round(1), v.verify_round(3)
+    n = len(pruned["shards"])
+    assert n and all(s["verdict"] == "skipped" and not s["flag"] for s in pruned["shards"])
+    assert pruned["shards"][0]["reason"].startswith("skipped: ") and "pruned" in pruned["shards"][0]["reason"]
+    assert "skipped" in pruned["copy_screen"]
     assert whole["shards"] and all(s["verdict"] == "ok" for s in whole["shards"])
+    lines = [r.getMessage() for r in caplog.records if "verified:" in r.getMessage()]
+    m = len(whole["shards"])
+    assert lines == [f"round 1 verified: 0 shards recomputed, 0 flagged, {n} skipped (pruned), 0 unverified",
+                     f"round 3 verified: {m} shards recomputed, 0 flagged, 0 skipped (pruned), 0 unverified"]
+    assert dict(v.tally) == {"recomputed": m, "flagged": 0, "skipped": n, "unverified": 0}
 
 
 def test_claims_the_validator_cannot_recompute(make_run):
@@ -238,6 +249,6 @@ def test_the_verify_command(make_run):
     res = CliRunner().invoke(app, ["verify", "--bucket", run.bucket.url, "--run", run.name, "--fraction", "1",
                                    "--until-round", "1", "--device", "cpu", "--poll", "0"])
     assert res.exit_code == 0, res.output
-    assert "verified up to round 1" in res.output
+    assert "verified up to round 1: " in res.output and "0 flagged, 0 skipped (pruned), 0 unverified" in res.output
     keys = run.keys
     assert all(s["verdict"] == "ok" for r in range(2) for s in run.bucket.read_json(keys.verdicts(r))["shards"])

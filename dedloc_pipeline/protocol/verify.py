@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -90,6 +91,7 @@ class Verifier:
         self.copy_cosine = copy_cosine
         self.revoke = revoke
         self.recompute = Recomputer(run, device, micro_batch)
+        self.tally: Counter[str] = Counter()  # what this process's rounds counted (``counts``), for its summary
 
     def done(self, r: int) -> bool:
         return self.run.bucket.exists(self.run.keys.verdicts(r))
@@ -130,8 +132,9 @@ class Verifier:
                 self._flag(r, v)
         # last: a crash redoes the round
         bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record))
-        bad = [v for v in record["shards"] if v["flag"]]
-        log.info("round %d verified: %d shards recomputed, %d flagged", r, len(record["shards"]), len(bad))
+        n = counts(record["shards"])
+        self.tally.update(n)
+        log.info("round %d verified: %s", r, summary(n))
         return self.run.read_record(keys.verdicts(r), f"verdicts of round {r}")
 
     def _judge(self, entry: Entry) -> dict:
@@ -150,7 +153,7 @@ class Verifier:
                        f"(at least {tol.min_cosine}), norm ratio {c.norm_ratio:.4f} (1 +- {tol.max_norm_error})")
         except Unverifiable as exc:
             out.update(verdict="mismatch" if exc.fault else "skipped" if exc.pruned else "unverified", flag=exc.fault,
-                       reason=f"could not be verified: {exc}")
+                       reason=f"skipped: {exc}" if exc.pruned and not exc.fault else f"could not be verified: {exc}")
         except StorageError:
             raise  # the bucket's fault: the loop retries the round later
         except Exception as exc:  # one input never stops the validator
@@ -218,6 +221,19 @@ class Verifier:
                 break
             self.run.clock.sleep(self.poll_s)
         return r
+
+
+def counts(shards: list[dict]) -> dict[str, int]:
+    """A round's verdicts counted: recomputed (compared with the data, ``ok`` or ``mismatch``),
+    flagged, skipped (pruned before the validator got to them) and unverified (anything else)."""
+    v = Counter(x.get("verdict") for x in shards)
+    return {"recomputed": v["ok"] + v["mismatch"], "flagged": sum(bool(x.get("flag")) for x in shards),
+            "skipped": v["skipped"], "unverified": v["unverified"]}
+
+
+def summary(n: dict[str, int]) -> str:
+    return (f"{n.get('recomputed', 0)} shards recomputed, {n.get('flagged', 0)} flagged, "
+            f"{n.get('skipped', 0)} skipped (pruned), {n.get('unverified', 0)} unverified")
 
 
 def flagged(run: Run) -> dict[str, dict]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from dedloc_pipeline.monitoring.display import Display
+from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config
 
@@ -58,6 +60,11 @@ def test_everyone_leaves_and_one_returns_alone(fake_run):
         got = counted(run, r)
         assert set(got) == {"carol"} and got["carol"] >= 24, (r, got)
     assert_counted_once(run)
+    # the idle time before carol returned is not the round's: its time runs from her first work
+    c = run.commit_of(back + 1)
+    assert c["committed_at"] - c["opened_at"] >= 3 * TIMEOUT
+    (h,) = [h for h in status(run)["history"] if h["round"] == back]
+    assert h["duration_s"] == c["committed_at"] - c["started_at"] <= 10 * STEP_S
 
 
 def test_a_volunteer_joining_right_after_the_others_left_fills_the_round_once_they_are_gone(fake_run):
@@ -124,6 +131,8 @@ def test_workers_stop_computing_for_a_round_an_ended_scheduler_will_not_aggregat
         for _ in range(int(3 * TIMEOUT)):  # the view goes stale; what it says holds
             c.tick()
         assert {a.activity, b.activity} == {"waiting"}
+        note = "no scheduler: the scheduler reached its last round (--until-round)"
+        assert a.snapshot().scheduler == note and Display(a).facts()["activity"] == f"{note}: waiting"
         assert a.computed_samples + b.computed_samples <= computed + 2 * 4
         assert run.bucket.find(run.keys.manifests_dir(2)) == []
         c.scheduler = sched
@@ -147,3 +156,30 @@ def test_a_scheduler_interrupted_says_so_in_the_view(fake_run):
         sched.serve()
     view = run.bucket.read_json(run.keys.view)
     assert view["state"] == 0 and view["ended"].startswith("the scheduler exited (KeyboardInterrupt")
+
+
+def test_status_says_what_closes_rounds_and_how_to_go_on(fake_run):
+    """`dedloc status` names the scheduler's state: publishing, silent for how long (and since
+    when), ended and why, or the run stopped; each with what to do (the first report: a run
+    stopped, or without its scheduler for 9 minutes, looked like any other)."""
+    from dedloc_pipeline.monitoring.status import scheduler_line
+
+    run = fake_run()
+    assert scheduler_line(status(run)).startswith("no scheduler has published yet")
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
+        c.join("a", 4)
+        c.until(lambda: run.latest() >= 1, what="state 1")
+        assert scheduler_line(status(run)) in {f"scheduler: published {n} s ago" for n in ("0.0", "1.0")}
+        sched, c.scheduler = c.scheduler, None  # it died
+        for _ in range(int(2 * TIMEOUT)):
+            c.tick()
+        line = scheduler_line(status(run))
+        assert line.startswith("no scheduler has published for 1") and "(since " in line, line
+        activity = Display(c.workers["a"]).facts()["activity"]
+        assert activity.startswith("no scheduler has published for ") and "holding its samples" in activity
+        assert line.endswith("start one (dedloc aggregate, or make pretrain)")
+        sched.serve(until_round=run.latest())
+        assert scheduler_line(status(run)).startswith("no scheduler: the scheduler reached its last round")
+        run.bucket.write_json(run.keys.stop(), {"by": "organizer"})
+        assert scheduler_line(status(run)).startswith(f"stopped: STOP.json is in the run; to continue, delete "
+                                                      f"runs/{run.name}/STOP.json")

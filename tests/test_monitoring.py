@@ -71,7 +71,9 @@ def test_status_equals_the_ledger(collab):
     for h, c in zip(s["history"], commits):
         assert (h["samples"], h["loss"], h["contributors"]) == (c["samples"], c["loss"], c["contributors"])
         assert h["peers"] == len(set(c["contributors"])) >= 2
-        assert h["duration_s"] == pytest.approx(c["committed_at"] - c["opened_at"]) and h["duration_s"] > 0
+        began = c["started_at"] or c["opened_at"]  # the first work the scheduler saw on it
+        assert c["opened_at"] <= began < c["committed_at"]
+        assert h["duration_s"] == pytest.approx(c["committed_at"] - began) and h["duration_s"] > 0
         assert h["samples_per_s"] == pytest.approx(c["samples"] / h["duration_s"])
     board = {p["peer_id"]: p for p in s["peers"]}
     assert set(board) == {name for name, _ in PEERS} | set(beats)  # "broken" is skipped
@@ -115,7 +117,7 @@ def test_status_command(collab):
     s = json.loads(cli("status", "--bucket", url, "--run", run.name, "--json").stdout)
     assert {"target", "fraction", "samples_per_s", "eta_s"} <= s["progress"].keys()
     assert [h["samples_per_s"] for h in s["history"]] == pytest.approx(
-        [c["samples"] / (c["committed_at"] - c["opened_at"]) for c in commits])
+        [c["samples"] / (c["committed_at"] - (c["started_at"] or c["opened_at"])) for c in commits])
 
 
 def test_plot_writes_pngs(collab, tmp_path):

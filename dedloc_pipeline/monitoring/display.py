@@ -175,6 +175,9 @@ class Display:
             return f"stopping: {what}, then leaving{again}"
         if s.activity == "starting":
             return "pulling the latest state"
+        if s.scheduler is not None:  # nobody is closing rounds: say so before what this peer does meanwhile
+            doing = "waiting" if s.activity == "waiting" else f"computing round {s.round}, holding its samples"
+            return f"{s.scheduler}: {doing}"
         if s.activity == "uploading":
             return f"uploading {s.pending} samples to round {s.round}"
         if s.activity == "waiting" or (full and s.pending == 0):

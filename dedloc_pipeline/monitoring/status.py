@@ -9,6 +9,8 @@ come from their heartbeats, which any peer writes about itself, read with their 
 
 from __future__ import annotations
 
+import time
+
 from ..protocol import heartbeat, view
 from ..protocol.clock import duration
 from ..protocol.close import committed
@@ -47,8 +49,8 @@ def _progress(run: Run, r: int, now: float) -> dict:
     (written within ``peer_timeout_s`` of ``now``) the live peers' pending samples and speed; the
     ETA from them, by the one ETA rule (``view.eta``). No view of round r: nothing validated."""
     cfg, target = run.config, run.config.target_batch_size
-    v = view.read(run.bucket, run.keys)
-    v = v if v is not None and v.round == r else None
+    published = view.read(run.bucket, run.keys)
+    v = published if published is not None and published.round == r else None
     fresh = v is not None and abs(now - v.at) < cfg.peer_timeout_s
     validated = v.validated_samples if v is not None else 0
     pending, peers, rate = (v.pending_samples, v.peers, v.samples_per_s) if fresh else (0, 0, 0.0)
@@ -56,13 +58,19 @@ def _progress(run: Run, r: int, now: float) -> dict:
     samples = validated + pending
     return {"round": r, "samples": samples, "uploaded_samples": validated, "peers": peers, "closed": closed,
             "target": target, "fraction": min(1.0, samples / target), "samples_per_s": rate,
-            "eta_s": view.eta(target, validated, pending, rate, closed)}
+            "eta_s": view.eta(target, validated, pending, rate, closed),
+            # the scheduler as its view shows it: when it last published, and whether it said it ended
+            "scheduler_seen_at": published.written_at if published is not None else None,
+            "scheduler_ended": published.ended if published is not None else None}
 
 
 def _round(c: dict) -> dict:
-    """One closed round as the ledger has it; its duration runs from opening to commit."""
+    """One closed round as the ledger has it; its duration runs from its first work (the
+    scheduler's ``started_at``; rounds committed before it was recorded: the opening) to commit,
+    so a round nobody worked on for an hour does not look an hour slow."""
     opened, committed = c.get("opened_at"), c["committed_at"]
-    duration = committed - opened if opened is not None else None
+    began = c.get("started_at") or opened
+    duration = committed - began if began is not None else None
     return {"round": c["round"], "samples": c["samples"], "contributors": c["contributors"],
             "peers": len(set(c["contributors"])), "loss": c["loss"], "rejected": len(c.get("rejected", [])),
             "lr": c.get("lr"), "opened_at": opened, "closed_at": c["closed_at"], "committed_at": committed,
@@ -99,12 +107,34 @@ def status(run: Run, now: float | None = None) -> dict:
         p["live"] = live
     return {
         "run": run.name, "round": latest, "target_batch_size": cfg.target_batch_size,
+        "peer_timeout_s": cfg.peer_timeout_s,
         "codec": cfg.codec, "optimizer": cfg.optimizer.name, "n_params": commits.get(0, {}).get("n_params"),
         "progress": _progress(run, latest, now),
+        "stopped": run.bucket.read_json(run.keys.stop()) is not None,
         "peers": sorted(peers.values(), key=lambda p: (-p["samples"], p["peer_id"])),
         "history": history,
         "at": now,
     }
+
+
+def scheduler_line(s: dict) -> str:
+    """What is closing rounds, if anything, and how to go on when nothing is: the run stopped,
+    the scheduler ended, or none has published for ``peer_timeout_s``."""
+    p, timeout = s["progress"], s.get("peer_timeout_s", 30.0)
+    if s["stopped"]:
+        return (f"stopped: STOP.json is in the run; to continue, delete runs/{s['run']}/STOP.json and start a "
+                "scheduler (dedloc aggregate, or make pretrain)")
+    if p["scheduler_ended"]:
+        return f"no scheduler: {p['scheduler_ended']}; start one to continue (dedloc aggregate, or make pretrain)"
+    seen = p["scheduler_seen_at"]
+    if seen is None:
+        return "no scheduler has published yet: start one (dedloc aggregate, or make pretrain)"
+    age = max(0.0, s["at"] - seen)
+    if age >= timeout:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seen))
+        return (f"no scheduler has published for {duration(age)} (since {since}): it is stopped, dead or stuck; "
+                "start one (dedloc aggregate, or make pretrain)")
+    return f"scheduler: published {duration(age)} ago"
 
 
 def show(s: dict, console) -> None:
@@ -120,6 +150,8 @@ def show(s: dict, console) -> None:
     p, now = s["progress"], s["at"]
     console.print(Text(f"run {s['run']}: state {s['round']}, round {p['round']} at {p['samples']}/"
                        f"{s['target_batch_size']} samples from {p['peers']} live peers", style="bold"))
+    line = scheduler_line(s)
+    console.print(Text(line, style="" if line.startswith("scheduler:") else "bold yellow"))
     eta = "closed, being reduced" if p["closed"] else (
         f"ETA {duration(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown")
     done = round(30 * p["fraction"])

@@ -40,6 +40,7 @@ class Close(BaseModel):
     roster: int | None  # the roster version the shards were judged with (signed runs)
     rejected: list[Rejection]
     opened_at: float | None = None
+    started_at: float | None = None  # the scheduler first saw work on it (a live heartbeat or a shard)
     closed_at: float
     reason: Literal["target", "timeout"]
     signature: str | None = None  # the organizer's, in a signed run (Run.record)
@@ -49,7 +50,7 @@ class Close(BaseModel):
         return {"round": self.round, "samples": self.samples, "target": self.target,
                 "accepted": [e.dump() for e in self.accepted], "roster": self.roster,
                 "rejected": [e.dump() for e in self.rejected], "opened_at": self.opened_at,
-                "closed_at": self.closed_at, "reason": self.reason}
+                "started_at": self.started_at, "closed_at": self.closed_at, "reason": self.reason}
 
     def listed(self) -> set[str]:
         """Every shard key this CLOSE judged, accepted or rejected."""

@@ -17,7 +17,7 @@ from ..storage.vector import CorruptShard
 from ..trust import identity
 from . import shard, view as published
 from .accumulator import Accumulation
-from .clock import Clock
+from .clock import Clock, duration
 from .run import Run, RunError
 from .transfers import Transfers
 from .upload_policy import Parts
@@ -164,6 +164,20 @@ class Follower:
         self.view = mine(v) if usable else None
         self.behind = fresh and v.state < self.state  # not published since this state: look again soon
         return self.view
+
+    def scheduler_note(self) -> str | None:
+        """What is wrong with the scheduler as this worker sees it, for its display; None when a
+        fresh view of this state is in hand."""
+        v, reader = self.reader.view, self.reader
+        if v is not None and v.ended is not None and v.state == self.state:
+            return f"no scheduler: {v.ended}"
+        if reader.fresh:
+            return None
+        if v is None:
+            return "no scheduler has published yet"
+        silent = self.clock.monotonic() - reader.changed
+        return f"no scheduler has published for {duration(silent)}" if silent < float("inf") else \
+            "no fresh round view yet"
 
     def reduce_left(self) -> float:
         """Round ``state`` closed: how long until its state, if it is reduced as fast as the last

@@ -66,7 +66,7 @@ def _write_commit(run: Run, r: int) -> dict:
             "loss": loss, "contributors": sorted({e.peer for e in close.accepted}), "shards": shards,
             "rejected": [e.dump() for e in close.rejected],
             "lr": optim.lr_at(run.config.aggregator_optimizer, r + 1),
-            "opened_at": close.opened_at, "closed_at": close.closed_at,
+            "opened_at": close.opened_at, "started_at": close.started_at, "closed_at": close.closed_at,
             "committed_at": run.clock.time(),
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
                           "delta": delta_sums},

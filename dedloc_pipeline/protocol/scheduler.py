@@ -83,6 +83,7 @@ class Scheduler:
         self._seen: dict[str, tuple[object, Entry | Rejection]] = {}  # manifest key -> (version, verdict)
         self._beats = heartbeat.Heartbeats()
         self._opened: dict[int, Opening] = {}
+        self._started: dict[int, float] = {}  # round -> the first poll that saw work on it
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
@@ -238,6 +239,8 @@ class Scheduler:
         rejected += flagged
         target = cfg.target_batch_size
         opened = self._opening(r).at
+        if pending.peers or accepted:  # a round's time runs from its first work, not an idle opening
+            self._started.setdefault(r, max(opened, at))
         expired = admission.timed_out(opened, now, rule.timeout_s)
         if admission.met(samples, target, rule.min_fraction, expired):  # flags written since the round opened count too
             self._flags = verify.flagged(self.run)
@@ -250,7 +253,8 @@ class Scheduler:
         roster = self._roster.version if self._roster is not None else None
         close = Close(round=r, samples=samples, target=target, accepted=sorted(accepted, key=lambda s: s.key),
                       roster=roster, rejected=sorted(rejected, key=lambda s: s.key), opened_at=opened,
-                      closed_at=now, reason="target" if samples >= target else "timeout")
+                      started_at=self._started.get(r), closed_at=now,
+                      reason="target" if samples >= target else "timeout")
         if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump())):
             log.info("round %d was closed by another scheduler", r)
         close = Close.read(self.run, r)
@@ -310,6 +314,7 @@ class Scheduler:
         shards, so round r's stay). Bounds the cache of a scheduler served for weeks."""
         keys = self.run.keys
         self._seen = {k: v for k, v in self._seen.items() if keys.round_of(k) >= r}
+        self._started = {k: v for k, v in self._started.items() if k >= r}
 
     # the loop's steps
     def poll(self) -> Snapshot:

@@ -103,6 +103,11 @@ class Reader:
         return self.view
 
     @property
+    def changed(self) -> float:
+        """``clock.monotonic()`` when the view last changed (-inf: never seen change)."""
+        return self._changed
+
+    @property
     def fresh(self) -> bool:
         return self.view is not None and self.clock.monotonic() - self._changed < self.timeout
 

@@ -65,6 +65,7 @@ class Snapshot:
     view: RoundView | None  # round ``state`` as the round view last showed it; None without a fresh one
     bytes_up: int
     bytes_down: int
+    scheduler: str | None = None  # what is wrong with the scheduler, as this peer sees it (None: nothing)
 
 
 class Worker:
@@ -328,7 +329,8 @@ class Worker:
                         pending=acc.samples if acc is not None else 0, computed=self.computed_samples,
                         uploaded=self.uploaded_samples, uploads=tuple(self.uploads),
                         target=self.run.config.target_batch_size, view=self.follower.view,
-                        bytes_up=io.bytes_written, bytes_down=io.bytes_read)
+                        bytes_up=io.bytes_written, bytes_down=io.bytes_read,
+                        scheduler=self.follower.scheduler_note() if self.state is not None else None)
 
     def leave(self) -> None:
         """Finish the uploads under way, then tell the others this peer's pending samples will

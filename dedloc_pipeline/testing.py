@@ -87,7 +87,13 @@ class LockStep:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._pool.shutdown()
+        """The workers still stepped leave, as a Ctrl-C ends them (a killed one never does), so a
+        later collaboration may start the same peer ids at once."""
+        try:
+            for w in self.workers.values():
+                w.leave()
+        finally:
+            self._pool.shutdown()
 
     def join(self, peer: str, micro_batch: int, signer=None, tamper: Callable | None = None) -> Worker:
         """A volunteer that is stepped from the next tick on. ``tamper``: what it does to its

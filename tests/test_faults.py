@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,7 +16,7 @@ from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
-from dedloc_pipeline.testing import collaborate, stream_next
+from dedloc_pipeline.testing import FakeClock, collaborate, on_clock, stream_next
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
@@ -258,8 +259,8 @@ Worker(run, "a", micro_batch=4, threads=1, poll_s=0).serve()
 
 @pytest.mark.slow  # a worker process, killed
 def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
-    """SIGKILL after the chunks, before the manifest: the torn shard is never read, the restarted
-    peer computes those samples again (they were never counted), and pruning removes the debris."""
+    """SIGKILL after the chunks, before the manifest: the torn shard is never read, the peer
+    restarted computes those samples again (they were never counted), and pruning removes the debris."""
     import subprocess
     import sys
     run = make_run(keep_states=2)
@@ -269,7 +270,9 @@ def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
     n = len(k.shards_dir(0)) + 1
     torn = {k.shards_dir(0) + "/" + "/".join(key[n:].split("/")[:2]) for key in b.find(k.shards_dir(0))}
     assert len(torn) == 1 and b.find(k.manifests_dir(0)) == [] and b.find(next(iter(torn)))
-    collaborate(run, [("a", 4), ("b", 4)], rounds=4)
+    # restarted once its heartbeat is peer_timeout_s old (sooner, its id counts as live elsewhere)
+    later = FakeClock(epoch=time.time() + run.config.peer_timeout_s)
+    collaborate(on_clock(run, later), [("a", 4), ("b", 4)], rounds=4)
     close = b.read_json(k.close(0))
     listed = [s["key"] for s in close["accepted"] + close["rejected"]]
     assert torn.isdisjoint(listed) and close["rejected"] == [] and close["samples"] >= 24

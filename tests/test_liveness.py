@@ -183,3 +183,27 @@ def test_status_says_what_closes_rounds_and_how_to_go_on(fake_run):
         run.bucket.write_json(run.keys.stop(), {"by": "organizer"})
         assert scheduler_line(status(run)).startswith(f"stopped: STOP.json is in the run; to continue, delete "
                                                       f"runs/{run.name}/STOP.json")
+
+
+def test_a_second_worker_with_a_live_peer_id_is_refused(fake_run):
+    """Two machines started with one peer id would share its data stream, and one twin's shards
+    would be rejected every round: the second is refused at start, naming why. An id whose
+    worker left (its last heartbeat says so) is free at once; one killed, after peer_timeout_s."""
+    from dedloc_pipeline.protocol.run import RunError
+    from dedloc_pipeline.protocol.worker import Worker
+
+    run = fake_run()
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
+        c.join("a", 4)
+        c.join("b", 4)
+        for _ in range(3):
+            c.tick()
+        with pytest.raises(RunError, match="peer id 'a' is live on another machine .* another --peer-id"):
+            Worker(run, "a", micro_batch=4, threads=1, poll_s=POLL_S)
+        leave(c, "a")
+        Worker(run, "a", micro_batch=4, threads=1, poll_s=POLL_S)  # left: free at once
+        c.kill("b")
+        with pytest.raises(RunError, match="peer id 'b' is live"):
+            Worker(run, "b", micro_batch=4, threads=1, poll_s=POLL_S)
+        run.clock.advance(TIMEOUT)
+        Worker(run, "b", micro_batch=4, threads=1, poll_s=POLL_S)  # killed: gone after peer_timeout_s

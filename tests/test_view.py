@@ -131,14 +131,15 @@ def test_a_heartbeat_is_projected_until_its_next_one_is_due():
 
 
 def test_a_heartbeat_is_written_and_parsed_as_one_record(make_run):
-    """The worker's heartbeat in the bucket has the fields it always had, and parses back to
-    itself; a claim out of bounds is clamped, a total that is no number reads as 0."""
+    """The worker's heartbeat in the bucket has its fields (``left`` is new: true in the last one
+    of a worker that left), and parses back to itself; a claim out of bounds is clamped, a total
+    that is no number reads as 0."""
     run = make_run()
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
     w.step()
     raw = run.bucket.read_bytes(run.keys.progress(0, "a"))
     assert set(json.loads(raw)) == {"peer", "round", "samples", "sending", "samples_per_s", "next_s", "time",
-                                    "uploaded_samples", "compute_s", "wall_s", "bytes_up", "bytes_down"}
+                                    "uploaded_samples", "compute_s", "wall_s", "bytes_up", "bytes_down", "left"}
     assert heartbeat.parse(raw) == w._beats[-1]
     odd = heartbeat.parse(b'{"round": 2, "time": 5, "samples_per_s": 1e12, "compute_s": "x", "bytes_up": 1e999}')
     assert (odd.round, odd.samples, odd.samples_per_s, odd.next_s) == (2, 0, heartbeat.MAX_PEER_SPEED, None)

@@ -45,6 +45,7 @@ class Heartbeat:
     wall_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    left: bool = False  # its last one: the peer left (Ctrl-C, SIGTERM), so the id is free again
 
 
 def write(bucket: Bucket, keys: RunLayout, beat: Heartbeat) -> None:
@@ -77,7 +78,8 @@ def parse(raw: bytes | None) -> Heartbeat | None:
                      next_s=None if next_s is None else (max(next_s, 0.0) if math.isfinite(next_s) else 0.0),
                      time=t, uploaded_samples=int(_number(p.get("uploaded_samples"))),
                      compute_s=_number(p.get("compute_s")), wall_s=_number(p.get("wall_s")),
-                     bytes_up=int(_number(p.get("bytes_up"))), bytes_down=int(_number(p.get("bytes_down"))))
+                     bytes_up=int(_number(p.get("bytes_up"))), bytes_down=int(_number(p.get("bytes_down"))),
+                     left=p.get("left") is True)
 
 
 def _number(x) -> float:

@@ -37,7 +37,7 @@ import torch
 from ..model.data import make_source
 from ..model.families import loss_sum
 from ..trust import identity
-from . import heartbeat, shard, upload_policy, view as published
+from . import heartbeat, joining, shard, upload_policy, view as published
 from .accumulator import Accumulation, Accumulator
 from .clock import Clock
 from .follower import Follower
@@ -91,7 +91,8 @@ class Worker:
         self.run = run
         self.clock = run.clock if clock is None else clock
         self.peer = peer_id or f"peer-{uuid.uuid4().hex[:8]}"
-        _check_enrolled(run, self.peer, signer)
+        joining.check_enrolled(run, self.peer, signer)
+        joining.check_not_live(run, self.peer, self.clock)
         cfg = run.config
         self.micro_batch = micro_batch or cfg.micro_batch
         self.delayed = cfg.delayed_updates if delayed is None else delayed
@@ -291,7 +292,7 @@ class Worker:
         """Wait for every transfer under way and account for it (lock-step drivers, leaving)."""
         self._settle(wait=True)
 
-    def _report(self, force: bool, round_: int | None = None) -> None:
+    def _report(self, force: bool, round_: int | None = None, left: bool = False) -> None:
         """Heartbeat for the round being accumulated: pending samples and speed."""
         now = self.clock.time()
         if not force and now - self._last_beat < self.heartbeat_every():
@@ -307,7 +308,7 @@ class Worker:
                          sending=sending, samples_per_s=rate, next_s=self.heartbeat_every(), time=now,
                          uploaded_samples=self.uploaded_samples, compute_s=self.compute_s,
                          wall_s=self.clock.monotonic() - self.started, bytes_up=io.bytes_written,
-                         bytes_down=io.bytes_read)
+                         bytes_down=io.bytes_read, left=left)
         self._beats.append(beat)
         heartbeat.write(self.run.bucket, self.run.keys, beat)
         self._last_beat = now
@@ -344,7 +345,7 @@ class Worker:
             self.transfers.close()
             if self.state is not None:
                 self.local.drop(self.params)
-                self._report(force=True)
+                self._report(force=True, left=True)
 
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Work until state ``until_round`` is committed, the run is stopped, or ``stop()`` says
@@ -360,23 +361,3 @@ class Worker:
         finally:
             self.leave()
         return self.state
-
-
-def _check_enrolled(run: Run, peer: str, signer: identity.Ed25519PrivateKey | None) -> None:
-    """In a run that requires signatures, fail at start, not with every shard rejected."""
-    org = run.config.organizer_key
-    if org is None:
-        return
-    if signer is None:
-        raise identity.IdentityError(f"run {run.name!r} admits only signed shards: pass --key "
-                                     "(make one with `dedloc keygen`)")
-    roster = identity.read_roster(run.bucket, run.name, org)
-    mine, problem = identity.public(signer), "nobody is enrolled yet"
-    if roster is not None:
-        try:
-            problem = None if roster.key_of(peer) == mine else f"peer {peer!r} is enrolled with another key"
-        except identity.IdentityError as exc:
-            problem = str(exc)
-    if problem:
-        raise identity.IdentityError(f"run {run.name!r}: {problem}; send the organizer your volunteer "
-                                     f"name and your public key {mine}")

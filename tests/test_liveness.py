@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 
 from dedloc_pipeline.monitoring.display import Display
-from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol.run import Run, init_run
+from dedloc_pipeline.monitoring.status import scheduler_line, status
+from dedloc_pipeline.protocol.run import Run, RunError, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config
 
 POLL_S = 1.0
@@ -143,8 +145,6 @@ def test_workers_stop_computing_for_a_round_an_ended_scheduler_will_not_aggregat
 def test_a_scheduler_interrupted_says_so_in_the_view(fake_run):
     """Ctrl-C (or SIGTERM, taken as it) while the scheduler waits for a round: the view says it
     exited, so workers stop computing for a round nobody will close."""
-    from dedloc_pipeline.protocol.scheduler import Scheduler
-
     run = fake_run()
 
     class Interrupting(type(run.clock)):
@@ -162,8 +162,6 @@ def test_status_says_what_closes_rounds_and_how_to_go_on(fake_run):
     """`dedloc status` names the scheduler's state: publishing, silent for how long (and since
     when), ended and why, or the run stopped; each with what to do (the first report: a run
     stopped, or without its scheduler for 9 minutes, looked like any other)."""
-    from dedloc_pipeline.monitoring.status import scheduler_line
-
     run = fake_run()
     assert scheduler_line(status(run)).startswith("no scheduler has published yet")
     with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
@@ -189,9 +187,6 @@ def test_a_second_worker_with_a_live_peer_id_is_refused(fake_run):
     """Two machines started with one peer id would share its data stream, and one twin's shards
     would be rejected every round: the second is refused at start, naming why. An id whose
     worker left (its last heartbeat says so) is free at once; one killed, after peer_timeout_s."""
-    from dedloc_pipeline.protocol.run import RunError
-    from dedloc_pipeline.protocol.worker import Worker
-
     run = fake_run()
     with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
         c.join("a", 4)

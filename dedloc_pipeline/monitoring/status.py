@@ -120,7 +120,7 @@ def status(run: Run, now: float | None = None) -> dict:
 def scheduler_line(s: dict) -> str:
     """What is closing rounds, if anything, and how to go on when nothing is: the run stopped,
     the scheduler ended, or none has published for ``peer_timeout_s``."""
-    p, timeout = s["progress"], s.get("peer_timeout_s", 30.0)
+    p, timeout = s["progress"], s["peer_timeout_s"]
     if s["stopped"]:
         return (f"stopped: STOP.json is in the run; to continue, delete runs/{s['run']}/STOP.json and start a "
                 "scheduler (dedloc aggregate, or make pretrain)")

@@ -212,12 +212,12 @@ def test_a_roster_replayed_before_a_restart_is_refused(signed_run, tmp_path):
     b.write_bytes(k.roster, before)
     _shard(run, 0, "bob", _noise(run, 0), 8, signer=bob)
     sched = Scheduler(run, 1, 0)
-    assert sched.roster().version == 3
+    assert sched.judge.roster().version == 3
     assert sched.try_close(0) is None
-    accepted, rejected = sched._verdicts(0)
+    accepted, rejected = sched.judge.verdicts(0)
     assert not accepted and "revoked" in rejected[0].reason
     b.delete(k.rosters)  # control
-    accepted, _ = Scheduler(run, 1, 0)._verdicts(0)
+    accepted, _ = Scheduler(run, 1, 0).judge.verdicts(0)
     assert [s.peer for s in accepted] == ["bob"]
 
 

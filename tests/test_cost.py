@@ -167,6 +167,7 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     for p in peers:
         bucket.write_json(keys.progress(0, p), {"peer": p, "round": 0, "samples": 4, "samples_per_s": 1.0,
                                                 "time": time.time()})
+    counted("lease", sched.lease.hold)
     counted("poll", lambda: sched.wait_close(0, deadline=time.monotonic() - 1))
     counted("view", lambda: view.read(bucket, keys))
     rng, opened = np.random.default_rng(0), shard.commit_hash(run.commit_of(0))
@@ -201,6 +202,7 @@ def test_the_plan_is_the_run(round_on_s3):
 
 def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
     run, lay, steps = round_on_s3
+    _close(steps["lease"], Requests(list=1, put=1))  # no lease yet: one created
     _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True))
     _close(steps["view"], Requests(get=1))
     _close(steps["upload p0"], lay.shard_upload())

@@ -134,7 +134,7 @@ def test_only_enrolled_volunteers_shards_count(signed, caplog, attack, reason):
         bad = k.shard(r, "alice", "0002")
         _copy_shard(run, k.shard(r, "alice", "good"), bad)
     elif attack == "forged_roster":  # mallory overwrites the roster, signed with her own key
-        sched.roster()
+        sched.judge.roster()
         forged = identity.Roster(run=run.name, version=99, volunteers={"mallory": identity.public(keys["mallory"])})
         forged.signature = identity.sign(keys["mallory"], forged.payload())
         b.write_bytes(k.roster, forged.model_dump_json().encode())
@@ -142,7 +142,7 @@ def test_only_enrolled_volunteers_shards_count(signed, caplog, attack, reason):
     elif attack == "replayed_roster":  # the roster from before bob's revocation, written back
         before = b.read_bytes(k.roster)
         identity.update_roster(b, run.name, org, revoke=["bob"])
-        sched.roster()
+        sched.judge.roster()
         b.write_bytes(k.roster, before)
         _upload(run, r, "bob", keys["bob"], part="0002")
     with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):

@@ -454,4 +454,4 @@ def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run
             for k in range(run.n_parts):
                 step(run, r, k)
         ledger.commit(run, r)
-        assert {run.keys.round_of(k) for k in sched._seen} == ({r - 1, r} if r else {0})
+        assert {run.keys.round_of(k) for k in sched.judge.seen} == ({r - 1, r} if r else {0})

@@ -301,5 +301,33 @@ def test_a_workers_poll_costs_the_same_whatever_the_number_of_peers(tmp_path):
     few, sched_few = _worker_requests(tmp_path, 2)
     many, sched_many = _worker_requests(tmp_path, 6)
     assert few == many == Counter(get=3, put=3)
-    # CLOSE and the one changed heartbeat; two LISTs; STOP; the view
-    assert sched_few == sched_many == Counter(get=2, list=2, head=1, put=1)
+    # the round's one LIST, the one changed heartbeat, STOP, and the view (a heartbeat changed)
+    assert sched_few == sched_many == Counter(get=1, list=1, head=1, put=1)
+
+
+def test_a_scheduler_poll_where_nothing_changed_costs_a_listing_and_a_head(make_run):
+    """Idle costs little: with peers' heartbeats and shards in and nothing new, a poll is the
+    round's LIST and STOP's HEAD; the view is not written again until something changes or a
+    third of peer_timeout_s has passed (the keep-alive that keeps it fresh for volunteers)."""
+    run = on_clock(make_run())
+    for p in ("a", "b"):
+        _beat(run, 0, p, 4)
+        put_shard(run, 0, p, samples=4)
+    sched = Scheduler(run, 1, 0)
+    clock = run.clock
+    assert sched.try_close(0) is None
+    written = run.bucket.read_bytes(run.keys.view)
+
+    def poll() -> Counter:
+        before = Counter(run.bucket.stats.requests)
+        assert sched.try_close(0) is None
+        return Counter(run.bucket.stats.requests) - before
+
+    clock.advance(1.0)
+    assert poll() == Counter(list=1, head=1)
+    assert run.bucket.read_bytes(run.keys.view) == written
+    clock.advance(run.config.peer_timeout_s / 3)
+    assert poll() == Counter(list=1, head=1, put=1)  # the keep-alive
+    assert view.parse(run.bucket.read_bytes(run.keys.view)).at == clock.time()
+    _beat(run, 0, "a", 6)
+    assert poll() == Counter(list=1, head=1, get=1, put=1)  # a new heartbeat: read, and said

@@ -18,6 +18,7 @@ from typing import Mapping
 from pydantic import BaseModel, Field
 
 from ..protocol.config import RunConfig
+from ..protocol.lease import LEASE_S
 from ..protocol.view import View
 from .planned import PlannedRun
 from .prices import PRICES, Dollars, PriceTable, bill
@@ -156,9 +157,13 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     polls = max(1.0, _count(sched_poll, open_s) + upload_s / sched_poll(0.0))
     beats_open = _count(beat, open_s) + upload_s / beat(0.0)
     changed = peers * (1 + min(beats_open, polls))
-    sched = (traffic.scheduler_poll(0, 0) * polls
+    # the view is written when a poll read something new, and every third of peer_timeout_s
+    view_writes = min(polls, changed + peers + open_s / (timeout / 3))
+    roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
+    sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
-             + traffic.prune_steady(peers, peers) + traffic.between_rounds())
+             + traffic.prune_steady(peers, peers) + traffic.between_rounds()
+             + traffic.lease_renewal() * (round_s / (LEASE_S / 3)))
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)
@@ -166,7 +171,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
                   + 2 * peers * shard_b + state_reads * dense)
     close_b = 200 + peers * traffic.manifest_bytes()
     optim_writes = traffic.slots + int(traffic.lossy_delta)
-    sched_up = polls * view_b + close_b + (2 + optim_writes) * dense + delta_b + traffic.commit_bytes(peers)
+    sched_up = view_writes * view_b + close_b + (2 + optim_writes) * dense + delta_b + traffic.commit_bytes(peers)
 
     # per round and volunteer; a volunteer heartbeats when its upload starts and when it lands,
     # and reads the view at once.
@@ -183,7 +188,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     volunteer = (Requests(get=reads_open + closed_reads, put=beats)
                  + Requests(get=1, head=2) * fallbacks + traffic.shard_upload() + traffic.state_download())
     vol_up = shard_b + traffic.manifest_bytes() + beats * HEARTBEAT_BYTES
-    vol_down = delta_b + min(reads_open, polls) * view_b + traffic.commit_bytes(peers)
+    vol_down = delta_b + min(reads_open, view_writes) * view_b + traffic.commit_bytes(peers)
 
     per_hour, per_day = HOUR / round_s, DAY / round_s
     vol_hour = Rates(requests=(volunteer * per_hour).as_dict(), bytes_up=vol_up * per_hour,

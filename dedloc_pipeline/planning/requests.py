@@ -110,26 +110,36 @@ class Traffic:
         reads skip zarr's metadata)."""
         return Requests(get=1 + sum(_chunks(self.delta)))
 
-    def scheduler_poll(self, heartbeats: int, manifests: int, first: bool = False) -> Requests:
-        """One poll of the scheduler that does not close the round (``Scheduler.try_close``): its
-        CLOSE, the round's heartbeats and manifests listed and the given numbers read (those
-        written since the last poll), STOP, and the view written. The round's first poll also
-        reads what the round is judged against (``Scheduler._opening``): the COMMIT that opened
-        it, the streams record, and the validator's flags (a listing). A listing is one LIST a
-        1000 keys, empty or not."""
+    def scheduler_poll(self, heartbeats: int, manifests: int, first: bool = False, view: bool | None = None,
+                       listed: int = 0) -> Requests:
+        """One poll of the scheduler that does not close the round (``Scheduler.try_close``): the
+        round listed (``listed`` objects: a LIST a 1000, empty or not; it shows the CLOSE, the
+        heartbeats, the manifests and the shards' objects), the given numbers of heartbeats and
+        manifests read (those written since the last poll; with new manifests, the roster too in
+        a signed run), STOP, and the view written if ``view`` (default: when something was read,
+        as the scheduler writes it only when it changed, and the keep-alive aside). The round's
+        first poll also reads what the round is judged against (``Judge.opening``): the COMMIT
+        that opened it, the streams record, and the validator's flags (a listing)."""
         cfg = self.config
-        r = Requests(get=1 + heartbeats + manifests + 2 * int(first), put=1, head=1, list=2 + int(first))
-        r += Requests(get=int(cfg.organizer_key is not None))  # the roster
-        if cfg.close.late_shards == "fold":  # the previous round's CLOSE and its manifests' listing
-            r += Requests(get=1 + int(cfg.organizer_key is not None), list=1)
+        view = bool(heartbeats or manifests or first) if view is None else view
+        pages = max(1, math.ceil(listed / S3_PAGE))
+        r = Requests(get=heartbeats + manifests + 2 * int(first), put=int(view), head=1, list=pages + int(first))
+        r += Requests(get=int(cfg.organizer_key is not None and manifests > 0))  # the roster
+        if cfg.close.late_shards == "fold":  # the previous round listed; its CLOSE read once
+            r += Requests(get=int(first), list=1)
         return r
 
     def closing(self, shards: int) -> Requests:
-        """What closing adds to its poll: the round's shards listed (with their sizes), each new
-        one validated (every chunk read and checksummed), the validator's flags listed again,
-        CLOSE created and read back."""
-        listing = max(1, math.ceil(shards * _objects(self.grad) / S3_PAGE))
-        return Requests(list=listing + 1, get=shards * _reads(self.grad)) + Requests(put=1, get=1)
+        """What closing adds to its poll: each new shard validated (every chunk read and
+        checksummed; its objects' sizes came with the round's listing), the roster (signed runs)
+        and the validator's flags read again, CLOSE created and read back."""
+        signed = int(self.config.organizer_key is not None)
+        return Requests(list=1, get=shards * _reads(self.grad) + signed) + Requests(put=1, get=1)
+
+    def lease_renewal(self) -> Requests:
+        """The scheduler's lease renewed (``Lease.hold``, every third of its time): the next
+        generation's absence, then its own record rewritten."""
+        return Requests(head=1, put=1)
 
     def finish(self, shards: int) -> Requests:
         """``Scheduler.finish`` of a closed round: prepare, reduce and apply every part, commit

@@ -131,17 +131,17 @@ class Pending:
 
 
 class Heartbeats:
-    """A round's heartbeats as the scheduler last read them. Each poll lists the folder (one
+    """A round's heartbeats as the scheduler last read them. Each poll lists the round (one
     LIST, with sizes and version tags) and GETs only the heartbeats written since: a peer's
-    heartbeat is read about once per write, not once per poll. Any other key under the folder,
-    and one above ``MAX_HEARTBEAT_BYTES``, is not read."""
+    heartbeat is read about once per write, not once per poll. Any other key under the
+    heartbeats' folder, and one above ``MAX_HEARTBEAT_BYTES``, is not read."""
 
     def __init__(self) -> None:
         self._raw: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (tag, bytes)
 
-    def pending(self, bucket: Bucket, keys: RunLayout, r: int, now: float, timeout: float,
-                target: int, ahead_s: float = 0.0) -> Pending:
-        listed = bucket.listing(keys.progress_dir(r))
+    def pending(self, bucket: Bucket, keys: RunLayout, r: int, listed: dict[str, tuple[int, str | None]],
+                now: float, timeout: float, target: int, ahead_s: float = 0.0) -> Pending:
+        """Round r's live heartbeats at ``now``, from ``listed`` (the round's listing)."""
         beats = {k: e for k, e in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
         small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
         known = {k: v for k, v in self._raw.items() if k in small}  # other rounds', and deleted ones, go

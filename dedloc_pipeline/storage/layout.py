@@ -226,6 +226,14 @@ class RunLayout:
         """Marker: the organizer ended the run; workers leave, schedulers commit what is closed and stop."""
         return f"{self.root}/STOP.json"
 
+    @property
+    def leases_dir(self) -> str:
+        """The scheduler's lease, one create-once generation per holder (protocol/lease.py)."""
+        return f"{self.root}/lease"
+
+    def lease(self, generation: int) -> str:
+        return f"{self.leases_dir}/{_n(generation)}.json"
+
     def report(self) -> str:
         """The run's static HTML page (`dedloc report --upload`): one key the organizer can publish."""
         return f"{self.root}/report/index.html"

@@ -1,0 +1,203 @@
+"""The scheduler's judgement of a round's shards: every manifest validated once per version.
+
+A round is judged against what opened it (``Opening``: its COMMIT, the streams it counted, who
+contributed), the roster (signed runs) and the validator's flags. Each manifest the round's
+listing shows is read and validated (``shard.validate``) once per version (its ETag), so a
+poll where nothing changed reads nothing; a changed roster clears every verdict, since a
+revocation applies to shards not yet closed. Then the admission rules (``admission.py``)
+weigh what was accepted among the volunteers present. The scheduler (``scheduler.py``) decides
+from the result when to write CLOSE.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..storage.bucket import StorageError
+from ..storage.layout import volunteer_of
+from ..trust import identity
+from . import admission, verify
+from .close import Close, Rejection
+from .run import Run
+from .shard import DataRef, Entry, Rejected, commit_hash, manifest_limit, validate
+
+log = logging.getLogger(__name__)
+
+Listing = dict[str, tuple[int, str | None]]  # key -> (size, version tag): Bucket.listing
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What every shard of a round is judged against, read once per round."""
+
+    at: float  # when the round opened: its state's COMMIT was written
+    state_hash: str  # commit_hash of that COMMIT, which each shard must name
+    ends: dict[str, int]  # where each stream was counted to (streams.json of the state)
+    volunteers: frozenset[str]  # who contributed to that state
+
+
+class Judge:
+    def __init__(self, run: Run, parallel: int = 2) -> None:
+        self.run, self.parallel = run, parallel
+        self.seen: dict[str, tuple[object, Entry | Rejection]] = {}  # manifest key -> (version, verdict)
+        self._opened: dict[int, Opening] = {}
+        self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
+        self._flags: dict[str, dict] = {}  # volunteer -> the validator's flag (verify.flagged)
+        self._closes: dict[int, Close] = {}  # previous rounds' CLOSEs, which never change
+
+    def roster(self) -> identity.Roster | None:
+        """The newest valid roster (runs with an organizer key). A forged one, or an older
+        version than one seen (a replay), is refused and the last good one kept. A judge starts
+        from the newest version in the roster history, so a replay written before it started is
+        refused too."""
+        org = self.run.config.organizer_key
+        if org is None:
+            return None
+        if self._roster is None:
+            self._roster = identity.newest_roster(self.run.bucket, self.run.name, org)
+        try:
+            found = identity.read_roster(self.run.bucket, self.run.name, org)
+        except identity.IdentityError as exc:
+            log.error("%s; keeping roster version %s", exc, self._roster and self._roster.version)
+            return self._roster
+        if found is None or found == self._roster:
+            return self._roster
+        if self._roster is not None and found.version <= self._roster.version:
+            log.error("refused roster version %d: version %d was seen (a replayed roster)",
+                      found.version, self._roster.version)
+            return self._roster
+        self._roster, self.seen = found, {}
+        log.info("roster version %d: %d volunteers, %d revoked keys", found.version,
+                 len(found.volunteers), len(found.revoked))
+        return found
+
+    @property
+    def roster_version(self) -> int | None:
+        return self._roster.version if self._roster is not None else None
+
+    def verdicts(self, r: int, listed: Listing | None = None,
+                 skip: set[str] = frozenset()) -> tuple[list[Entry], list[Rejection]]:
+        """Validate every manifest of round r that ``listed`` (the round's listing; None: list
+        it) shows, each new version once; (accepted, rejected). The roster is read only when
+        there is something new to judge."""
+        bucket, keys = self.run.bucket, self.run.keys
+        listed = bucket.listing(keys.round(r)) if listed is None else listed
+        top = keys.manifests_dir(r) + "/"
+        manifests = {k: e for k, e in listed.items() if k.startswith(top) and keys.shard_of(k) not in skip}
+        limit = manifest_limit(self.run.grad_format)
+
+        def known(k: str, version: object) -> bool:
+            return version is not None and self.seen.get(k, (None,))[0] == version
+
+        fresh = any(not known(k, tag or ("size", n)) for k, (n, tag) in manifests.items())
+        roster = self.roster() if fresh else self._roster  # a changed roster clears every verdict
+        # a manifest is read once per version (its ETag; where the store has none, its bytes)
+        raw = {k: v for k, v in bucket.read_many([k for k, (n, tag) in manifests.items()
+                                                  if n <= limit and not known(k, tag)]).items() if v is not None}
+        for k, (n, tag) in manifests.items():
+            if n > limit and not known(k, tag or ("size", n)):  # never read: it could be any size
+                reason = f"manifest of {n} bytes, above {limit}"
+                self.seen[k] = (tag or ("size", n), self.reject(r, keys.shard_of(k), reason))
+        new = [k for k, v in raw.items() if not known(k, manifests[k][1] or v)]
+        if new:
+            stored, opening = self._stored(r, listed), self.opening(r)
+            with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
+                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), opening)  # noqa: E731
+                for mkey, verdict in zip(new, pool.map(check, new)):
+                    self.seen[mkey] = (manifests[mkey][1] or raw[mkey], verdict)
+        accepted, rejected = [], []
+        for mkey in sorted(k for k in manifests if k in self.seen):
+            verdict = self.seen[mkey][1]
+            (rejected if isinstance(verdict, Rejection) else accepted).append(verdict)
+        return accepted, rejected
+
+    def _stored(self, r: int, listed: Listing) -> dict[str, dict[str, int]]:
+        """The objects each shard of round r stores and their sizes, from the round's listing
+        (a LIST per 1000 objects, not one per shard)."""
+        keys, stored, top = self.run.keys, {}, self.run.keys.shards_dir(r) + "/"
+        for k, (n, _) in listed.items():
+            if k.startswith(top):
+                shard = keys.shard_holding(r, k)
+                stored.setdefault(shard, {})[k.removeprefix(shard + "/")] = n
+        return stored
+
+    def opening(self, r: int) -> Opening:
+        """What round r's shards are judged against (``Opening``): read once per round, with
+        the validator's flags."""
+        if r not in self._opened:
+            commit = self.run.commit_of(r)
+            ends = self.run.stream_ends(r)
+            self._opened = {k: v for k, v in self._opened.items() if k >= r - 1}
+            self._opened[r] = Opening(commit["committed_at"], commit_hash(commit), ends,
+                                      frozenset(volunteer_of(p) for p in commit.get("contributors", [])))
+            self._flags = verify.flagged(self.run)
+        return self._opened[r]
+
+    def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
+               stored: dict[str, int], opening: Opening) -> Entry | Rejection:
+        """The shard's verdict: its CLOSE entry, or why it is rejected (logged)."""
+        shard = self.run.keys.shard_of(mkey)
+        try:
+            end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
+            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end)
+        except Rejected as exc:
+            return self.reject(r, shard, str(exc), exc.data)
+        except StorageError:
+            raise  # the bucket's fault, not the shard's: a clear error, as everywhere
+        except Exception as exc:  # whatever else one input makes happen rejects that input
+            log.exception("round %d: shard %s could not be judged", r, shard)
+            return self.reject(r, shard, f"could not be judged: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def logged(r: int, rejected: list[Rejection]) -> list[Rejection]:
+        """Every rejection is logged as it is decided, naming the shard and why."""
+        for x in rejected:
+            log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
+        return rejected
+
+    def reject(self, r: int, shard: str, reason: str, data: DataRef | None = None) -> Rejection:
+        """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
+        return self.logged(r, [Rejection(key=shard, reason=reason, data=data)])[0]
+
+    def late(self, r: int) -> list[Entry]:
+        """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``: one
+        more LIST a poll, of round r-1)."""
+        if r == 0 or self.run.config.close.late_shards != "fold":
+            return []
+        if r - 1 not in self._closes:
+            prev = Close.read(self.run, r - 1)
+            if prev is None:
+                return []
+            self._closes = {r - 1: prev}
+        skip = self._closes[r - 1].listed()
+        late, _ = self.verdicts(r - 1, skip=skip)
+        return admission.folded(late)
+
+    def admitted(self, r: int, accepted: list[Entry], live: frozenset[str],
+                 now: float, reread_flags: bool = False) -> tuple[admission.Weighed, list[Rejection]]:
+        """The flagged volunteers' shards out, then the others weighed among the volunteers
+        present (``admission.present``): (weighed, rejected). The flags are read as a round
+        opens and again when it is about to close (``reread_flags``: one LIST), so a flag
+        written mid-round keeps its volunteer out of that round's CLOSE."""
+        if reread_flags:
+            self._flags = verify.flagged(self.run)
+        accepted, flagged = admission.unflagged(accepted, self._flags)
+        cfg, opening = self.run.config, self.opening(r)
+        others = admission.present(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
+        weighed = admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share, others)
+        return weighed, self.logged(r, flagged)
+
+    def enrolled(self, volunteers: frozenset[str]) -> frozenset[str]:
+        """The heartbeating volunteers that count: in a signed run, only enrolled ones (a
+        heartbeat is unsigned, and anyone able to write one could otherwise lower every cap)."""
+        if not self.run.signed:
+            return volunteers
+        return frozenset(v for v in volunteers if self._roster is not None and v in self._roster.volunteers)
+
+    def forget_before(self, r: int) -> None:
+        """Drop verdicts of rounds before r: never asked again (round r+1 folds round r's late
+        shards, so round r's stay). Bounds the cache of a scheduler served for weeks."""
+        keys = self.run.keys
+        self.seen = {k: v for k, v in self.seen.items() if keys.round_of(k) >= r}

@@ -1,0 +1,119 @@
+"""One active scheduler per run (protocol/lease.py): a second one is refused naming the first,
+or waits; a released lease is free at once, a dead one's after its time; a scheduler whose
+lease was taken over stops, and an idle poll costs no lease request. On the fake clock."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+import dedloc_pipeline.protocol.lease as lease_module
+from dedloc_pipeline.protocol.lease import LEASE_S, Lease, LeaseHeld, LeaseLost, Record, holder_of
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.testing import on_clock
+
+
+def _scheduler(run: Run, holder: str) -> Scheduler:
+    return Scheduler(run, 1, 0, holder=holder)
+
+
+def test_a_second_scheduler_is_refused_naming_the_first_until_it_releases(make_run):
+    run = on_clock(make_run())
+    a, b = _scheduler(run, "organizer-laptop"), _scheduler(run, "cloud-vm")
+    a.poll()
+    with pytest.raises(LeaseHeld, match="scheduled by organizer-laptop .*--standby"):
+        b.poll()
+    assert "organizer-laptop" in holder_of(run.bucket, run.keys, run.clock.time())
+    a.end(0, "rounds")  # a clean exit releases it: b need not wait
+    assert holder_of(run.bucket, run.keys, run.clock.time()) is None
+    b.poll()
+    assert b.lease.generation == 1
+    assert "cloud-vm" in holder_of(run.bucket, run.keys, run.clock.time())
+
+
+def test_a_dead_schedulers_lease_frees_after_its_time_and_a_paused_one_stops(make_run):
+    """a is killed (or paused): b is refused while a's lease is within its time, takes it over
+    after, and a, resuming, finds it taken at its next renewal and stops, naming b."""
+    run = on_clock(make_run())
+    a, b = _scheduler(run, "a"), _scheduler(run, "b")
+    a.poll()
+    run.clock.advance(LEASE_S - 1)
+    with pytest.raises(LeaseHeld, match="free in 1.0 s unless renewed"):
+        b.poll()
+    run.clock.advance(2)
+    b.poll()
+    with pytest.raises(LeaseLost, match="taken over by b"):
+        a.poll()
+    a.end(0, "rounds")  # says nothing: the view is b's now
+    assert "b" == holder_of(run.bucket, run.keys, run.clock.time()).split(" ")[0]
+
+
+def test_a_lease_is_renewed_every_third_of_its_time_and_an_idle_poll_costs_nothing(make_run):
+    run = on_clock(make_run())
+    lease = Lease(run.bucket, run.keys, run.clock, "a")
+    lease.hold()
+    before = Counter(run.bucket.stats.requests)
+    run.clock.advance(LEASE_S / 3 - 1)
+    lease.hold()
+    assert Counter(run.bucket.stats.requests) == before
+    run.clock.advance(1)
+    lease.hold()  # the next generation's absence (HEAD), then its own record rewritten (PUT)
+    assert Counter(run.bucket.stats.requests) - before == Counter(head=1, put=1)
+    run.clock.advance(LEASE_S - 1)  # renewed: still held, though a minute has passed since it was taken
+    with pytest.raises(LeaseHeld):
+        Lease(run.bucket, run.keys, run.clock, "b").hold()
+
+
+def test_a_standby_scheduler_waits_for_the_lease_and_then_serves(make_run):
+    run = on_clock(make_run())
+    _scheduler(run, "a").poll()  # then killed: never renewed, never released
+    standby = _scheduler(run, "b")
+    standby.lease.wait()  # the fake clock's sleep moves time: it returns once a's lease expired
+    assert standby.lease.generation == 1
+    assert run.clock.monotonic() > LEASE_S
+
+
+def test_the_same_holder_continues_its_lease_and_a_dead_process_here_frees_it_at_once(make_run):
+    """Schedulers of one process (the Prefect flow makes one per task) share their lease; the
+    lease of a process of this host that no longer exists is free without waiting."""
+    run = on_clock(make_run())
+    _scheduler(run, "a").poll()
+    _scheduler(run, "a").poll()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)
+    g = Lease(run.bucket, run.keys, run.clock, "x")
+    now = run.clock.time()
+    run.bucket.write_json(run.keys.lease(0), Record(holder=f"{socket.gethostname()}:{pid}", host=socket.gethostname(),
+                                                    pid=pid, started_at=now, renewed_at=now,
+                                                    ttl_s=LEASE_S).model_dump())
+    g.hold()
+    assert g.generation == 1
+
+
+def test_a_damaged_lease_is_taken_as_free_naming_it(make_run, caplog):
+    run = on_clock(make_run())
+    run.bucket.write_bytes(run.keys.lease(0), b'{"holder": "a", "ho')
+    lease = Lease(run.bucket, run.keys, run.clock, "b")
+    lease.hold()
+    assert lease.generation == 1
+    assert run.keys.lease(0) in caplog.text and "taken as free" in caplog.text
+
+
+def test_two_schedulers_racing_for_a_free_lease_one_wins(make_run, monkeypatch):
+    """Both read the released generation 0 as free; creating generation 1 is create-once, so
+    the later one is refused, naming the winner."""
+    run = on_clock(make_run())
+    a = Lease(run.bucket, run.keys, run.clock, "a")
+    a.hold()
+    a.release()
+    Lease(run.bucket, run.keys, run.clock, "c").hold()
+    real = lease_module.newest
+    stale = [(0, Record.model_validate(run.bucket.read_json(run.keys.lease(0))))]  # what b read before c won
+    monkeypatch.setattr(lease_module, "newest", lambda bucket, keys: stale.pop() if stale else real(bucket, keys))
+    with pytest.raises(LeaseHeld, match="took the lease first, c "):
+        Lease(run.bucket, run.keys, run.clock, "b").hold()

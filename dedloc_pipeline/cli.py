@@ -135,13 +135,15 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
               organizer_key: Optional[str] = typer.Option(
                   None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
                   help="the organizer's private key: signs CLOSE, COMMIT, LATEST and streams (signed runs)"),
+              standby: bool = typer.Option(False, help="while another scheduler holds the run's lease, wait "
+                                           "and take over when it ends (default: refuse, naming it)"),
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
     from .protocol.scheduler import Scheduler
     r = Run(Bucket(bucket, endpoint_url=endpoint_url), run,
             organizer=identity.load(organizer_key) if organizer_key else None)
-    state = Scheduler(r, parallel, poll).serve(until_round)
+    state = Scheduler(r, parallel, poll).serve(until_round, standby=standby)
     typer.echo(f"state {state} committed")
 
 

@@ -4,18 +4,24 @@ lease was taken over stops, and an idle poll costs no lease request. On the fake
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
 
 import dedloc_pipeline.protocol.lease as lease_module
 from dedloc_pipeline.protocol.lease import LEASE_S, Lease, LeaseHeld, LeaseLost, Record, holder_of
-from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import on_clock
+
+from .conftest import small_config
 
 
 def _scheduler(run: Run, holder: str) -> Scheduler:
@@ -117,3 +123,62 @@ def test_two_schedulers_racing_for_a_free_lease_one_wins(make_run, monkeypatch):
     monkeypatch.setattr(lease_module, "newest", lambda bucket, keys: stale.pop() if stale else real(bucket, keys))
     with pytest.raises(LeaseHeld, match="took the lease first, c "):
         Lease(run.bucket, run.keys, run.clock, "b").hold()
+
+
+def _wait_for(what, predicate, procs, seconds: float = 60.0):
+    """Until ``predicate()`` (a real process's doing), or fail naming ``what`` with their output."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        dead = [p for p in procs if p.poll() is not None]
+        if dead or time.monotonic() > deadline:
+            raise AssertionError(f"{what}: " + " | ".join(str(p.communicate()[0]) for p in dead))
+        time.sleep(0.1)  # a real process's progress: nothing to drive
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_two_real_schedulers_one_refused_one_standing_by(tmp_path):
+    """Three `dedloc aggregate` processes on one run: the first holds the lease; the second is
+    refused at once with one line naming the first (host:pid); the third (--standby) waits, and
+    takes over when the first is stopped with SIGTERM, which releases the lease at once."""
+    url = f"file://{tmp_path}/b"
+    run = init_run(Bucket(url), small_config("r"))
+    cmd = [os.path.join(os.path.dirname(sys.executable), "dedloc"), "aggregate", "--bucket", url, "--run", "r", "--poll", "0.2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+    def start(*extra, out=subprocess.PIPE):
+        return subprocess.Popen([*cmd, *extra], env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+    def holder():
+        _, record = lease_module.newest(run.bucket, run.keys)
+        return None if record is None or record.released else record.holder
+
+    first = start()
+    procs = [first]
+    try:
+        _wait_for("the first scheduler takes the lease", lambda: holder() is not None, procs)
+        assert holder() == f"{socket.gethostname()}:{first.pid}"
+        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        refusal = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+        assert refusal and f"is scheduled by {socket.gethostname()}:{first.pid} (since" in refusal[0], second.stderr
+        log = tmp_path / "standby.log"
+        with open(log, "w") as out:
+            standby = start("--standby", out=out)
+        procs.append(standby)
+        _wait_for("the standby says it waits", lambda: "waiting (standby)" in log.read_text(), procs)
+        first.send_signal(signal.SIGTERM)
+        out, _ = first.communicate(timeout=60)
+        assert first.returncode == 143, out
+        procs.remove(first)
+        _wait_for("the standby takes over", lambda: holder() == f"{socket.gethostname()}:{standby.pid}", procs)
+        assert lease_module.newest(run.bucket, run.keys)[0] == 1
+        standby.send_signal(signal.SIGTERM)
+        standby.wait(timeout=60)
+        assert standby.returncode == 143, log.read_text()
+        assert holder() is None  # released on its way out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

@@ -11,6 +11,7 @@ import pytest
 
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import scheduler_line, status
+from dedloc_pipeline.protocol import lease
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
@@ -167,7 +168,9 @@ def test_status_says_what_closes_rounds_and_how_to_go_on(fake_run):
     with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler_every=1) as c:
         c.join("a", 4)
         c.until(lambda: run.latest() >= 1, what="state 1")
-        assert scheduler_line(status(run)) in {f"scheduler: published {n} s ago" for n in ("0.0", "1.0")}
+        line = scheduler_line(status(run))
+        assert line.split(";")[0] in {f"scheduler: published {n} s ago" for n in ("0.0", "1.0")}
+        assert f"; the lease is {lease.this_holder()} (since " in line and "unless renewed)" in line, line
         sched, c.scheduler = c.scheduler, None  # it died
         for _ in range(int(2 * TIMEOUT)):
             c.tick()

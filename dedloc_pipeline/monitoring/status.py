@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from ..protocol import heartbeat, view
+from ..protocol import heartbeat, lease, view
 from ..protocol.clock import duration
 from ..protocol.close import committed
 from ..protocol.run import Run
@@ -111,6 +111,7 @@ def status(run: Run, now: float | None = None) -> dict:
         "codec": cfg.codec, "optimizer": cfg.optimizer.name, "n_params": commits.get(0, {}).get("n_params"),
         "progress": _progress(run, latest, now),
         "stopped": run.bucket.read_json(run.keys.stop()) is not None,
+        "scheduler": lease.holder_of(run.bucket, run.keys, now),  # who holds the lease, and since when
         "peers": sorted(peers.values(), key=lambda p: (-p["samples"], p["peer_id"])),
         "history": history,
         "at": now,
@@ -134,7 +135,8 @@ def scheduler_line(s: dict) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seen))
         return (f"no scheduler has published for {duration(age)} (since {since}): it is stopped, dead or stuck; "
                 "start one (dedloc aggregate, or make pretrain)")
-    return f"scheduler: published {duration(age)} ago"
+    holder = s.get("scheduler")
+    return f"scheduler: published {duration(age)} ago" + (f"; the lease is {holder}" if holder else "")
 
 
 def show(s: dict, console) -> None:

@@ -150,7 +150,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
         return between_steps(cad.heartbeat_s(eta, timeout))
 
     def sched_poll(eta: float) -> float:
-        return cad.poll_s(eta) if scheduler_poll_s is None else scheduler_poll_s
+        return cad.scheduler_s(eta) if scheduler_poll_s is None else scheduler_poll_s
 
     # per round, the scheduler: polls until CLOSE (the first reads the opening COMMIT and every
     # live heartbeat, later ones the heartbeats written since), then the round's own work

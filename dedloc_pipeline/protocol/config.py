@@ -91,9 +91,9 @@ class Cadence(BaseModel):
     heartbeat_max_s: float = Field(10.0, gt=0, description="least frequent heartbeat (never above a third "
                                    "of peer_timeout_s)", json_schema_extra={"flag": "--heartbeat-max"})
     poll_share: float = Field(0.5, gt=0, le=1, description="a poll every this share of the ETA")
-    scheduler_poll_s: float = Field(1.0, gt=0, description="the scheduler's slowest poll: its view is "
-                                    "what every volunteer's count is as fresh as (its requests do not grow "
-                                    "with the peers' number)")
+    scheduler_poll_s: float = Field(5.0, gt=0, description="the scheduler's slowest poll, far from the target "
+                                    "(nearer it, a share of the ETA down to poll_min_s); a poll where nothing "
+                                    "changed is one LIST and one HEAD")
     heartbeat_share: float = Field(0.5, gt=0, le=1, description="a heartbeat every this share of the ETA")
 
     @model_validator(mode="after")

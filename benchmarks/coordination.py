@@ -1,4 +1,5 @@
-"""Benchmark 7: coordination at scale, requests counted by the S3 server itself.
+"""Benchmark 7: coordination at scale, requests counted by the S3 server itself (``idle``: 3 and 16
+volunteers at 20 s and 100 s rounds, the scheduler's requests shared among them).
 
 4, 16 and 64 simulated volunteers against moto's S3 server on loopback. Each runs the real
 worker (``protocol/worker.py``: round view, cadence, heartbeats, the upload decision, shard
@@ -206,6 +207,8 @@ def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, r
             closing.append(closes[r]["closed_at"] - full)
     per_vol_s = {k: v / peers / window for k, v in sorted(volunteer.items())}
     billed = measured({"requests": dict(volunteer), "bytes_read": 0, "bytes_written": 0}, window, peers)
+    # everything counted: the volunteers' requests and the scheduler's, shared among them
+    shared = measured({"requests": dict(volunteer + mine), "bytes_read": 0, "bytes_written": 0}, window, peers)
     client = Counter()
     for h in hosts_out:
         for s in h["requests"]:
@@ -216,6 +219,8 @@ def _summary(peers, target, round_s, step_s, warmup, marks, hosts_out, closes, r
             "requests_per_volunteer_s": sum(per_vol_s.values()), "by_class_per_volunteer_s": per_vol_s,
             "scheduler_requests_s": sum(mine.values()) / window,
             "requests_per_volunteer_day_usd": {p: c.volunteer_day.total for p, c in billed.cost.items()},
+            "with_scheduler_per_volunteer_day_usd": {p: c.volunteer_day.total for p, c in shared.cost.items()},
+            "scheduler_by_class_s": {k: v / window for k, v in sorted(mine.items())},
             "close_latency_s": {"median": statistics.median(latency) if latency else None,
                                 "worst": max(latency) if latency else None, "rounds": latency,
                                 "uploading_median": statistics.median(uploading) if uploading else None,
@@ -268,5 +273,7 @@ if __name__ == "__main__":
     elif role == "volunteers":
         url, endpoint, name, names, step_s, until, out = args
         volunteers_main(url, endpoint, name, names.split(","), float(step_s), int(until), out)
+    elif role == "idle":  # python -m benchmarks.coordination idle: 3 and 16 volunteers, 20 s and 100 s rounds
+        print(json.dumps({"cases": [case(p, round_s=s, rounds=2) for s in (20.0, 100.0) for p in (3, 16)]}, indent=1))
     else:  # python -m benchmarks.coordination bench [peers ...]
         print(json.dumps(run(tuple(int(a) for a in args) or (4, 16, 64)), indent=1))

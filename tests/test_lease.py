@@ -143,7 +143,8 @@ def test_two_real_schedulers_one_refused_one_standing_by(tmp_path):
     takes over when the first is stopped with SIGTERM, which releases the lease at once."""
     url = f"file://{tmp_path}/b"
     run = init_run(Bucket(url), small_config("r"))
-    cmd = [os.path.join(os.path.dirname(sys.executable), "dedloc"), "aggregate", "--bucket", url, "--run", "r", "--poll", "0.2"]
+    cmd = [os.path.join(os.path.dirname(sys.executable), "dedloc"), "aggregate", "--bucket", url, "--run", "r",
+           "--poll", "0.2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
     def start(*extra, out=subprocess.PIPE):

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.protocol import heartbeat, view
+from dedloc_pipeline.protocol import heartbeat, upload_policy, view
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
@@ -327,7 +327,27 @@ def test_a_scheduler_poll_where_nothing_changed_costs_a_listing_and_a_head(make_
     assert poll() == Counter(list=1, head=1)
     assert run.bucket.read_bytes(run.keys.view) == written
     clock.advance(run.config.peer_timeout_s / 3)
-    assert poll() == Counter(list=1, head=1, put=1)  # the keep-alive
+    # the keep-alive, and as often the next round's heartbeats listed (peers computing ahead)
+    assert poll() == Counter(list=2, head=1, put=1)
     assert view.parse(run.bucket.read_bytes(run.keys.view)).at == clock.time()
     _beat(run, 0, "a", 6)
     assert poll() == Counter(list=1, head=1, get=1, put=1)  # a new heartbeat: read, and said
+
+
+def test_peers_computing_ahead_count_as_live_others(make_run):
+    """The first report's panel said "0 peers" for a whole run while another worker was live:
+    it computed ahead, heartbeating the next round, which the open round's count leaves out. The
+    view counts such peers apart (ahead_peers), and each worker sees the others among them."""
+    run = on_clock(make_run())
+    _beat(run, 0, "a", 4)
+    run.bucket.write_json(run.keys.progress(1, "b"), {"peer": "b", "round": 1, "samples": 8, "samples_per_s": 2.0,
+                                                      "time": run.clock.time()})
+    Scheduler(run, 1, 0).try_close(0)
+    v = _published(run)
+    assert (v.peers, v.ahead_peers, v.ahead_samples_per_s) == (1, 1, 2.0)
+    b_beats = [heartbeat.parse(run.bucket.read_bytes(run.keys.progress(1, "b")))]
+    seen_by_b = upload_policy.mine(v, 0, b_beats, [], run.config.peer_timeout_s, 10.0, TARGET)
+    seen_by_a = upload_policy.mine(v, 0, [heartbeat.parse(run.bucket.read_bytes(run.keys.progress(0, "a")))], [],
+                                   run.config.peer_timeout_s, 10.0, TARGET)
+    assert (seen_by_b.peers, seen_by_b.ahead_peers) == (1, 0)
+    assert (seen_by_a.peers, seen_by_a.ahead_peers) == (0, 1)

@@ -163,7 +163,7 @@ class Display:
             except Exception as exc:  # a bucket hiccup: asked again next time, the display lives on
                 log.warning("%s: the ledger could not be read (%s)", s.peer, exc)
         return {"snapshot": s, "activity": self._activity(s, full), "manifest": manifest, "others": others,
-                "mine": mine, "full": full, "peers": view.peers if view else 0, "eta_s": eta,
+                "mine": mine, "full": full, "peers": view.peers + view.ahead_peers if view else 0, "eta_s": eta,
                 "mine_per_s": mine_per_s, "others_per_s": others_per_s,
                 "counted": self._counted[1].get("counted", 0),
                 "rounds": len({r for r, _, _ in s.uploads})}

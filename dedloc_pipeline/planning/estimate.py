@@ -163,7 +163,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
-             + traffic.lease_renewal() * (round_s / (LEASE_S / 3)))
+             + traffic.lease_renewal() * (round_s / (LEASE_S / 3))
+             + Requests(list=max(1.0, round_s / (timeout / 3))))  # the next round's heartbeats
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)

@@ -119,11 +119,13 @@ class Traffic:
         a signed run), STOP, and the view written if ``view`` (default: when something was read,
         as the scheduler writes it only when it changed, and the keep-alive aside). The round's
         first poll also reads what the round is judged against (``Judge.opening``): the COMMIT
-        that opened it, the streams record, and the validator's flags (a listing)."""
+        that opened it, the streams record, and the validator's flags (a listing), and lists the
+        next round's heartbeats (peers computing ahead), as it does every third of
+        ``peer_timeout_s``."""
         cfg = self.config
         view = bool(heartbeats or manifests or first) if view is None else view
         pages = max(1, math.ceil(listed / S3_PAGE))
-        r = Requests(get=heartbeats + manifests + 2 * int(first), put=int(view), head=1, list=pages + int(first))
+        r = Requests(get=heartbeats + manifests + 2 * int(first), put=int(view), head=1, list=pages + 2 * int(first))
         r += Requests(get=int(cfg.organizer_key is not None and manifests > 0))  # the roster
         if cfg.close.late_shards == "fold":  # the previous round listed; its CLOSE read once
             r += Requests(get=int(first), list=1)

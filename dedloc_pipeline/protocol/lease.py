@@ -76,7 +76,7 @@ def _gone(record: Record) -> bool:
 def newest(bucket: Bucket, keys: RunLayout) -> tuple[int, Record | None]:
     """The newest generation and its record (None: none yet, or unreadable, which frees it)."""
     found = [n for k in bucket.listing(keys.leases_dir)  # one LIST, even of an empty prefix
-             if (n := keys.number_of(k.rsplit("/", 1)[-1])) is not None]
+             if (n := keys.generation_of(k)) is not None]
     if not found:
         return -1, None
     g = max(found)

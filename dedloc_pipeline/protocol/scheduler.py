@@ -79,6 +79,8 @@ class Scheduler:
         self.judge = Judge(run, parallel)
         self.lease = Lease(run.bucket, run.keys, self.clock, holder, lease_s)
         self._beats = heartbeat.Heartbeats()
+        self._ahead = heartbeat.Heartbeats()  # the next round's: peers computing ahead, for displays
+        self._ahead_seen: tuple[int, float, heartbeat.Pending] = (-1, float("-inf"), heartbeat.Pending())
         self._started: dict[int, float] = {}  # round -> the first poll that saw work on it
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
@@ -174,9 +176,11 @@ class Scheduler:
         self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s or self._speed, close is not None)
         try:
             self._stopped = bucket.exists(keys.stop())
+            ahead = self._ahead_of(r, at)
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
-                          samples_per_s=pending.samples_per_s, ignored_heartbeats=pending.ignored,
+                          samples_per_s=pending.samples_per_s, ahead_peers=ahead.peers,
+                          ahead_samples_per_s=ahead.samples_per_s, ignored_heartbeats=pending.ignored,
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
                           eta_s=self._eta, cap=cap, ended=ended, at=at,
                           written_at=max(at, self.clock.time()))
@@ -189,6 +193,18 @@ class Scheduler:
             self._published, self._published_at = said, self.clock.monotonic()
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
+
+    def _ahead_of(self, r: int, at: float) -> heartbeat.Pending:
+        """Round r+1's live heartbeats (peers computing ahead), listed every third of
+        ``peer_timeout_s``: they are for displays, not worth a LIST each poll."""
+        seen_r, seen_at, pending = self._ahead_seen
+        if seen_r != r or self.clock.monotonic() - seen_at >= self.run.config.peer_timeout_s / 3:
+            cfg, keys = self.run.config, self.run.keys
+            listed = self.run.bucket.listing(keys.progress_dir(r + 1))
+            pending = self._ahead.pending(self.run.bucket, keys, r + 1, listed, at, cfg.peer_timeout_s,
+                                          cfg.target_batch_size, cfg.cadence.heartbeat_max_s)
+            self._ahead_seen = (r, self.clock.monotonic(), pending)
+        return pending
 
     # the loop's steps
     def poll(self) -> Snapshot:

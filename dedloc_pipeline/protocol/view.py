@@ -47,6 +47,9 @@ class View(BaseModel):
     pending_samples: int = Field(0, ge=0, description="the live peers' un-uploaded samples, each clamped")
     peers: int = Field(0, ge=0, description="live peers: a heartbeat for this round within peer_timeout_s")
     samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
+    ahead_peers: int = Field(0, ge=0, description="live peers heartbeating the next round: computing ahead "
+                             "while this one fills or is reduced (read every third of peer_timeout_s)")
+    ahead_samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
     ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
     closed: bool = False
     stopped: bool = False
@@ -149,6 +152,7 @@ class RoundView:
     manifest_samples: int = 0
     fresh_samples: int = 0  # other peers' un-uploaded samples, from live heartbeats
     peers: int = 0  # other live peers
+    ahead_peers: int = 0  # other live peers computing for the next round: live, though not in this one's count
     samples_per_s: float = 0.0  # their speed together
     closed: bool = False
     ended: str | None = None  # the scheduler ended: nobody will close this round until one starts again
@@ -159,14 +163,15 @@ class RoundView:
 
 
 def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int,
-               own_seen: int = 0) -> RoundView:
+               own_seen: int = 0, own_ahead: bool = False) -> RoundView:
     """A worker's RoundView from the published one: its own heartbeat that the view counted
     (``own_pending``, ``own_speed``, ``own_counted``) taken out, its own shards the view could not
     have seen yet (``own_unseen`` samples) added; never below zero. ``own_seen``: the samples of
-    its shards the view could count, which make it ``capped`` once they reach the view's cap."""
+    its shards the view could count, which make it ``capped`` once they reach the view's cap;
+    ``own_ahead``: its own heartbeat is among the view's ``ahead_peers``."""
     return RoundView(manifest_samples=v.validated_samples + own_unseen,
                      fresh_samples=max(0, v.pending_samples - own_pending),
-                     peers=max(0, v.peers - int(own_counted)),
+                     peers=max(0, v.peers - int(own_counted)), ahead_peers=max(0, v.ahead_peers - int(own_ahead)),
                      samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, ended=v.ended, at=v.at,
                      eta_s=v.eta_s, horizon_s=v.horizon_s,
                      capped=v.cap is not None and own_seen > 0 and own_seen >= v.cap and not v.closed)

@@ -234,6 +234,10 @@ class RunLayout:
     def lease(self, generation: int) -> str:
         return f"{self.leases_dir}/{_n(generation)}.json"
 
+    def generation_of(self, key: str) -> int | None:
+        """The generation a key listed under ``leases_dir`` is, or None (anything else)."""
+        return self.number_of(key.rsplit("/", 1)[-1]) if key.startswith(self.leases_dir + "/") else None
+
     def report(self) -> str:
         """The run's static HTML page (`dedloc report --upload`): one key the organizer can publish."""
         return f"{self.root}/report/index.html"
@@ -242,12 +246,44 @@ class RunLayout:
     def evals_dir(self) -> str:
         return f"{self.root}/evals"
 
+    def evals(self, s: int) -> str:
+        """Every evaluation result of state s."""
+        return f"{self.evals_dir}/{_n(s)}"
+
     def eval(self, s: int, task: str) -> str:
-        return f"{self.evals_dir}/{_n(s)}/{task}.json"
+        return f"{self.evals(s)}/{task}.json"
 
     def export(self, s: int) -> str:
         """State s as a Hugging Face model directory."""
         return f"{self.root}/export/{_n(s)}"
+
+    # what `dedloc repair` takes out of a run's history (protocol/repair.py)
+    @property
+    def quarantine_dir(self) -> str:
+        """Damaged records and the states and rounds above the one a repair went back to: moved
+        here, never deleted, for the organizer to inspect."""
+        return f"{self.root}/damaged"
+
+    def quarantine(self, stamp: str) -> str:
+        """One repair's quarantine, named by when it ran (UTC, ``20270115T080000Z``)."""
+        return f"{self.quarantine_dir}/{stamp}"
+
+    def quarantined(self, stamp: str, key: str) -> str:
+        """Where repair ``stamp`` keeps the run's object ``key``: the same path under its quarantine."""
+        if not key.startswith(self.root + "/"):
+            raise ValueError(f"{key!r} is not a key of run {self.run!r}")
+        return f"{self.quarantine(stamp)}/{key.removeprefix(self.root + '/')}"
+
+    @staticmethod
+    def round_number(name: str) -> int | None:
+        """The round an entry of the ``rounds_dir`` listing is, or None (debris)."""
+        return int(name) if _NUMBER.fullmatch(name) else None
+
+    @staticmethod
+    def holding(key: str) -> "RunLayout | None":
+        """The layout of the run ``key`` belongs to (``runs/RUN/...``), or None."""
+        parts = key.split("/", 2)
+        return RunLayout(parts[1]) if len(parts) == 3 and parts[0] == "runs" else None
 
 
 class DataLayout:

@@ -189,3 +189,35 @@ def test_three_workers_on_s3(cluster, s3_bucket):
     check_history(c, s, rounds)
     # it really went through S3: the COMMITs are objects in that bucket
     assert s3_bucket.exists(f"runs/{RUN}/state/{rounds:08d}/COMMIT.json")
+
+
+def test_volunteers_come_and_go_on_a_file_bucket(cluster, tmp_path):
+    """Deliverable of the liveness rule with real processes (the fake-clock cases are in
+    tests/test_liveness.py): alice and bob train, both leave with SIGTERM (as systemd stops
+    them), then carol joins alone and fills every round after by herself; nothing counts twice."""
+    import signal
+    c = cluster(f"file://{tmp_path}/bucket")
+    c.init("--peer-timeout", "6")
+    rounds = 4
+    c.scheduler(rounds)
+    for p in ("alice", "bob"):
+        c.worker(p, None)
+    deadline = time.monotonic() + WAIT
+    while c.latest() < 2:
+        if time.monotonic() > deadline or any(c.procs[n].poll() is not None for n in ("scheduler", "alice", "bob")):
+            c.fail(f"state 2 not reached (state {c.latest()})")
+        time.sleep(0.2)  # real processes' progress: nothing to drive
+    for p in ("alice", "bob"):
+        c.procs[p].send_signal(signal.SIGTERM)
+    for p in ("alice", "bob"):
+        c.procs[p].wait(120)
+        assert c.procs[p].returncode == 143, c.logs()
+        assert "stopped cleanly after SIGTERM" in (c.tmp / f"{p}.log").read_text(), c.logs()
+    left_at = c.latest()
+    c.worker("carol", rounds)
+    c.wait_exit(["scheduler", "carol"])
+    assert "stopped at state 4" in (c.tmp / "carol.log").read_text(), c.logs()
+    alone = [commit for commit in c.commits() if commit["round"] > left_at]
+    assert alone and all(commit["contributors"] == ["carol"] for commit in alone), c.logs()
+    assert all(commit["samples"] >= TARGET for commit in alone)
+    assert_counted_once(c.run)

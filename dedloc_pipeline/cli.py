@@ -19,7 +19,7 @@ from .model.presets import PRESETS
 from .monitoring import stop as signals
 from .protocol.config import recipe_config
 from .protocol.run import ORGANIZER_KEY_ENV, Run, RunError, init_run
-from .storage.bucket import Bucket, StorageError
+from .storage.bucket import Bucket, Damaged, StorageError
 from .trust import identity
 from .trust.identity import IdentityError
 
@@ -56,6 +56,10 @@ class _Group(TyperGroup):
                 msg += f" (see '{sub} --help')"
             typer.echo(f"error: {msg}", err=True)
             raise typer.Exit(exc.exit_code or 2)
+        except Damaged as exc:  # a record `dedloc repair` sees says so: the way back
+            from .protocol.repair import advice
+            typer.echo(f"error: {describe(exc)}{advice(exc.key)}", err=True)
+            raise typer.Exit(2)
         except _ERRORS as exc:
             typer.echo(f"error: {describe(exc)}", err=True)
             raise typer.Exit(2)
@@ -281,6 +285,20 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
         return
     from rich.console import Console
     show(s, Console())
+
+
+@app.command()
+def repair(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
+           apply: bool = typer.Option(False, "--apply", help="do it: move what is damaged under runs/RUN/damaged/ "
+                                      "and go back to the newest intact state (default: say what would be done)"),
+           organizer_key: Optional[str] = typer.Option(None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
+                                                       help="the organizer's private key: signs LATEST (signed runs)")):
+    """Check the newest states against their COMMITs; repair a damaged run (exit 1: damage not repaired)."""
+    _setup(False)
+    from .protocol.repair import repair as repair_run
+    org = identity.load(organizer_key) if organizer_key else None
+    if not repair_run(Run(Bucket(bucket, endpoint_url=endpoint_url), run, organizer=org), apply, typer.echo):
+        raise typer.Exit(1)
 
 
 @app.command("cost")

@@ -110,7 +110,8 @@ def test_the_matcher_has_iams_semantics():
 
 
 # RunLayout's methods that take a key apart rather than make one
-PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "number_of"}
+PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "number_of",
+           "round_number", "generation_of", "holding"}
 
 
 def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
@@ -121,6 +122,8 @@ def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
     values = {
         "r": ROUNDS, "s": ROUNDS, "peer": [ME, OTHER], "name": ["m", "v"], "task": ["ner"],
         "version": [1, 42], "volunteer": [ME, OTHER],  # roster versions, the validator's flags: the organizer's
+        "generation": [1, 42],  # the scheduler's lease
+        "stamp": ["20270115T080000Z"], "key": [keys.commit(5), keys.progress(5, ME)],  # a repair's quarantine
         "shard": list(shard.values()), "manifest": [keys.manifest(s) for s in shard.values()],
     }
     out = []

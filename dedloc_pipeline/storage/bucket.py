@@ -32,7 +32,15 @@ from .stats import IOStats
 
 class Damaged(ValueError):
     """A record in the bucket that cannot be read as what it is: a truncated or overwritten JSON
-    file. The message names its key, so the organizer knows what to restore or repair."""
+    file. The message names its key, so the organizer knows what to restore or repair; ``key``
+    is that key, so a command can say whether `dedloc repair` sees it."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+    def __reduce__(self):  # to another process (a Prefect or Dask task's) with its key
+        return type(self), (str(self), self.key)
 
 
 class StorageError(RuntimeError):
@@ -193,7 +201,7 @@ class Bucket:
         try:
             return json.loads(data)
         except ValueError as exc:  # UnicodeDecodeError too
-            raise Damaged(f"{self.url}/{key} is damaged: not JSON ({exc})") from exc
+            raise Damaged(f"{self.url}/{key} is damaged: not JSON ({exc})", key) from exc
 
     @_retried
     def read_many(self, keys: list[str]) -> dict[str, bytes | None]:

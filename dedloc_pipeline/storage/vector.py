@@ -132,10 +132,15 @@ def _layout(name: str, clen: int, whole: int, cname: str = "lz4") -> dict:
     return {"chunks": (clen,), "compressors": compressor}
 
 
+def chunk_object(fmt: VectorFormat, name: str, chunk: int) -> str:
+    """The object holding chunk ``chunk`` of array ``name``, by name under the vector's key
+    (zarr's ``c/`` keys; a vector written whole keeps all its chunks in one)."""
+    return f"{name}/c/{0 if fmt.whole else chunk}"
+
+
 def chunk_objects(fmt: VectorFormat) -> set[str]:
-    """The chunk objects a whole vector stores, by name under its key (zarr's ``c/`` keys)."""
-    per_array = 1 if fmt.whole else fmt.n_chunks
-    return {f"{name}/c/{i}" for name in fmt.arrays() for i in range(per_array)}
+    """The chunk objects a whole vector stores, by name under its key."""
+    return {chunk_object(fmt, name, i) for name in fmt.arrays() for i in range(fmt.n_chunks)}
 
 
 def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray]) -> None:

@@ -84,6 +84,7 @@ def goes_on(run: Run, state: int) -> None:
         for peer, mb in PEERS:
             c.join(peer, mb)
         c.until(lambda: run.latest() >= state, what=f"state {state}")
+        c.scheduler.lease.release()
     assert repair.diagnose(run).healthy
 
 
@@ -277,3 +278,17 @@ def test_the_way_back_is_named_only_for_what_repair_sees():
     assert repair.advice("runs/r/state/00000003/COMMIT.json") == "; run `dedloc repair` to see and repair it"
     assert repair.advice("runs/r/rounds/00000003/CLOSE.json")
     assert repair.advice("runs/r/ROSTER.json") == repair.advice("data/x/DATA.json") == repair.advice(None) == ""
+
+
+def test_on_s3_the_same_repair_moves_objects_and_prefixes_alike(s3_bucket):
+    """On S3 a CLOSE is one object and a state a prefix of many: both are found, copied and taken away."""
+    base = init_run(s3_bucket, small_config("r"))
+    run = Run(s3_bucket, "r", clock=FakeClock(epoch=base.commit_of(0)["committed_at"]))
+    goes_on(run, 2)
+    truncated = truncate(run, run.keys.commit(2))
+    plan, _ = dry_run(run)
+    assert plan.state == 1 and {run.keys.state(2), run.keys.close(1)} <= set(plan.moved)
+    assert repair.repair(run, True, lambda line: None)
+    assert run.latest() == 1 and quarantined(run, run.keys.commit(2)) == truncated
+    assert quarantined(run, run.keys.close(1)) is not None and not run.bucket.exists(run.keys.close(1))
+    goes_on(run, 2)

@@ -292,3 +292,24 @@ def test_on_s3_the_same_repair_moves_objects_and_prefixes_alike(s3_bucket):
     assert run.latest() == 1 and quarantined(run, run.keys.commit(2)) == truncated
     assert quarantined(run, run.keys.close(1)) is not None and not run.bucket.exists(run.keys.close(1))
     goes_on(run, 2)
+
+
+def test_a_repair_cut_short_is_finished_by_running_it_again(run, monkeypatch):
+    """Cut off as it takes the first marker away (the CLOSE), after the scratch: the run still
+    reads as damaged, and the next repair finishes the job."""
+    truncate(run, run.keys.commit(NEWEST))
+    delete = run.bucket.delete
+
+    def cut(key):
+        if key == run.keys.close(NEWEST - 1):
+            raise ConnectionError("the organizer's laptop lost its network")
+        delete(key)
+    monkeypatch.setattr(run.bucket, "delete", cut)
+    with pytest.raises(ConnectionError):
+        repair.repair(run, True, lambda line: None)
+    monkeypatch.setattr(run.bucket, "delete", delete)
+    assert not repair.diagnose(run).healthy
+    run.clock.advance(1)  # the next repair's own quarantine
+    assert repair.repair(run, True, lambda line: None)
+    assert run.latest() == NEWEST - 1
+    goes_on(run, NEWEST)

@@ -302,7 +302,7 @@ def apply(run: Run, plan: Plan, name: str) -> None:
     for t in plan.states:
         for part in (keys.params(t), keys.delta(t), keys.optim_dir(t), keys.applied_dir(t), keys.streams(t)):
             bucket.delete(part)
-    for key in [k for k in closes if k in plan.moved] + [k for k in folders if k in plan.moved]:
+    for key in closes + folders:  # the markers last (and an empty folder a repair cut short left behind)
         bucket.delete(key)
     if latest is not None:
         bucket.write_json(keys.latest, latest)

@@ -25,7 +25,9 @@ half (``--trim`` adds RSS after ``malloc_trim``, a diagnostic).
 
 ``python -m benchmarks.soak --rounds 300 --out .dedloc/bench/soak.json`` prints a table, writes the
 results and, if matplotlib is importable, ``soak.png`` next to them (the checks, the verdicts, the
-table and the plot: benchmarks/soak_verdict.py).
+table and the plot: benchmarks/soak_verdict.py). ``--faults`` runs the soak with faults instead
+(benchmarks/soak_faults.py): the same run on the fake clock with random churn, killed schedulers and
+aggregators, a full disk and a failing bucket, judged by the ledger and a one-process replay.
 """
 
 from __future__ import annotations
@@ -268,13 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--sample-every", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path(".dedloc/bench/soak.json"))
+    ap.add_argument("--out", type=Path, help="default .dedloc/bench/soak.json (--faults: soak-faults.json)")
     ap.add_argument("--keep-bucket", action="store_true")
     ap.add_argument("--preset", default="tiny", help="the model (docs/soak.md's figures: tiny)")
     ap.add_argument("--trim", action="store_true", help="diagnostic: malloc_trim(0) after each RSS sample")
+    ap.add_argument("--faults", action="store_true", help="the soak with faults (benchmarks/soak_faults.py)")
     args = ap.parse_args(argv)
     from rich.console import Console
 
+    if args.faults:
+        return _with_faults(args, args.out or Path(".dedloc/bench/soak-faults.json"))
+    args.out = args.out or Path(".dedloc/bench/soak.json")
     res = soak(args.rounds, sample_every=args.sample_every, seed=args.seed, keep_bucket=args.keep_bucket,
                trim=args.trim, preset=args.preset)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -283,6 +289,25 @@ def main(argv: list[str] | None = None) -> int:
     if soak_verdict.plot(res, args.out.with_suffix(".png")):
         print(f"plot: {args.out.with_suffix('.png')}")
     print(f"results: {args.out}" + ("" if res["ok"] else "  (some checks FAILED)"))
+    return 0 if res["ok"] else 1
+
+
+def _with_faults(args, out: Path) -> int:
+    from rich.console import Console
+
+    from . import soak_faults
+
+    tmp = tempfile.mkdtemp(prefix="dedloc-soak-faults-")
+    try:
+        res = soak_faults.soak(soak_config(preset=args.preset), args.rounds, f"file://{tmp}/bucket", args.seed)
+    finally:
+        if not args.keep_bucket:
+            shutil.rmtree(tmp, ignore_errors=True)
+    res["code"], res["preset"] = _code_version(), args.preset
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    Console().print(soak_verdict.faults_table(res))
+    print(f"results: {out}" + ("" if res["ok"] else "  (some checks FAILED)"))
     return 0 if res["ok"] else 1
 
 

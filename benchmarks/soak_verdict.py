@@ -1,13 +1,18 @@
 """The soak's verdict (benchmarks/soak.py, docs/soak.md): the ledger checked after the run, the
-samples summarized into bounded-or-not verdicts, and the results as a table and a plot."""
+samples summarized into bounded-or-not verdicts, and the results as a table and a plot; for the
+soak with faults (benchmarks/soak_faults.py), the one-process replay of every committed round and
+its verdict."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 # What "bounded" means in the verdict (docs/soak.md): fds and threads may move by at most this
 # much after warm-up; the working set may reach at most this multiple of its first-half maximum.
 FD_SLACK, THREAD_SLACK, BUCKET_RATIO = 2, 1, 1.5
+# What a COMMIT copies of each accepted shard, compared with its CLOSE's entry.
+COMMITTED = ("key", "peer", "samples", "manifest_sha", "weight")
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
@@ -189,3 +194,156 @@ def plot(res: dict, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path)
     return True
+
+
+class Replay:
+    """Every committed state recomputed in one process: from state 0, each round's mean of its
+    CLOSE's accepted shards (read back and decoded by the run's codec, weighted as CLOSE says),
+    the run's optimizer on the whole vector and its delta codec with its error feedback; no
+    parts, aggregators, retries or restarts. Compared with the committed parameters bit for bit
+    (invariant 4: repeated, restarted steps give the same bytes). ``next()`` after each commit,
+    while the round's shards are still there (pruning takes them ``keep_states`` later)."""
+
+    def __init__(self, run):
+        from dedloc_pipeline.storage import vector
+
+        cfg, fmt = run.config, run.dense_format
+        if cfg.aggregation != "mean" or cfg.aggregator_optimizer.name == "lamb" or cfg.algorithm != "dedloc":
+            raise ValueError("the replay takes the plain mean and an elementwise optimizer (AdamW, SGD)")
+        self.run, self.state, self.differing, self.max_abs_diff = run, 0, [], 0.0
+        self.params = run.load_params(0)
+        self.slots = {n: vector.read_vector(run.bucket, run.keys.optim(0, n), fmt).copy()
+                      for n in (*cfg.aggregator_optimizer.slots, "residual")}
+
+    def next(self) -> None:
+        """Replay round ``state`` and compare with state ``state + 1``."""
+        import numpy as np
+
+        from dedloc_pipeline.protocol import optim
+        from dedloc_pipeline.protocol.close import closed
+        from dedloc_pipeline.storage import codec, vector
+        from dedloc_pipeline.storage.layout import volunteer_of
+
+        run, r = self.run, self.state
+        cfg, fmt = run.config, run.grad_format
+        accepted = closed(run, r).accepted
+        total = np.zeros(run.flat.n, np.float64)
+        weights: dict[str, float] = {}
+        for s in accepted:
+            arrays = vector.read_vector(run.bucket, s.key, fmt, checksums=s.checksums, raw=True)
+            codec.accumulate(total, arrays, fmt.codec, fmt.block, s.weight)
+            weights[volunteer_of(s.peer)] = weights.get(volunteer_of(s.peer), 0.0) + s.weight
+        grad = (total / np.array([weights[v] for v in sorted(weights)]).sum()).astype(np.float32)
+        stepped = self.params.copy()
+        slots = {n: v for n, v in self.slots.items() if n != "residual"}
+        optim.apply(cfg.aggregator_optimizer, run.flat, 0, stepped, slots, grad, step=r + 1)
+        _, params, residual = codec.delta_encode(self.params, stepped, cfg.param_codec, cfg.block_size,
+                                                 self.slots["residual"])
+        if residual is not None:
+            self.slots["residual"] = residual
+        got = run.load_params(r + 1)
+        if not np.array_equal(got.view(np.uint32), params.view(np.uint32)):
+            self.differing.append(r + 1)
+            self.max_abs_diff = max(self.max_abs_diff, float(np.abs(got - params).max()))
+        self.params, self.state = params, r + 1
+
+
+def faults_verdict(run, replay: Replay, facts: dict) -> dict:
+    """The soak with faults judged: its facts (benchmarks/soak_faults.py), the ledger read back,
+    the replay; ``verdict`` holds one boolean a check, ``ok`` whether all passed."""
+    import inspect
+
+    from dedloc_pipeline.protocol import ledger
+
+    b, k, rounds = run.bucket, run.keys, facts["reached"]
+    checks = verify(run, rounds, run.config)
+    unlisted, counted_end = [], {}
+    for r in range(rounds):
+        close, commit = b.read_json(k.close(r)), b.read_json(k.commit(r + 1))
+        if close is None or commit is None:
+            continue  # missing: verify's
+        if [[s.get(f) for f in COMMITTED] for s in commit["shards"]] != \
+                [[s.get(f) for f in COMMITTED] for s in close["accepted"]]:
+            unlisted.append(r)
+        for s in close["accepted"]:
+            stream = s["data"]["stream"]
+            counted_end[stream] = max([counted_end.get(stream, 0)] + [a + n for a, n in s["data"]["ranges"]])
+    ends = run.stream_ends(rounds)
+    uncovered = {p: [e, ends.get(p, 0)] for p, e in counted_end.items() if e > ends.get(p, 0)}
+    open_s, wait_s = facts["open_s"], facts["wait_s"]
+    worst = max(open_s, key=open_s.get, default=None)
+    # a commit prunes the states its predecessors left (a kill mid-prune) up to ledger.prune's
+    # window back, so only states older than that are left for good
+    window = inspect.signature(ledger.prune).parameters["window"].default
+    left = [s for s in checks["states_with_params"] if s not in checks["states_with_params_expected"]
+            and s < rounds - run.config.keep_states - window]
+    events = facts["events"]
+    by = Counter(e["event"] for e in events)
+    phases = {kind: dict(Counter(e.get("phase", "?") for e in events if e["event"] == kind))
+              for kind in ("scheduler_killed", "scheduler_failed", "aggregator_killed", "aggregator_failed",
+                           "worker_failed", "vanish", "leave_failed")}
+    verdict = {
+        "every_round_reached": facts["stalled"] is None and rounds == facts["rounds"],
+        "all_commits": not checks["missing_commits"],
+        "all_closes": not checks["missing_closes"],
+        "commits_count_their_closes": not checks["samples_mismatched"],
+        "commits_list_their_closes": not unlisted,  # every counted sample is in a COMMIT
+        "no_sample_counted_twice": not checks["samples_counted_twice"],
+        "streams_cover_counted": not uncovered,  # a returning peer continues after them
+        "no_shard_rejected": not checks["rejected_shards"],  # every peer here is honest
+        "replay_equals_every_state": replay.state == rounds and not replay.differing,
+        "no_stall": worst is None or open_s[worst] <= facts["stall_bound_s"],
+        "no_unexpected_failure": not facts["unexpected"],
+        "pruned_to_checkpoints": not left and set(checks["states_with_params_expected"]) <= set(
+            checks["states_with_params"]),
+    }
+    return {**{k: v for k, v in facts.items() if k != "events"},
+            "events_by_kind": dict(by), "phases": phases, "checks": checks, "commits_unlisting": unlisted,
+            "streams_uncovered": uncovered, "states_left_unpruned": left,
+            "replay": {"states": replay.state, "bitwise": not replay.differing, "differing": replay.differing,
+                       "max_abs_diff": replay.max_abs_diff},
+            "stall": {"max_open_s": open_s[worst] if worst is not None else 0.0, "round": worst,
+                      "max_until_commit_s": max(wait_s.values(), default=0.0),
+                      "bound_s": facts["stall_bound_s"]},
+            "events": events, "verdict": verdict, "ok": all(verdict.values())}
+
+
+def faults_table(res: dict):
+    from rich.table import Table
+
+    t = Table(title=f"soak with faults: {res['reached']} of {res['rounds']} rounds, {res['ticks']} ticks "
+                    f"({res['fake_s']:.0f} fake s, {res['wall_s']:.0f} s wall), seed {res['seed']}",
+              title_justify="left")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    by, st, rp = res["events_by_kind"], res["stall"], res["replay"]
+    rows = [
+        ("rounds: engine / flow", f"{res['modes'].get('engine', 0)} / {res['modes'].get('flow', 0)}"),
+        ("volunteers: ids; joins, returns, restarts (systemd)",
+         f"{res['peer_ids']}; {by.get('join', 0)}, {by.get('return', 0)}, {by.get('restart', 0)}"),
+        ("fake seconds with 0, 1, 2, ... volunteers live",
+         ", ".join(f"{res['live_s'].get(n, 0):.0f}" for n in range(1 + max(map(int, res["live_s"]), default=0)))),
+        ("departures: leave, vanish; failed workers", f"{by.get('leave', 0)}, {by.get('vanish', 0)}; "
+                                                     f"{by.get('worker_failed', 0)}"),
+        ("scheduler: killed (by step); failed", f"{by.get('scheduler_killed', 0)} "
+                                                f"({_counts(res['phases']['scheduler_killed'])}); "
+                                                f"{by.get('scheduler_failed', 0)}"),
+        ("aggregators: killed (by step); failed", f"{by.get('aggregator_killed', 0)} "
+                                                  f"({_counts(res['phases']['aggregator_killed'])}); "
+                                                  f"{by.get('aggregator_failed', 0)}"),
+        ("stretches: flaky, disk full", f"{res['stretches'].get('flaky', 0)}, {res['stretches'].get('full', 0)}"),
+        ("requests; faults injected", f"{res['requests']}; {_counts(res['faults_injected'])}"),
+        ("longest open with someone live (bound); until commit",
+         f"{st['max_open_s']:.0f} s, round {st['round']} ({st['bound_s']:.0f} s); {st['max_until_commit_s']:.0f} s"),
+        ("replay", f"{rp['states']} states, " + ("bit for bit" if rp["bitwise"] else
+                                                 f"{len(rp['differing'])} differ, max |diff| "
+                                                 f"{rp['max_abs_diff']:.3g}")),
+    ]
+    rows += [(f"check: {k.replace('_', ' ')}", "ok" if v else "FAILED") for k, v in res["verdict"].items()]
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def _counts(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "none"

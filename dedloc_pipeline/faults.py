@@ -1,9 +1,13 @@
-"""Storage faults on purpose: a share of requests fails before it reaches the bucket, or times
-out after it took effect (the reply is lost), both in the Bucket's fsspec filesystem and in its
-zarr stores, so every path a request can take meets them."""
+"""Storage faults on purpose, for the fault matrix (tests/test_faults.py) and the soak with
+faults (benchmarks/soak_faults.py): a share of requests fails before it reaches the bucket, or
+times out after it took effect (the reply is lost); a full disk fails every write with ENOSPC;
+and a process dies at a chosen request (SIGKILL: nothing it does afterwards reaches the bucket).
+Injected both in the Bucket's fsspec filesystem and in its zarr stores, so every path a request
+can take meets them."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import random
 import threading
@@ -11,27 +15,42 @@ from collections import Counter
 
 import zarr
 
-from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.storage.retry import RetryPolicy
+from .storage.bucket import Bucket
+from .storage.retry import RetryPolicy
+
+WRITES = {"pipe_file", "set"}  # the requests that need space on a disk (a rename or link does not)
+
+
+class Killed(BaseException):
+    """The process died at this request: a BaseException, so no retry and no ``except Exception``
+    in the code under test goes on from it, as nothing goes on from a SIGKILL."""
 
 
 class Faults:
+    """The faults every request of the processes sharing it meets: ``rate`` of them fail, half
+    before reaching the bucket and half after taking effect; while ``full``, every write fails
+    with ENOSPC before it lands. Both may change while the processes run (the soak's stretches)."""
+
     def __init__(self, rate: float, seed: int = 0):
-        self.rate, self._rng, self._lock = rate, random.Random(seed), threading.Lock()
+        self.rate, self.full, self._rng, self._lock = rate, False, random.Random(seed), threading.Lock()
         self.requests, self.injected = 0, Counter()
 
     def _roll(self, op: str) -> float:
         with self._lock:
             self.requests += 1
             roll = self._rng.random()
-        if roll < self.rate / 2:
-            self.injected["before"] += 1
-            raise ConnectionResetError(f"injected: {op} failed")
+            if self.full and op in WRITES:
+                self.injected["full"] += 1
+                raise OSError(errno.ENOSPC, f"injected: {op}: no space left on device")
+            if roll < self.rate / 2:
+                self.injected["before"] += 1
+                raise ConnectionResetError(f"injected: {op} failed")
         return roll
 
     def _lost(self, op: str, roll: float) -> None:
         if roll < self.rate:
-            self.injected["after"] += 1
+            with self._lock:
+                self.injected["after"] += 1
             raise TimeoutError(f"injected: {op} timed out after it took effect")
 
     def call(self, op: str, fn, *a, **kw):
@@ -47,49 +66,97 @@ class Faults:
         return out
 
 
+class Kill:
+    """One process's requests, counted (``requests``): once ``arm(k)``-ed, its k-th request from
+    then on and every one after raise Killed, in all its threads (a SIGKILL ends them all)."""
+
+    def __init__(self, name: str):
+        self.name, self.requests, self._at, self._lock = name, 0, None, threading.Lock()
+        self.dead = False
+
+    def arm(self, after: int) -> None:
+        with self._lock:
+            self._at = self.requests + max(1, after)
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._at = None
+
+    def now(self) -> None:
+        """Die at once: every further request raises Killed (a process that vanished)."""
+        with self._lock:
+            self.dead = True
+
+    def check(self, op: str) -> None:
+        with self._lock:
+            self.requests += 1
+            self.dead = self.dead or (self._at is not None and self.requests >= self._at)
+        if self.dead:
+            raise Killed(f"{self.name} killed at {op}")
+
+
+class _Meet:
+    """What one request meets: the process's kill switch, then the shared faults."""
+
+    def __init__(self, faults: Faults, kill: Kill | None):
+        self.faults, self.kill = faults, kill
+
+    def call(self, op: str, fn, *a, **kw):
+        if self.kill is not None:
+            self.kill.check(op)
+        return self.faults.call(op, fn, *a, **kw)
+
+    async def acall(self, op: str, fn, *a, **kw):
+        if self.kill is not None:
+            self.kill.check(op)
+        return await self.faults.acall(op, fn, *a, **kw)
+
+
 class FaultyFS:
-    """An fsspec filesystem whose requests meet ``faults``."""
+    """An fsspec filesystem whose requests meet ``meet``."""
 
     OPS = {"cat_file", "cat", "pipe_file", "exists", "ls", "find", "rm", "mv", "link", "makedirs"}
 
-    def __init__(self, fs, faults: Faults):
-        self._fs, self._faults = fs, faults
+    def __init__(self, fs, meet: _Meet):
+        self._fs, self._meet = fs, meet
 
     def __getattr__(self, name):
         attr = getattr(self._fs, name)
-        return functools.partial(self._faults.call, name, attr) if name in self.OPS else attr
+        return functools.partial(self._meet.call, name, attr) if name in self.OPS else attr
 
 
 class FaultyStore(zarr.storage.WrapperStore):
-    """A zarr store whose requests meet ``faults``."""
+    """A zarr store whose requests meet ``meet``."""
 
-    def __init__(self, store, faults: Faults):
+    def __init__(self, store, meet: _Meet):
         super().__init__(store)
-        self.faults = faults
+        self.meet = meet
 
     def _with_store(self, store):
-        return type(self)(store, self.faults)
+        return type(self)(store, self.meet)
 
     async def get(self, key, prototype, byte_range=None):
-        return await self.faults.acall("get", self._store.get, key, prototype, byte_range)
+        return await self.meet.acall("get", self._store.get, key, prototype, byte_range)
 
     async def get_partial_values(self, prototype, key_ranges):
-        return await self.faults.acall("get", self._store.get_partial_values, prototype, key_ranges)
+        return await self.meet.acall("get", self._store.get_partial_values, prototype, key_ranges)
 
     async def set(self, key, value):
-        return await self.faults.acall("set", self._store.set, key, value)
+        return await self.meet.acall("set", self._store.set, key, value)
 
     async def exists(self, key):
-        return await self.faults.acall("exists", self._store.exists, key)
+        return await self.meet.acall("exists", self._store.exists, key)
 
     async def delete(self, key):
-        return await self.faults.acall("delete", self._store.delete, key)
+        return await self.meet.acall("delete", self._store.delete, key)
 
 
-def inject(bucket: Bucket, faults: Faults) -> Bucket:
-    """Faults below the bucket's retries (which wait a millisecond, not the default 0.2 s)."""
-    bucket.fs = FaultyFS(bucket.fs, faults)
+def inject(bucket: Bucket, faults: Faults, kill: Kill | None = None,
+           retry: RetryPolicy = RetryPolicy(attempts=10, wait_s=0.001, max_wait_s=0.01)) -> Bucket:
+    """Faults below the bucket's retries (``retry``: by default a millisecond's wait, not 0.2 s)."""
+    meet = _Meet(faults, kill)
+    bucket.fs = FaultyFS(bucket.fs, meet)
     store = bucket._store
-    bucket._store = lambda key: FaultyStore(store(key), faults)
-    bucket.retry = RetryPolicy(attempts=10, wait_s=0.001, max_wait_s=0.01)
+    bucket._store = lambda key: FaultyStore(store(key), meet)
+    bucket.retry = retry
     return bucket

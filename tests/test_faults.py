@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from dedloc_pipeline.faults import Faults, inject
 from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
@@ -20,7 +21,6 @@ from dedloc_pipeline.testing import FakeClock, collaborate, on_clock, stream_nex
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
-from .faults import Faults, inject
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 

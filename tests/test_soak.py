@@ -1,7 +1,9 @@
 """A short soak (benchmarks/soak.py, docs/soak.md): 20 rounds with churn on the micro preset in a
 process of its own, so the RSS measured is the soak's and not pytest's. Two churn cycles: every kind of event twice,
 and both halves of the run in the same phase of the cycle. (40 rounds take ~80 s here; the
-300-round figures are in docs/soak.md.)"""
+300-round figures are in docs/soak.md.) And a short soak with faults (benchmarks/soak_faults.py):
+25 rounds on the fake clock with random churn, killed schedulers and aggregators, a full disk and
+a failing bucket, every check of the 300-round run asserted."""
 
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ ROUNDS = 20
 # worker or the scheduler holds; one of tiny's) passes it over the second half's 10 rounds; slower
 # leaks are for the 300-round run's slope to show.
 RSS_GROWTH_MB = 100
+# Seed 3's 25 rounds (~30 s here) meet every kind of fault: scheduler kills in several steps,
+# aggregator kills, a flaky stretch and a full disk, both kinds of departure, a volunteer alone.
+FAULT_ROUNDS, FAULT_SEED = 25, 3
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +67,35 @@ def test_a_peer_back_after_rounds_away_counts_no_sample_twice(soak):
     """Its manifests are pruned by then: it continues from the latest state's streams record."""
     assert soak["verdict"]["returned_streams_continue"], [e for e in soak["events"] if e["event"] == "return"]
     assert soak["verdict"]["no_sample_counted_twice"], soak["checks"]["samples_counted_twice"]
+
+
+@pytest.fixture(scope="module")
+def faults_soak(tmp_path_factory):
+    out = tmp_path_factory.mktemp("soak-faults") / "soak-faults.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.soak", "--faults", "--rounds", str(FAULT_ROUNDS),
+                           "--preset", "micro", "--seed", str(FAULT_SEED), "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode in (0, 1) and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_a_soak_with_faults_loses_nothing_and_equals_its_replay(faults_soak):
+    """Every check of the soak with faults, after the faults really happened."""
+    s, by = faults_soak, faults_soak["events_by_kind"]
+    assert by.get("scheduler_killed", 0) >= 2 and len(s["phases"]["scheduler_killed"]) >= 2, s["phases"]
+    assert by.get("aggregator_killed", 0) >= 1 and by.get("leave", 0) and by.get("vanish", 0), by
+    assert s["faults_injected"].get("before") and s["faults_injected"].get("after"), s["faults_injected"]
+    assert s["live_s"].get("1"), s["live_s"]  # at times one volunteer alone
+    v = s["verdict"]
+    assert v["every_round_reached"] and v["all_commits"] and v["all_closes"], (s["stalled"], s["checks"])
+    assert v["no_stall"], s["stall"]  # each round closed while someone live could fill it
+    assert v["commits_count_their_closes"] and v["commits_list_their_closes"], s["commits_unlisting"]
+    assert v["no_sample_counted_twice"], s["checks"]["samples_counted_twice"]
+    assert v["streams_cover_counted"], s["streams_uncovered"]
+    assert v["no_shard_rejected"], s["checks"]["rejected_shards"]
+    assert v["replay_equals_every_state"], s["replay"]  # bit for bit
+    assert v["no_unexpected_failure"], s["unexpected"]
+    assert v["pruned_to_checkpoints"], s["checks"]
+    assert s["ok"]

@@ -153,8 +153,8 @@ class Display:
         others = view.fresh_samples if view else 0
         mine = s.pending if s.round == s.state else 0
         full = view is not None and (view.closed or manifest >= s.target)
-        others_per_s = view.samples_per_s if view else 0.0
-        speed = mine_per_s + others_per_s
+        speed = mine_per_s + (view.samples_per_s if view else 0.0)  # toward this round: the ETA's
+        others_per_s = view.samples_per_s + view.ahead_samples_per_s if view else 0.0  # ahead ones too
         eta = None if view is None else published.eta(s.target, manifest, others + mine, speed, full)
         done = (s.state, len(s.uploads))
         if self._counted[0] != done and s.state is not None:

@@ -134,9 +134,10 @@ class Traffic:
     def closing(self, shards: int) -> Requests:
         """What closing adds to its poll: each new shard validated (every chunk read and
         checksummed; its objects' sizes came with the round's listing), the roster (signed runs)
-        and the validator's flags read again, CLOSE created and read back."""
+        and the validator's flags read again, CLOSE created and read back, and the next round's
+        heartbeats listed for the closed view (which stands while the round is reduced)."""
         signed = int(self.config.organizer_key is not None)
-        return Requests(list=1, get=shards * _reads(self.grad) + signed) + Requests(put=1, get=1)
+        return Requests(list=2, get=shards * _reads(self.grad) + signed) + Requests(put=1, get=1)
 
     def lease_renewal(self) -> Requests:
         """The scheduler's lease renewed (``Lease.hold``, every third of its time): the next

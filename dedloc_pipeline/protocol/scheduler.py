@@ -176,7 +176,7 @@ class Scheduler:
         self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s or self._speed, close is not None)
         try:
             self._stopped = bucket.exists(keys.stop())
-            ahead = self._ahead_of(r, at)
+            ahead = self._ahead_of(r, at, again=close is not None)
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ahead_peers=ahead.peers,
@@ -194,11 +194,12 @@ class Scheduler:
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
 
-    def _ahead_of(self, r: int, at: float) -> heartbeat.Pending:
+    def _ahead_of(self, r: int, at: float, again: bool = False) -> heartbeat.Pending:
         """Round r+1's live heartbeats (peers computing ahead), listed every third of
-        ``peer_timeout_s``: they are for displays, not worth a LIST each poll."""
+        ``peer_timeout_s`` (and ``again`` for the closed view, which stands while the round is
+        reduced): they are for displays, not worth a LIST each poll."""
         seen_r, seen_at, pending = self._ahead_seen
-        if seen_r != r or self.clock.monotonic() - seen_at >= self.run.config.peer_timeout_s / 3:
+        if again or seen_r != r or self.clock.monotonic() - seen_at >= self.run.config.peer_timeout_s / 3:
             cfg, keys = self.run.config, self.run.keys
             listed = self.run.bucket.listing(keys.progress_dir(r + 1))
             pending = self._ahead.pending(self.run.bucket, keys, r + 1, listed, at, cfg.peer_timeout_s,

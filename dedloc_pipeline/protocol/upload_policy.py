@@ -46,7 +46,8 @@ def mine(v: View, r: int, beats: Iterable[Heartbeat], sent: Iterable[Sent], time
         pending, speed, counted = max(c.samples for c in maybe), maybe[-1].samples_per_s, True
     ours = [x for x in sent if x.round == r]
     unseen = sum(x.samples for x in ours if x.at > v.at)
-    ahead = any(heartbeat.counted(b, r + 1, v.at, timeout, target, ahead_s) is not None for b in beats)
+    ahead = [c.samples_per_s for b in beats if (c := heartbeat.counted(b, r + 1, v.at, timeout, target, ahead_s))]
+    ahead = ahead[-1] if ahead else None
     return for_worker(v, pending, speed, counted, unseen, sum(x.samples for x in ours if x.at <= v.at), ahead)
 
 

@@ -153,6 +153,7 @@ class RoundView:
     fresh_samples: int = 0  # other peers' un-uploaded samples, from live heartbeats
     peers: int = 0  # other live peers
     ahead_peers: int = 0  # other live peers computing for the next round: live, though not in this one's count
+    ahead_samples_per_s: float = 0.0  # their speed together
     samples_per_s: float = 0.0  # their speed together
     closed: bool = False
     ended: str | None = None  # the scheduler ended: nobody will close this round until one starts again
@@ -163,15 +164,17 @@ class RoundView:
 
 
 def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, own_unseen: int,
-               own_seen: int = 0, own_ahead: bool = False) -> RoundView:
+               own_seen: int = 0, own_ahead: float | None = None) -> RoundView:
     """A worker's RoundView from the published one: its own heartbeat that the view counted
     (``own_pending``, ``own_speed``, ``own_counted``) taken out, its own shards the view could not
     have seen yet (``own_unseen`` samples) added; never below zero. ``own_seen``: the samples of
     its shards the view could count, which make it ``capped`` once they reach the view's cap;
-    ``own_ahead``: its own heartbeat is among the view's ``ahead_peers``."""
+    ``own_ahead``: the speed of its own heartbeat among the view's ``ahead_peers`` (None: not there)."""
     return RoundView(manifest_samples=v.validated_samples + own_unseen,
                      fresh_samples=max(0, v.pending_samples - own_pending),
-                     peers=max(0, v.peers - int(own_counted)), ahead_peers=max(0, v.ahead_peers - int(own_ahead)),
+                     peers=max(0, v.peers - int(own_counted)),
+                     ahead_peers=max(0, v.ahead_peers - int(own_ahead is not None)),
+                     ahead_samples_per_s=max(0.0, v.ahead_samples_per_s - (own_ahead or 0.0)),
                      samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, ended=v.ended, at=v.at,
                      eta_s=v.eta_s, horizon_s=v.horizon_s,
                      capped=v.cap is not None and own_seen > 0 and own_seen >= v.cap and not v.closed)

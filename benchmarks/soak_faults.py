@@ -164,9 +164,8 @@ class Soak:
         try:
             run, kill = self.process(peer)
             w = Worker(run, peer, micro_batch=self.rng.choice(MICRO_BATCHES), threads=1, poll_s=POLL_S)
-        except RunError as exc:  # refused as live: its id should have been free by now
+        except RunError as exc:  # refused as live, its id free by now: unexpected (``event``)
             self.event("refused", peer, exc, as_=kind)
-            self.unexpected.append(self.events[-1])
             return
         except Exception as exc:
             self.event("start_failed", peer, exc, as_=kind)

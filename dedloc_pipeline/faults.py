@@ -96,7 +96,8 @@ class Kill:
 
 
 class _Meet:
-    """What one request meets: the process's kill switch, then the shared faults."""
+    """What one request of a process meets: its kill switch, then the shared faults (a Faults
+    alone serves where no process dies)."""
 
     def __init__(self, faults: Faults, kill: Kill | None):
         self.faults, self.kill = faults, kill
@@ -113,11 +114,11 @@ class _Meet:
 
 
 class FaultyFS:
-    """An fsspec filesystem whose requests meet ``meet``."""
+    """An fsspec filesystem whose requests meet ``meet`` (a Faults, or a process's _Meet)."""
 
     OPS = {"cat_file", "cat", "pipe_file", "exists", "ls", "find", "rm", "mv", "link", "makedirs"}
 
-    def __init__(self, fs, meet: _Meet):
+    def __init__(self, fs, meet: Faults | _Meet):
         self._fs, self._meet = fs, meet
 
     def __getattr__(self, name):
@@ -126,9 +127,9 @@ class FaultyFS:
 
 
 class FaultyStore(zarr.storage.WrapperStore):
-    """A zarr store whose requests meet ``meet``."""
+    """A zarr store whose requests meet ``meet`` (a Faults, or a process's _Meet)."""
 
-    def __init__(self, store, meet: _Meet):
+    def __init__(self, store, meet: Faults | _Meet):
         super().__init__(store)
         self.meet = meet
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from dedloc_pipeline.faults import Faults, inject
+from dedloc_pipeline.faults import Faults, FaultyStore, inject
 from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
+from dedloc_pipeline.storage.retry import RetryPolicy
 from dedloc_pipeline.testing import FakeClock, collaborate, on_clock, stream_next
 from dedloc_pipeline.trust import identity
 
@@ -52,6 +53,24 @@ def test_a_collaboration_through_a_failing_bucket_commits_the_same_states(backen
     for s in range(1, rounds + 1):
         assert run.commit_of(s)["checksums"] == healthy.commit_of(s)["checksums"]
         assert run.commit_of(s)["rejected"] == []
+
+
+def test_a_bucket_down_while_a_shard_is_judged_fails_the_poll_not_the_shard(make_run):
+    """Chunk reads failing past their retries are the bucket's fault: the poll raises StorageError
+    and the honest shard is judged again at the next one. (The soak with faults found them read
+    as undecodable chunks: the shard rejected, its samples spent, a flaky read in `dedloc repair`
+    taken for a damaged state.)"""
+    run = make_run(codec="int8")
+    key = _upload(run, 0, "a")  # the round's 24 samples
+    faults, store = Faults(1.0), run.bucket._store
+    run.bucket._store = lambda k: FaultyStore(store(k), faults)  # chunk I/O only: listings answer
+    run.bucket.retry = RetryPolicy(attempts=2, wait_s=0, max_wait_s=0)
+    sched = Scheduler(run, 1, 0)
+    with pytest.raises(StorageError, match="unreachable"):
+        sched.try_close(0)
+    faults.rate = 0.0
+    close = sched.try_close(0)
+    assert close is not None and [s.key for s in close.accepted] == [key] and close.rejected == []
 
 
 def test_a_bucket_that_stays_down_ends_in_a_clear_error_not_a_loop(tmp_path):

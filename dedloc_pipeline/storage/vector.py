@@ -25,7 +25,7 @@ from zarr.codecs import BloscCodec
 from zarr.errors import ContainsArrayError
 from zarr.storage import StorePath
 
-from .bucket import Bucket
+from .bucket import Bucket, StorageError
 from .codec import codec_of, decode
 
 # Every array is bit-shuffled before lz4 (zigzag-folded codes lose their empty high bit planes,
@@ -241,6 +241,8 @@ async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range,
         lo, hi = fmt.bounds(name, chunks)
         try:
             arrays[name] = await z.getitem(slice(lo, hi))
+        except StorageError:  # a RuntimeError too, but the bucket's fault, not the bytes'
+            raise
         except (RuntimeError, ValueError, TypeError) as exc:  # bytes that do not decompress
             raise CorruptShard(f"{key}/{name}: undecodable chunk ({exc})") from exc
     return arrays

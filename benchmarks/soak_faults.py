@@ -10,7 +10,8 @@ tick the live workers take a step, the scheduler one, then the clock moves ``STE
 aggregated as ``dedloc aggregate`` does it (``Scheduler.step``: parts on the scheduler's threads,
 an "engine" round) or as the Prefect round flow does (a "flow" round: try_close, prepare, each
 part on an aggregator process of its own, tried again as Prefect retries a task, commit). Drawn
-from one seeded generator (threads make the exact requests a fault meets vary between runs):
+from generators seeded by the seed and the tick (churn), the round (its kill) or nothing else (the
+bucket's stretches), so that which request a fault meets, which threads decide, moves little else:
 
 - volunteers arrive (a new id, or one that departed) and depart: Ctrl-C (``leave``) or vanishing
   (killed at a request of its next step, mid-upload perhaps); a worker that fails (the bucket
@@ -25,6 +26,7 @@ from one seeded generator (threads make the exact requests a fault meets vary be
 from __future__ import annotations
 
 import logging
+import math
 import random
 import traceback
 from collections import Counter
@@ -108,22 +110,22 @@ class Weather:
 
 @dataclass
 class Plan:
-    """A round's kill: in ``phase`` (flow rounds; "any" in engine rounds) at its ``k``-th request."""
+    """A round's kill: in ``phase`` (flow rounds; "any" in engine rounds), at the request ``at`` of
+    the way through what that phase took last time."""
 
     phase: str
-    k: int
+    at: float
     part: int = 0
     fired: bool = False
 
 
 class Soak:
     def __init__(self, cfg, url: str, seed: int, log=print):
-        self.cfg, self.url, self.log = cfg, url, log
-        self.rng = random.Random(seed)
+        self.cfg, self.url, self.log, self.seed = cfg, url, log, seed
         self.auditor = on_clock(init_run(Bucket(url), cfg))  # reads the bucket as it is: no faults
         self.clock, self.keys = self.auditor.clock, self.auditor.keys
         self.faults = Faults(0.0, seed=seed)
-        self.weather = Weather(self.faults, self.rng)
+        self.weather = Weather(self.faults, random.Random(f"{seed}/weather"))
         self.replay = soak_verdict.Replay(self.auditor)
         self.live: dict[str, tuple[Worker, Kill, bool]] = {}  # peer -> worker, kill switch, vanishing
         self.gone: dict[str, float] = {}  # departed peer -> when its id may start again
@@ -238,14 +240,19 @@ class Soak:
 
     # the scheduler and the aggregators
     def plan(self, r: int) -> Plan | None:
+        """Round r's aggregation (engine or flow) and kill, drawn once, from the seed and r alone."""
         if r not in self.plans:
-            self.modes[r] = "flow" if self.rng.random() < FLOW_SHARE else "engine"
+            rng = random.Random(f"{self.seed}/round/{r}")
+            self.modes[r] = "flow" if rng.random() < FLOW_SHARE else "engine"
             flow = self.modes[r] == "flow"
-            phase = self.rng.choice(FLOW_PHASES) if flow else "any"
-            kill = self.rng.random() < (KILL_FLOW if flow else KILL_ENGINE)
-            self.plans[r] = Plan(phase, self.rng.randint(1, self.requests[phase]),
-                                 self.rng.randrange(self.auditor.n_parts)) if kill else None
+            phase = rng.choice(FLOW_PHASES) if flow else "any"
+            kill = rng.random() < (KILL_FLOW if flow else KILL_ENGINE)
+            self.plans[r] = Plan(phase, rng.random(), rng.randrange(self.auditor.n_parts)) if kill else None
         return self.plans[r]
+
+    def arm(self, kill: Kill, plan: Plan) -> None:
+        plan.fired = True
+        kill.arm(math.ceil(plan.at * self.requests[plan.phase]))
 
     def step_scheduler(self) -> None:
         if self.sched is None:
@@ -277,8 +284,7 @@ class Soak:
         """One ``Scheduler.step`` (as ``dedloc aggregate``), killed at a request of the round's if
         its plan says so: armed at its first step, disarmed once the round is committed."""
         if plan is not None and not plan.fired:
-            plan.fired = True
-            kill.arm(plan.k)
+            self.arm(kill, plan)
         before = kill.requests
         if sched.step(pool):
             kill.disarm()
@@ -288,8 +294,7 @@ class Soak:
     def phase(self, kill: Kill, plan: Plan | None, name: str, fn, part: int | None = None):
         """``fn()`` as step ``name`` of a flow round, killed there if the round's plan says so."""
         if plan is not None and plan.phase == name and not plan.fired and part in (None, plan.part):
-            plan.fired = True
-            kill.arm(plan.k)
+            self.arm(kill, plan)
         before = kill.requests
         try:
             out = fn()
@@ -303,8 +308,7 @@ class Soak:
         """The Prefect round flow's steps: try_close (a kill planned there is armed from the
         round's first poll on, until it closes), prepare, the parts on the aggregators, commit."""
         if plan is not None and plan.phase == "try_close" and not plan.fired:
-            plan.fired = True
-            kill.arm(plan.k)
+            self.arm(kill, plan)
         before = kill.requests
         close = sched.try_close(r)
         if close is None:
@@ -349,6 +353,7 @@ class Soak:
                 self.open_s[latest] += STEP_S
 
     def tick(self) -> None:
+        self.rng = random.Random(f"{self.seed}/tick/{self.ticks}")  # this tick's churn and restarts
         self.weather.update()
         self.churn()
         self.step_workers()

@@ -205,3 +205,16 @@ def test_a_second_worker_with_a_live_peer_id_is_refused(fake_run):
             Worker(run, "b", micro_batch=4, threads=1, poll_s=POLL_S)
         run.clock.advance(TIMEOUT)
         Worker(run, "b", micro_batch=4, threads=1, poll_s=POLL_S)  # killed: gone after peer_timeout_s
+
+
+def test_a_worker_that_leaves_while_computing_ahead_frees_its_id_at_once(fake_run):
+    """Its heartbeats were for the next round (the open one full, waiting for its reduction):
+    its last one says it left there too. (The soak with faults found the id refused on its
+    return: the left heartbeat went to the open round only, the next round's stayed live.)"""
+    run = fake_run()
+    with LockStep(run, poll_s=POLL_S, step_s=STEP_S, scheduler=False) as c:
+        c.join("a", 4)
+        c.join("b", 4)
+        c.until(lambda: run.bucket.exists(run.keys.progress(run.latest() + 1, "a")), what="a heartbeating ahead")
+        leave(c, "a")
+        Worker(run, "a", micro_batch=4, threads=1, poll_s=POLL_S)

@@ -24,9 +24,11 @@ ROUNDS = 20
 # worker or the scheduler holds; one of tiny's) passes it over the second half's 10 rounds; slower
 # leaks are for the 300-round run's slope to show.
 RSS_GROWTH_MB = 100
-# Seed 3's 25 rounds (~30 s here) meet every kind of fault: scheduler kills in several steps,
-# aggregator kills, a flaky stretch and a full disk, both kinds of departure, a volunteer alone.
-FAULT_ROUNDS, FAULT_SEED = 25, 3
+# Seed 7's 25 rounds (~15 s here) meet every kind of fault: the scheduler killed in 5 steps, 3
+# aggregators killed, a flaky stretch and a full disk, both kinds of departure, a worker the bucket
+# failed started again, a volunteer alone for 43 s. (Each concern draws from its own seeded stream,
+# so the threads' timing moved none of it in four runs.)
+FAULT_ROUNDS, FAULT_SEED = 25, 7
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +86,9 @@ def faults_soak(tmp_path_factory):
 def test_a_soak_with_faults_loses_nothing_and_equals_its_replay(faults_soak):
     """Every check of the soak with faults, after the faults really happened."""
     s, by = faults_soak, faults_soak["events_by_kind"]
-    assert by.get("scheduler_killed", 0) >= 2 and len(s["phases"]["scheduler_killed"]) >= 2, s["phases"]
-    assert by.get("aggregator_killed", 0) >= 1 and by.get("leave", 0) and by.get("vanish", 0), by
-    assert s["faults_injected"].get("before") and s["faults_injected"].get("after"), s["faults_injected"]
+    assert len(s["phases"]["scheduler_killed"]) >= 3 and by.get("aggregator_killed", 0) >= 1, s["phases"]
+    assert by.get("leave", 0) and by.get("vanish", 0) and by.get("restart", 0), by
+    assert all(s["faults_injected"].get(k) for k in ("before", "after", "full")), s["faults_injected"]
     assert s["live_s"].get("1"), s["live_s"]  # at times one volunteer alone
     v = s["verdict"]
     assert v["every_round_reached"] and v["all_commits"] and v["all_closes"], (s["stalled"], s["checks"])

@@ -345,7 +345,10 @@ class Worker:
             self.transfers.close()
             if self.state is not None:
                 self.local.drop(self.params)
-                self._report(force=True, left=True)
+                # the open round's, and the next one's if it heartbeated there (computing ahead):
+                # a live heartbeat of either keeps the id taken (joining.check_not_live)
+                for r in sorted({self.state} | {b.round for b in self._beats if b.round > self.state}):
+                    self._report(force=True, round_=r, left=True)
 
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Work until state ``until_round`` is committed, the run is stopped, or ``stop()`` says

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from dedloc_pipeline.faults import Faults, Kill, Killed, inject
+from dedloc_pipeline.faults import Faults, Kill, Killed, Stretches, inject
 from dedloc_pipeline.protocol import aggregator, ledger
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
@@ -85,29 +85,6 @@ def phase_of(exc: BaseException) -> str:
     return next((FRAMES[n] for n in reversed(names) if n in FRAMES), "other")
 
 
-class Weather:
-    """The bucket's stretches, counted in its requests: healthy, then failing at a rate (half
-    before, half after taking effect) or the disk full, then healthy again."""
-
-    def __init__(self, faults: Faults, rng: random.Random):
-        self.faults, self.rng, self.kind = faults, rng, "healthy"
-        self.until, self.stretches = rng.randint(1000, 4000), Counter()
-
-    def update(self) -> None:
-        f = self.faults
-        if f.requests < self.until:
-            return
-        if self.kind != "healthy":
-            self.kind, f.rate, f.full, n = "healthy", 0.0, False, self.rng.randint(2000, 8000)
-        elif self.rng.random() < 0.4:
-            self.kind, f.full, n = "full", True, self.rng.randint(5, 60)
-        else:
-            self.kind, f.rate, n = "flaky", self.rng.choice((0.05, 0.1, 0.2, 0.3)), self.rng.randint(200, 2000)
-        if self.kind != "healthy":
-            self.stretches[self.kind] += 1
-        self.until = f.requests + n
-
-
 @dataclass
 class Plan:
     """A round's kill: in ``phase`` (flow rounds; "any" in engine rounds), at the request ``at`` of
@@ -125,7 +102,7 @@ class Soak:
         self.auditor = on_clock(init_run(Bucket(url), cfg))  # reads the bucket as it is: no faults
         self.clock, self.keys = self.auditor.clock, self.auditor.keys
         self.faults = Faults(0.0, seed=seed)
-        self.weather = Weather(self.faults, random.Random(f"{seed}/weather"))
+        self.stretches = Stretches(self.faults, random.Random(f"{seed}/weather"))
         self.replay = soak_verdict.Replay(self.auditor)
         self.live: dict[str, tuple[Worker, Kill, bool]] = {}  # peer -> worker, kill switch, vanishing
         self.gone: dict[str, float] = {}  # departed peer -> when its id may start again
@@ -354,7 +331,7 @@ class Soak:
 
     def tick(self) -> None:
         self.rng = random.Random(f"{self.seed}/tick/{self.ticks}")  # this tick's churn and restarts
-        self.weather.update()
+        self.stretches.update()
         self.churn()
         self.step_workers()
         self.step_scheduler()
@@ -409,6 +386,6 @@ def soak(cfg, rounds: int, url: str, seed: int = 0, log=print) -> dict:
              "fake_s": s.ticks * STEP_S, "wall_s": round(time.monotonic() - t0, 1),
              "events": s.events, "unexpected": s.unexpected, "modes": Counter(s.modes.values()),
              "faults_injected": dict(s.faults.injected), "requests": s.faults.requests,
-             "stretches": dict(s.weather.stretches), "open_s": dict(s.open_s), "wait_s": dict(s.wait_s),
+             "stretches": dict(s.stretches.counts), "open_s": dict(s.open_s), "wait_s": dict(s.wait_s),
              "peer_ids": s.next_id, "live_s": dict(s.live_s), "stall_bound_s": stall_bound(cfg)}
     return soak_verdict.faults_verdict(s.auditor, s.replay, facts)

@@ -1,9 +1,9 @@
 """Storage faults on purpose, for the fault matrix (tests/test_faults.py) and the soak with
 faults (benchmarks/soak_faults.py): a share of requests fails before it reaches the bucket, or
 times out after it took effect (the reply is lost); a full disk fails every write with ENOSPC;
-and a process dies at a chosen request (SIGKILL: nothing it does afterwards reaches the bucket).
-Injected both in the Bucket's fsspec filesystem and in its zarr stores, so every path a request
-can take meets them."""
+both for stretches of requests (``Stretches``); and a process dies at a chosen request (SIGKILL:
+nothing it does afterwards reaches the bucket). Injected both in the Bucket's fsspec filesystem
+and in its zarr stores, so every path a request can take meets them."""
 
 from __future__ import annotations
 
@@ -64,6 +64,31 @@ class Faults:
         out = await fn(*a, **kw)
         self._lost(op, roll)
         return out
+
+
+class Stretches:
+    """``faults`` changing over the bucket's requests: healthy, then failing at a rate (half
+    before, half after taking effect) or the disk full, then healthy again, each stretch's kind,
+    rate and length drawn from ``rng`` (the soak with faults)."""
+
+    def __init__(self, faults: Faults, rng: random.Random):
+        self.faults, self.rng, self.kind = faults, rng, "healthy"
+        self.until, self.counts = rng.randint(1000, 4000), Counter()  # stretches by kind
+
+    def update(self) -> None:
+        """The next stretch, once the current one's requests are done (called between steps)."""
+        f = self.faults
+        if f.requests < self.until:
+            return
+        if self.kind != "healthy":
+            self.kind, f.rate, f.full, n = "healthy", 0.0, False, self.rng.randint(2000, 8000)
+        elif self.rng.random() < 0.4:
+            self.kind, f.full, n = "full", True, self.rng.randint(5, 60)
+        else:
+            self.kind, f.rate, n = "flaky", self.rng.choice((0.05, 0.1, 0.2, 0.3)), self.rng.randint(200, 2000)
+        if self.kind != "healthy":
+            self.counts[self.kind] += 1
+        self.until = f.requests + n
 
 
 class Kill:

@@ -87,6 +87,11 @@ def newest(bucket: Bucket, keys: RunLayout) -> tuple[int, Record | None]:
         return g, None
 
 
+def held(record: Record | None, now: float) -> bool:
+    """A lease someone holds at ``now``: not released, and renewed within its time."""
+    return record is not None and not record.released and now - record.renewed_at <= record.ttl_s
+
+
 def describe(record: Record, now: float) -> str:
     """Who holds a lease and for how long, in one clause."""
     left = record.ttl_s - (now - record.renewed_at)
@@ -106,8 +111,7 @@ class Lease:
         self._renewed = float("-inf")  # clock.monotonic() of the last renewal
 
     def free(self, record: Record | None, now: float) -> bool:
-        return (record is None or record.released or record.holder == self.holder
-                or now - record.renewed_at > record.ttl_s or _gone(record))
+        return not held(record, now) or record.holder == self.holder or _gone(record)
 
     def hold(self) -> None:
         """Take the lease, or renew it if a third of its time has passed (nothing otherwise:
@@ -176,6 +180,4 @@ class Lease:
 def holder_of(bucket: Bucket, keys: RunLayout, now: float) -> str | None:
     """Who schedules the run now, for ``dedloc status`` (None: no live lease)."""
     _, record = newest(bucket, keys)
-    if record is None or record.released or now - record.renewed_at > record.ttl_s:
-        return None
-    return describe(record, now)
+    return describe(record, now) if held(record, now) else None

@@ -206,10 +206,10 @@ def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
     _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True))
     _close(steps["view"], Requests(get=1))
     _close(steps["upload p0"], lay.shard_upload())
-    # codes and scales, or sparse indices, codes and scales (each its metadata and one object of
-    # its 4 chunks), then the manifest
+    # codes and scales, or sparse indices, codes and scales (each one object of its 4 chunks, its
+    # metadata the run's), then the manifest
     arrays = 3 if run.config.codec == "sparse" else 2
-    assert lay.shard_upload() == Requests(put=2 * arrays + 1)
+    assert lay.shard_upload() == Requests(put=arrays + 1)
 
 
 def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_on_s3):

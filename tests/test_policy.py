@@ -153,12 +153,12 @@ def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
 
 
 def _shard_objects() -> set[str]:
-    """What a shard of every codec stores below its key: the zarr metadata and the chunk objects
-    of each array (a peer's shard is written whole, Run.grad_format)."""
+    """What a shard of every codec stores below its key: the chunk object of each array (a
+    peer's shard is written whole, its metadata the run's: Run.grad_format)."""
     out = set()
     for name in typing.get_args(Codec):
         fmt = vector.VectorFormat(name, n=5000, chunk_size=1024, block=64, whole=True)
-        out |= vector.chunk_objects(fmt) | {f"{array}/zarr.json" for array in fmt.arrays()}
+        out |= vector.chunk_objects(fmt)
     return out
 
 
@@ -255,9 +255,7 @@ ATTACKS = [
     (f"{KEYS.manifests_dir(5)}/{ME}/1/../../{OTHER}/a-abcdef.json", {"/manifests/*/*/*"}),
     # extra path segments: in an array's name, in a part
     (f"{KEYS.shard(5, ME, PART)}/values/x/c/0", {"/shards/*/*/*/*/*/*"}),
-    (f"{KEYS.shard(5, ME, PART)}/values/x/zarr.json", {"/shards/*/*/*/*/zarr.json"}),
     (f"{KEYS.shards_dir(5)}/{ME}/00017000/0000-abcdef/values/c/0", {"/shards/*/*/*/*/*/*"}),
-    (f"{KEYS.shards_dir(5)}/{ME}/00017000/0000-abcdef/values/zarr.json", {"/shards/*/*/*/*/zarr.json"}),
     # parts off the part pattern
     (KEYS.manifest(KEYS.shard(5, ME, "x")), {"part width"}),
     (f"{KEYS.shard(5, ME, 'x')}/values/c/0", {"part width"}),

@@ -53,9 +53,9 @@ def _chunks(fmt: VectorFormat) -> list[int]:
 
 
 def _objects(fmt: VectorFormat) -> int:
-    """Objects a whole vector is stored as: each array's chunks (one object for a vector
-    written whole) and its ``zarr.json``."""
-    return sum((1 if fmt.whole else c) + 1 for c in _chunks(fmt))
+    """Objects a whole vector is stored as: each array's chunks and its ``zarr.json``, or for a
+    vector written whole (a shard, its metadata the run's) one object."""
+    return sum(1 if fmt.whole else c + 1 for c in _chunks(fmt))
 
 
 def _reads(fmt: VectorFormat, chunks: int | None = None) -> int:
@@ -101,8 +101,7 @@ class Traffic:
 
     # requests, as botocore sends them to S3 (R2 speaks the same API through the same client)
     def shard_upload(self) -> Requests:
-        """``shard.upload``: each array's metadata and its one object of chunks, then the
-        manifest; nothing read."""
+        """``shard.upload``: each array's one object of chunks, then the manifest; nothing read."""
         return Requests(put=_objects(self.grad) + 1)
 
     def state_download(self) -> Requests:

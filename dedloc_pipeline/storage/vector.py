@@ -4,7 +4,9 @@ objects, and back, checked.
 Every vector is stored as zarr arrays chunked like the flat parameter vector, compressed with
 Blosc-lz4, so aggregators can read any chunk range on its own. A vector one writer makes at once
 (a peer's gradient shard) keeps its chunks in one object per array (zarr's sharding codec): a
-request per array, not per chunk, to write it and to read it whole. Vectors that aggregators
+request per array, not per chunk, to write it and to read it whole; its arrays' metadata is the
+run's (``_metadata``: every shard of a run has the same shape, dtype and layout), so a shard is
+its chunk objects alone, read with that metadata. Vectors that aggregators
 write in chunk ranges (parameters, state, deltas) keep an object per chunk. Each chunk's decoded
 bytes are hashed into the manifest, so a corrupted or forged chunk is caught on read.
 """
@@ -144,10 +146,11 @@ def chunk_objects(fmt: VectorFormat) -> set[str]:
 
 
 def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray]) -> None:
-    """A whole vector as one metadata and one data object per array, nothing read first: a
-    shard's key is new (its part name is unique), so there is nothing to keep. zarr encodes
-    each array in memory (it reads a shard before writing one), and its objects are put as they
-    are; chunks of zeros are stored too, so an honest shard has every object (chunk_objects)."""
+    """A whole vector as one data object per array, nothing read first: a shard's key is new
+    (its part name is unique), so there is nothing to keep. zarr encodes each array in memory
+    (it reads a shard before writing one), and its chunk objects are put as they are, not its
+    metadata (the run's: readers imply it); chunks of zeros are stored too, so an honest shard
+    has every object (chunk_objects)."""
     objects = {}
     for name, (dtype, length, clen) in fmt.arrays().items():
         objects[name] = {}
@@ -159,7 +162,8 @@ def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, 
         for name, encoded in objects.items():
             store = bucket.zarr_store(f"{key}/{name}")
             for file, buf in encoded.items():
-                await store.set(file, buf)
+                if file != "zarr.json":
+                    await store.set(file, buf)
 
     zarr.core.sync.sync(put())
 

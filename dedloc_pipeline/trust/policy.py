@@ -93,12 +93,13 @@ def _join(prefix: str, key: str) -> str:
 
 
 def shard_objects() -> tuple[str, ...]:
-    """What a shard stores below its key, the array's name as ``*``: each array's zarr metadata
-    and its one chunk object (a shard is written whole: ``vector.write_vector``, ``chunk_objects``).
+    """What a shard stores below its key, the array's name as ``*``: each array's one chunk
+    object (a shard is written whole, its metadata the run's: ``vector.write_vector``,
+    ``chunk_objects``).
     The names depend on the run's codec, which is in run.json; the policy does not read it, and
     naming every codec's arrays would take the document past IAM's 2,048 characters."""
     fmt = vector.VectorFormat("none", n=1, chunk_size=1, block=1, whole=True)
-    objects = vector.chunk_objects(fmt) | {f"{array}/zarr.json" for array in fmt.arrays()}
+    objects = vector.chunk_objects(fmt)
     return tuple(sorted("*/" + obj.split("/", 1)[1] for obj in objects))
 
 
@@ -141,7 +142,7 @@ def volunteer_keys(prefix: str, run: str, peer: str, data: str | None = None) ->
         return f"{rounds}/*/{folder[len(r0) + 1:]}/{'*/' * slashes}{ending}"
 
     own = keys.shard(0, peer, PART)  # rounds/R/shards/PEER/PART
-    objects = shard_objects()  # */zarr.json, */c/0
+    objects = shard_objects()  # */c/0
     deepest = max(obj.count("/") for obj in objects)
     shards, manifests = keys.shards_dir(0), keys.manifests_dir(0)
     writes = (

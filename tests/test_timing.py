@@ -60,13 +60,16 @@ def test_a_silent_peer_counts_until_peer_timeout_then_the_others_make_it_up(fake
         firsts = c.until(lambda: len(parts(run, 1)) >= 2 and parts(run, 1), what="the first parts")
         assert [m.peer for m in firsts] == ["a", "b"] or [m.peer for m in firsts] == ["b", "a"]
         validated = sum(m.samples for m in firsts)
+        # a view read and a step after the timeout, and a step more: a heartbeat claims a little
+        # less than its peer's speed (worker.SPEED_CLAIMED), so each sees the other's count late
+        bound = timeout + POLL_S + 2 * STEP_S
         while len(parts(run, 1)) == 2:
-            assert run.clock.time() - beat["time"] < timeout + POLL_S + STEP_S, "nobody made the victim's samples up"
+            assert run.clock.time() - beat["time"] < bound, "nobody made the victim's samples up"
             c.tick()
         seconds = parts(run, 1)[2:]
         assert sorted(m.peer for m in seconds) == ["a", "b"]
         for m in seconds:
-            assert timeout <= m.created_at - beat["time"] <= timeout + POLL_S + STEP_S, (m.created_at - beat["time"])
+            assert timeout <= m.created_at - beat["time"] <= bound, (m.created_at - beat["time"])
             assert m.samples < run.config.target_batch_size - validated  # not its own fill
         c.until(lambda: run.latest() >= 2, what="state 2")
     close = run.bucket.read_json(run.keys.close(1))
@@ -194,7 +197,8 @@ def test_a_view_unchanged_for_peer_timeout_is_no_view(fake_run):
 @pytest.mark.slow
 def test_a_round_short_of_its_target_closes_at_the_close_timeout(fake_run, min_fraction):
     """The victim goes silent holding samples of round 1 after the others sent their first parts
-    (32 samples, two thirds of the target) counting on it; peer_timeout_s is long, so they wait. At
+    (24 samples, half the target) counting on it and on its projected growth; peer_timeout_s is
+    long, so they wait. At
     close.timeout_s after the round opened, the scheduler closes it with what is in if that is
     at least min_fraction of the target (0.5); otherwise (0.75) it stays open until the others'
     own samples fill it."""
@@ -210,7 +214,7 @@ def test_a_round_short_of_its_target_closes_at_the_close_timeout(fake_run, min_f
         opened = run.commit_of(1)["committed_at"]
         assert run.clock.time() - opened < close_s
         validated = sum(m.samples for m in firsts)
-        assert validated == 32, [(m.peer, m.samples) for m in firsts]
+        assert validated == 24, [(m.peer, m.samples) for m in firsts]
         c.until(lambda: run.latest() >= 2, what="state 2")
     close = run.bucket.read_json(run.keys.close(1))
     if min_fraction * 48 <= validated:

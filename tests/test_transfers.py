@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dedloc_pipeline.protocol import shard, upload_policy
+from dedloc_pipeline.protocol import heartbeat, shard, upload_policy
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 
@@ -31,9 +31,10 @@ def _gated_upload(monkeypatch) -> tuple[threading.Event, threading.Event]:
 def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     """Alone in a round of 24 (micro-batch 4, no delayed updates) a worker uploads after 6
     micro-batches. While that upload is held it computes on (delayed updates: toward the next
-    round), its heartbeat for round 0 says the shard's samples are on their way ('sending'),
-    and no manifest exists; released, the shard lands whole, is counted once, and round 0's
-    heartbeat withdraws its pending samples."""
+    round), its heartbeat for round 0 still counts the shard's samples as pending, and no
+    manifest exists; released, the shard lands whole and is counted once: the manifest, not a
+    heartbeat, takes the samples out of round 0's pending count (``heartbeat.counted``, its
+    ``landed`` as listed)."""
     run = make_run(delayed_updates=True)
     started, release = _gated_upload(monkeypatch)
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
@@ -46,15 +47,16 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     assert w.computed_samples == computed + 12 and w.acc.round == 1
     own = upload_policy.alone(0, w.transfers.sent, 0.0)
     assert own.manifest_samples == 24  # its own count has the shard on the way ...
-    beat = run.bucket.read_json(run.keys.progress(0, "a"))  # ... and so do the others'
-    assert beat["sending"] == beat["samples"] == 24
+    beat = heartbeat.parse(run.bucket.read_bytes(run.keys.progress(0, "a")))  # ... and so do the others'
+    cfg, now = run.config, run.clock.time()
+    count = lambda landed: heartbeat.counted(beat, 0, now, cfg.peer_timeout_s, 24, 0.0, landed).samples  # noqa: E731
+    assert beat.samples == count(0) == 24 and beat.landed == 0
     release.set()
     w.flush()
     (manifest,) = run.bucket.find(run.keys.manifests_dir(0))
     entry = shard.validate(run, 0, run.keys.shard_of(manifest), run.bucket.read_bytes(manifest))
     assert entry.samples == 24 and w.uploads[0][2] == 24 and w.uploaded_samples == 24
-    beat = run.bucket.read_json(run.keys.progress(0, "a"))  # landed: round 0's heartbeat withdrawn
-    assert beat["samples"] == beat["sending"] == 0
+    assert count(24) == 0  # landed: the manifest's 24 samples leave the heartbeat's count
 
 
 def test_a_new_state_downloads_while_the_worker_computes(make_run, monkeypatch):

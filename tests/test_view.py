@@ -131,15 +131,16 @@ def test_a_heartbeat_is_projected_until_its_next_one_is_due():
 
 
 def test_a_heartbeat_is_written_and_parsed_as_one_record(make_run):
-    """The worker's heartbeat in the bucket has its fields (``left`` is new: true in the last one
-    of a worker that left), and parses back to itself; a claim out of bounds is clamped, a total
-    that is no number reads as 0."""
+    """The worker's heartbeat in the bucket has its fields (``left``: true in the last one of a
+    worker that left; ``landed``: its shards' samples in landed manifests), and parses back to
+    itself; a claim out of bounds is clamped, a total that is no number reads as 0."""
     run = make_run()
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
     w.step()
     raw = run.bucket.read_bytes(run.keys.progress(0, "a"))
     assert set(json.loads(raw)) == {"peer", "round", "samples", "sending", "samples_per_s", "next_s", "time",
-                                    "uploaded_samples", "compute_s", "wall_s", "bytes_up", "bytes_down", "left"}
+                                    "uploaded_samples", "compute_s", "wall_s", "bytes_up", "bytes_down", "left",
+                                    "landed"}
     assert heartbeat.parse(raw) == w._beats[-1]
     odd = heartbeat.parse(b'{"round": 2, "time": 5, "samples_per_s": 1e12, "compute_s": "x", "bytes_up": 1e999}')
     assert (odd.round, odd.samples, odd.samples_per_s, odd.next_s) == (2, 0, heartbeat.MAX_PEER_SPEED, None)
@@ -307,13 +308,14 @@ def test_a_workers_poll_costs_the_same_whatever_the_number_of_peers(tmp_path):
 
 def test_a_scheduler_poll_where_nothing_changed_costs_a_listing_and_a_head(make_run):
     """Idle costs little: with peers' heartbeats and shards in and nothing new, a poll is the
-    round's LIST and STOP's HEAD; the view is not written again until something changes or a
-    third of peer_timeout_s has passed (the keep-alive that keeps it fresh for volunteers)."""
+    round's LIST and STOP's HEAD; the view is not written again until something changes or
+    half of peer_timeout_s has passed (the keep-alive that keeps it fresh for volunteers), and
+    the next round's heartbeats (peers computing ahead) are listed every peer_timeout_s."""
     run = on_clock(make_run())
     for p in ("a", "b"):
         _beat(run, 0, p, 4)
         put_shard(run, 0, p, samples=4)
-    sched = Scheduler(run, 1, 0)
+    sched = Scheduler(run, 1, 0, lease_s=3600.0)  # no lease renewal in these polls
     clock = run.clock
     assert sched.try_close(0) is None
     written = run.bucket.read_bytes(run.keys.view)
@@ -326,9 +328,11 @@ def test_a_scheduler_poll_where_nothing_changed_costs_a_listing_and_a_head(make_
     clock.advance(1.0)
     assert poll() == Counter(list=1, head=1)
     assert run.bucket.read_bytes(run.keys.view) == written
-    clock.advance(run.config.peer_timeout_s / 3)
-    # the keep-alive, and as often the next round's heartbeats listed (peers computing ahead)
-    assert poll() == Counter(list=2, head=1, put=1)
+    timeout = run.config.peer_timeout_s
+    clock.advance(timeout * view.KEEPALIVE)
+    assert poll() == Counter(list=1, head=1, put=1)  # the keep-alive
+    clock.advance(timeout * (1 - view.KEEPALIVE))
+    assert poll() == Counter(list=2, head=1, put=1)  # and the next round's heartbeats listed
     assert view.parse(run.bucket.read_bytes(run.keys.view)).at == clock.time()
     _beat(run, 0, "a", 6)
     assert poll() == Counter(list=1, head=1, get=1, put=1)  # a new heartbeat: read, and said

@@ -39,7 +39,8 @@ def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
     for key, raw in run.bucket.read_many(small).items():
         beat = heartbeat.parse(raw)
         if beat is not None:
-            live = heartbeat.counted(beat, r, now, cfg.peer_timeout_s, cfg.target_batch_size) is not None
+            live = heartbeat.counted(beat, r, now, cfg.peer_timeout_s, cfg.target_batch_size,
+                                     cfg.cadence.heartbeat_max_s) is not None
             beats[keys.peer_of_progress(key)] = (beat.time, live)
     return beats
 

@@ -17,6 +17,7 @@ from typing import Mapping
 
 from pydantic import BaseModel, Field
 
+from ..protocol import view
 from ..protocol.config import RunConfig
 from ..protocol.lease import LEASE_S
 from ..protocol.view import View
@@ -146,25 +147,26 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     def poll(eta: float) -> float:
         return between_steps(cad.poll_s(eta))
 
-    def beat(eta: float) -> float:
-        return between_steps(cad.heartbeat_s(eta, timeout))
-
     def sched_poll(eta: float) -> float:
         return cad.scheduler_s(eta) if scheduler_poll_s is None else scheduler_poll_s
 
     # per round, the scheduler: polls until CLOSE (the first reads the opening COMMIT and every
     # live heartbeat, later ones the heartbeats written since), then the round's own work
     polls = max(1.0, _count(sched_poll, open_s) + upload_s / sched_poll(0.0))
-    beats_open = _count(beat, open_s) + upload_s / beat(0.0)
-    changed = peers * (1 + min(beats_open, polls))
-    # the view is written when a poll read something new, and every third of peer_timeout_s
-    view_writes = min(polls, changed + peers + open_s / (timeout / 3))
+    # a volunteer heartbeats as it starts computing a round, then every keep-alive (a share of the
+    # round) while its speed holds; a shard's landing needs none (heartbeat.due)
+    beats = math.ceil(round_s / between_steps(cad.heartbeat_s(round_s)) - 1e-9)
+    changed = peers * beats
+    # the view is written when a poll read something new: each wave of heartbeats (a round's
+    # start, each keep-alive) and of manifests reaches the scheduler over about two polls, the
+    # peers' clocks apart; and a keep-alive of its own every view.KEEPALIVE share of peer_timeout_s
+    view_writes = min(polls, 2 * (beats + 1) + round_s / (timeout * view.KEEPALIVE))
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
     sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
              + traffic.lease_renewal() * (round_s / (LEASE_S / 3))
-             + Requests(list=max(1.0, round_s / (timeout / 3))))  # the next round's heartbeats
+             + Requests(list=max(1.0, round_s / timeout)))  # the next round's heartbeats
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)
@@ -174,8 +176,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     optim_writes = traffic.slots + int(traffic.lossy_delta)
     sched_up = view_writes * view_b + close_b + (2 + optim_writes) * dense + delta_b + traffic.commit_bytes(peers)
 
-    # per round and volunteer; a volunteer heartbeats when its upload starts and when it lands,
-    # and reads the view at once.
+    # per round and volunteer; a volunteer reads the view at once when its upload lands.
     # A view read is a conditional GET: it carries a body only when the scheduler wrote one since.
     reads_open = _count(poll, open_s) + upload_s / poll(0.0) + 1
     def while_reduced(interval: float) -> float:
@@ -185,7 +186,6 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # reading a closed view, a volunteer polls at a share of what the last reduction took
     closed_reads = _count(lambda eta: while_reduced(cad.poll_s(eta)), reduce_s)
     fallbacks = max(0.0, reduce_s - timeout) / cad.poll_max_s  # the view unchanged: LATEST and STOP
-    beats = beats_open + reduce_s / while_reduced(cad.heartbeat_s(0.0, timeout)) + 2  # upload sent, landed
     volunteer = (Requests(get=reads_open + closed_reads, put=beats)
                  + Requests(get=1, head=2) * fallbacks + traffic.shard_upload() + traffic.state_download())
     vol_up = shard_b + traffic.manifest_bytes() + beats * HEARTBEAT_BYTES

@@ -119,7 +119,7 @@ class Traffic:
         as the scheduler writes it only when it changed, and the keep-alive aside). The round's
         first poll also reads what the round is judged against (``Judge.opening``): the COMMIT
         that opened it, the streams record, and the validator's flags (a listing), and lists the
-        next round's heartbeats (peers computing ahead), as it does every third of
+        next round's heartbeats (peers computing ahead), as it does every
         ``peer_timeout_s``."""
         cfg = self.config
         view = bool(heartbeats or manifests or first) if view is None else view

@@ -77,9 +77,11 @@ class Cadence(BaseModel):
     """How often volunteers read the round view and heartbeat: fast near the target, slow far from
     it. Each interval is a share of the ETA (seconds until the round can fill), bounded: halving
     the ETA each time, a round costs about log2(round / poll_min_s) reads wherever it starts, and
-    the last second of a round is still watched closely. Between reads, and between heartbeats,
-    pending samples are projected at each peer's speed, so seldom heartbeats do not make the
-    count lag behind the work."""
+    the last second of a round is still watched closely. A heartbeat is a projection
+    (``protocol/heartbeat.py``): written when the peer's count strays from it, and as a keep-alive
+    a share of the round's length after the last; between reads and heartbeats pending samples
+    are projected at each peer's speed, so seldom heartbeats do not make the count lag behind the
+    work."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -87,14 +89,17 @@ class Cadence(BaseModel):
                               json_schema_extra={"flag": "--poll-min"})
     poll_max_s: float = Field(10.0, gt=0, description="slowest round-view read (far from it, or no view)",
                               json_schema_extra={"flag": "--poll-max"})
-    heartbeat_min_s: float = Field(5.0, gt=0, description="most frequent heartbeat")
-    heartbeat_max_s: float = Field(10.0, gt=0, description="least frequent heartbeat (never above a third "
-                                   "of peer_timeout_s)", json_schema_extra={"flag": "--heartbeat-max"})
+    heartbeat_min_s: float = Field(5.0, gt=0, description="shortest keep-alive between heartbeats (short rounds)")
+    heartbeat_max_s: float = Field(60.0, gt=0, description="longest keep-alive between heartbeats (long rounds); "
+                                   "a silent peer counts as gone that long plus two thirds of peer_timeout_s "
+                                   "after its last", json_schema_extra={"flag": "--heartbeat-max"})
     poll_share: float = Field(0.5, gt=0, le=1, description="a poll every this share of the ETA")
     scheduler_poll_s: float = Field(5.0, gt=0, description="the scheduler's slowest poll, far from the target "
                                     "(nearer it, a share of the ETA down to poll_min_s); a poll where nothing "
                                     "changed is one LIST and one HEAD")
-    heartbeat_share: float = Field(0.5, gt=0, le=1, description="a heartbeat every this share of the ETA")
+    heartbeat_share: float = Field(0.6, gt=0, le=1, description="a keep-alive heartbeat every this share of a "
+                                   "round (over half: one a round, rounds a little longer than the last included; "
+                                   "between them, one only when the peer's count strays from its projection)")
 
     @model_validator(mode="after")
     def _check(self) -> "Cadence":
@@ -110,11 +115,13 @@ class Cadence(BaseModel):
         """Seconds to the scheduler's next poll: every ``scheduler_poll_s``, faster near the target."""
         return _bounded(eta_s, self.poll_share, min(self.poll_min_s, self.scheduler_poll_s), self.scheduler_poll_s)
 
-    def heartbeat_s(self, eta_s: float | None, peer_timeout_s: float) -> float:
-        """Seconds to the next heartbeat: at most a third of ``peer_timeout_s``, so that a live
-        peer never counts as gone between its heartbeats."""
-        hi = min(self.heartbeat_max_s, peer_timeout_s / 3)
-        return _bounded(eta_s, self.heartbeat_share, min(self.heartbeat_min_s, hi), hi)
+    def heartbeat_s(self, round_s: float | None) -> float:
+        """Seconds from one heartbeat to the keep-alive after it, for rounds of ``round_s``
+        seconds (None: not known yet, the shortest): a heartbeat says how long it stands
+        (``heartbeat.lifetime``), so long rounds need few."""
+        if round_s is None:
+            return self.heartbeat_min_s
+        return _bounded(round_s, self.heartbeat_share, self.heartbeat_min_s, self.heartbeat_max_s)
 
 
 def _bounded(eta_s: float | None, share: float, lo: float, hi: float) -> float:

@@ -45,6 +45,8 @@ class Follower:
         self.behind = False  # the fresh view is of an older state than this worker's
         self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
         self._reduce_s: float | None = None  # from then to the next state, last time
+        self._installed_at: float | None = None  # clock.monotonic() when ``state`` was installed
+        self.round_s: float | None = None  # from one state to the next, last time (heartbeats' keep-alive)
         self._last_sync = 0.0
 
     def sync(self, latest: int | None = None) -> bool:
@@ -95,8 +97,12 @@ class Follower:
             return False
         elif latest > self.state + 1 and self.local.acc is not None:
             self.local.drop(self.params)
+        now = self.clock.monotonic()
         if self._closed_seen is not None:
-            self._reduce_s, self._closed_seen = self.clock.monotonic() - self._closed_seen, None
+            self._reduce_s, self._closed_seen = now - self._closed_seen, None
+        if self.state is not None and latest == self.state + 1 and self._installed_at is not None:
+            self.round_s = now - self._installed_at
+        self._installed_at = now
         self.local.rebase(params)
         self.params, self.state, self.state_hash = params, latest, shard.commit_hash(commit)
         self.view = None

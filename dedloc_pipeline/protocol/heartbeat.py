@@ -1,15 +1,22 @@
 """A volunteer's heartbeat: the one record it writes besides its shards, and how it is counted.
 
-The worker writes one for the round it accumulates (``RunLayout.progress``) every
-``cadence.heartbeat_s``: its pending samples (``sending``: those of its shards still on their
-way), its speed, when its next one is due, and its totals (uploaded samples, compute and wall
-seconds, bucket bytes) for displays and benchmarks. The scheduler counts the live peers'
-heartbeats into the round view; ``dedloc status`` and the benchmarks read them too.
+A heartbeat is a projection, not a sample: "from ``time``, my pending samples (``samples``:
+those of my shards still on their way, ``sending``, included) grow at ``samples_per_s`` until
+``next_s``, when my next heartbeat is due". Readers project it, and subtract the samples of the
+peer's manifests in the round beyond those it had counted as landed (``landed``): a landed
+shard moves its samples from pending to the manifests without a heartbeat. So the worker
+writes one only when the projection would go wrong (``due``): in a round it has not heartbeaten
+yet, when its count strays from the projection (its speed changed, it stopped computing the
+round), when ``next_s`` has passed (the keep-alive, a share of the round's length), and as it
+leaves. The scheduler counts the live peers' heartbeats into the round view; ``dedloc status``
+and the benchmarks read them too, with the worker's totals (uploaded samples, compute and wall
+seconds, bucket bytes).
 
 Every value in it is a claim, so a heartbeat is bounded before it counts: one above
 ``MAX_HEARTBEAT_BYTES`` is not read, a malformed one is skipped, speed is clamped to
-``[0, MAX_PEER_SPEED]``, and in a round's count pending samples are clamped to ``[0, target]``
-and one older than the run's ``peer_timeout_s`` (or as far in the future) is a peer gone.
+``[0, MAX_PEER_SPEED]``, pending samples are clamped to ``[0, target]``, and a peer is gone once
+its heartbeat is older than its lifetime (``lifetime``: the run's ``peer_timeout_s``, longer
+when the heartbeat said its next is due later than a third of that) or as far in the future.
 
 Torch-free: the scheduler and ``dedloc status`` import it.
 """
@@ -46,6 +53,7 @@ class Heartbeat:
     bytes_up: int = 0
     bytes_down: int = 0
     left: bool = False  # its last one: the peer left (Ctrl-C, SIGTERM), so the id is free again
+    landed: int = 0  # samples of its shards of the round whose manifests had landed (not in ``samples``)
 
 
 def write(bucket: Bucket, keys: RunLayout, beat: Heartbeat) -> None:
@@ -79,7 +87,7 @@ def parse(raw: bytes | None) -> Heartbeat | None:
                      time=t, uploaded_samples=int(_number(p.get("uploaded_samples"))),
                      compute_s=_number(p.get("compute_s")), wall_s=_number(p.get("wall_s")),
                      bytes_up=int(_number(p.get("bytes_up"))), bytes_down=int(_number(p.get("bytes_down"))),
-                     left=p.get("left") is True)
+                     left=p.get("left") is True, landed=int(_number(p.get("landed"))))
 
 
 def _number(x) -> float:
@@ -97,25 +105,56 @@ class Counted(NamedTuple):
     horizon_s: float  # how long past its time it was projected, at most
 
 
+def lifetime(beat: Heartbeat, timeout: float, ahead_s: float) -> float:
+    """Seconds a heartbeat counts after its time: ``timeout`` (the run's ``peer_timeout_s``),
+    or its own interval (``next_s``, at most ``ahead_s``; unsaid, none) plus two thirds of
+    ``timeout`` when that is longer. A peer in long rounds heartbeats seldom, and is still given
+    the same slack past its next heartbeat's due time as one heartbeating every third of
+    ``timeout``."""
+    due = 0.0 if beat.next_s is None else min(max(beat.next_s, 0.0), ahead_s)
+    return max(timeout, due + 2 * timeout / 3)
+
+
 def counted(beat: Heartbeat | None, r: int, now: float, timeout: float, target: int,
-            ahead_s: float = 0.0) -> Counted | None:
+            ahead_s: float = 0.0, landed: int = 0) -> Counted | None:
     """What ``beat`` counts toward round r at ``now``; None if it does not count: unreadable,
-    another round, or older (or further ahead) than ``timeout``. The pending samples are
-    projected to ``now`` at the peer's speed until its next heartbeat is due (its ``next_s``, at
-    most ``ahead_s`` seconds): heartbeats can then be seldom without the count lagging behind
-    the work, and a peer that heartbeats every step (lock-step tests) is never projected, so
-    what it counts does not depend on the machine's load."""
-    if beat is None or beat.round != r or abs(now - beat.time) >= timeout:
+    another round, or past its ``lifetime`` (or as far ahead). The pending samples are projected
+    to ``now`` at the peer's speed until its next heartbeat is due (its ``next_s``, at most
+    ``ahead_s`` seconds), less what its manifests in the round hold beyond what it had counted
+    as landed (``landed``: their samples, as listed): heartbeats can then be
+    seldom without the count lagging behind the work, and a peer that heartbeats every step
+    (lock-step tests) is never projected, so what it counts does not depend on the machine's
+    load."""
+    if beat is None or beat.round != r or abs(now - beat.time) >= lifetime(beat, timeout, ahead_s):
         return None
     speed = min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED)
     horizon = ahead_s if beat.next_s is None else min(max(beat.next_s, 0.0), ahead_s)
-    return Counted(project(beat.samples, speed, now - beat.time, horizon, target), speed, horizon)
+    since = max(0, landed - beat.landed)  # its shards that landed since it was written
+    return Counted(project(beat.samples - since, speed, now - beat.time, horizon, target), speed, horizon)
 
 
 def project(samples: int, speed: float, since_s: float, ahead_s: float, target: int) -> int:
     """Pending samples ``since_s`` seconds after they were counted, at ``speed``, projected for
     at most ``ahead_s`` seconds; within [0, target]."""
     return min(max(int(samples + speed * min(max(since_s, 0.0), ahead_s)), 0), target)
+
+
+def due(last: Heartbeat | None, r: int, pending: int, landed: int, now: float, target: int, step: int,
+        counts: bool = True) -> bool:
+    """Whether a peer with ``pending`` samples of round r (computed, or on their way) and
+    ``landed`` in its landed manifests there, whose last heartbeat was ``last``, writes one now:
+    none for round r yet, its keep-alive due (``next_s``), or (where its count ``counts``: not in
+    a round already full) its count strayed from what readers project of ``last``. Projected
+    above it by more than two micro-batches (``step`` samples) the others would upload too early
+    and wait for the rest, so that is corrected soon; below it by more than four, or a fiftieth
+    of the target, they only upload a little late, and the batch comes out a little larger."""
+    if last is None or last.round != r or now - last.time >= (last.next_s or 0.0):
+        return True
+    if not counts:
+        return False
+    claimed = project(last.samples - max(0, landed - last.landed), last.samples_per_s, now - last.time,
+                      last.next_s or 0.0, target)
+    return claimed - pending > 2 * step or pending - claimed > max(4 * step, target // 50)
 
 
 @dataclass(frozen=True)
@@ -140,8 +179,11 @@ class Heartbeats:
         self._raw: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (tag, bytes)
 
     def pending(self, bucket: Bucket, keys: RunLayout, r: int, listed: dict[str, tuple[int, str | None]],
-                now: float, timeout: float, target: int, ahead_s: float = 0.0) -> Pending:
-        """Round r's live heartbeats at ``now``, from ``listed`` (the round's listing)."""
+                now: float, timeout: float, target: int, ahead_s: float = 0.0,
+                landed: dict[str, int] | None = None) -> Pending:
+        """Round r's live heartbeats at ``now``, from ``listed`` (the round's listing);
+        ``landed``: the samples of each peer's manifests in it (what their heartbeats'
+        projections lose as their shards land)."""
         beats = {k: e for k, e in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
         small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
         known = {k: v for k, v in self._raw.items() if k in small}  # other rounds', and deleted ones, go
@@ -151,10 +193,11 @@ class Heartbeats:
         self._raw = known
         samples, speed, peers, horizon, names = 0, 0.0, 0, 0.0, set()
         for k, (_, raw) in known.items():
-            got = counted(parse(raw), r, now, timeout, target, ahead_s)
+            peer = keys.peer_of_progress(k)
+            got = counted(parse(raw), r, now, timeout, target, ahead_s, (landed or {}).get(peer, 0))
             if got is not None:
                 samples, speed, peers = samples + got.samples, speed + got.samples_per_s, peers + 1
                 horizon = max(horizon, got.horizon_s)
-                names.add(volunteer_of(keys.peer_of_progress(k)))
+                names.add(volunteer_of(peer))
         return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small),
                        horizon_s=horizon, volunteers=frozenset(names))

@@ -14,19 +14,23 @@ def check_not_live(run: Run, peer: str, clock: Clock) -> None:
     """Refuse a peer id another live worker uses (two machines started with one id): their
     shards would share one data stream, and one twin's would be rejected every round. Its
     heartbeats of the open round and the next (two GETs) say whether it is live; one that left
-    (Ctrl-C, SIGTERM) said so in its last heartbeat, and one killed counts as gone after
-    ``peer_timeout_s``, as the scheduler counts it."""
+    (Ctrl-C, SIGTERM) said so in its last heartbeat, and one killed counts as gone once its
+    last heartbeat's lifetime passed (``heartbeat.lifetime``), as the scheduler counts it."""
     try:
         r = run.latest()
     except RunError:
         return
-    timeout = run.config.peer_timeout_s
+    cfg = run.config
     for rr in (r, r + 1):
         beat = heartbeat.parse(run.bucket.read_bytes(run.keys.progress(rr, peer)))
-        if beat is not None and not beat.left and abs(clock.time() - beat.time) < timeout:
+        if beat is None or beat.left:
+            continue
+        age = clock.time() - beat.time
+        lifetime = heartbeat.lifetime(beat, cfg.peer_timeout_s, cfg.cadence.heartbeat_max_s)
+        if abs(age) < lifetime:
             raise RunError(f"peer id {peer!r} is live on another machine (its heartbeat of round {rr} is "
-                           f"{max(0.0, clock.time() - beat.time):.0f} s old): give this one another --peer-id. "
-                           f"If that was this machine before a crash, start again in {timeout:.0f} s")
+                           f"{max(0.0, age):.0f} s old): give this one another --peer-id. "
+                           f"If that was this machine before a crash, start again in {lifetime - max(0.0, age):.0f} s")
 
 
 def check_enrolled(run: Run, peer: str, signer: identity.Ed25519PrivateKey | None) -> None:

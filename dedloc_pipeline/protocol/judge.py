@@ -113,6 +113,16 @@ class Judge:
             (rejected if isinstance(verdict, Rejection) else accepted).append(verdict)
         return accepted, rejected
 
+    def landed(self, accepted: list[Entry], rejected: list[Rejection]) -> dict[str, int]:
+        """The samples of each peer's manifests among ``verdicts``' answer, accepted or not:
+        what that peer's heartbeat stops counting as pending once its shards land."""
+        out: dict[str, int] = {}
+        for x in [*accepted, *rejected]:
+            samples = x.samples if isinstance(x, Entry) else sum(n for _, n in x.data.ranges) if x.data else 0
+            peer = self.run.keys.shard_parts(x.key)[1]
+            out[peer] = out.get(peer, 0) + samples
+        return out
+
     def _stored(self, r: int, listed: Listing) -> dict[str, dict[str, int]]:
         """The objects each shard of round r stores and their sizes, from the round's listing
         (a LIST per 1000 objects, not one per shard)."""

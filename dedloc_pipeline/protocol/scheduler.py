@@ -105,9 +105,9 @@ class Scheduler:
             return close
         self.judge.forget_before(r - 1)
         self._started = {k: v for k, v in self._started.items() if k >= r - 1}
-        pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
-                                      cfg.cadence.heartbeat_max_s)
         accepted, rejected = self.judge.verdicts(r, listed)
+        pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
+                                      cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected))
         accepted, extra = admission.bound_parts(accepted + self.judge.late(r), rule.max_parts)
         accepted, screened = admission.screen(accepted, cfg.norm_screen)
         rejected += self.judge.logged(r, extra + screened)
@@ -164,8 +164,8 @@ class Scheduler:
                  cap: int | None = None, ended: str | None = None) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats) if it
         says something new (time's projections aside: workers project the pending samples
-        themselves) or the last was written a third of ``peer_timeout_s`` ago, the keep-alive
-        by which volunteers know a scheduler publishes. A failed write is logged, never
+        themselves) or the last was written ``view.KEEPALIVE`` of ``peer_timeout_s`` ago, the
+        keep-alive by which volunteers know a scheduler publishes. A failed write is logged, never
         raised: volunteers treat a view gone stale as no view."""
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
         if close is not None:
@@ -186,7 +186,7 @@ class Scheduler:
                           written_at=max(at, self.clock.time()))
             beats = sorted((k, tag) for k, (_, tag) in listed.items() if k.startswith(keys.progress_dir(r) + "/"))
             said = (tuple(sorted(v.model_dump(exclude=_PROJECTED).items())), tuple(beats))
-            due = self.clock.monotonic() - self._published_at >= self.run.config.peer_timeout_s / 3
+            due = self.clock.monotonic() - self._published_at >= self.run.config.peer_timeout_s * view.KEEPALIVE
             if said == self._published and not due:
                 return
             view.write(bucket, keys, v)
@@ -195,11 +195,11 @@ class Scheduler:
             log.warning("round %d: the round view was not published (%s)", r, exc)
 
     def _ahead_of(self, r: int, at: float, again: bool = False) -> heartbeat.Pending:
-        """Round r+1's live heartbeats (peers computing ahead), listed every third of
-        ``peer_timeout_s`` (and ``again`` for the closed view, which stands while the round is
-        reduced): they are for displays, not worth a LIST each poll."""
+        """Round r+1's live heartbeats (peers computing ahead), listed every ``peer_timeout_s``
+        (and ``again`` for the closed view, which stands while the round is reduced): they are
+        for displays, not worth a LIST each poll."""
         seen_r, seen_at, pending = self._ahead_seen
-        if again or seen_r != r or self.clock.monotonic() - seen_at >= self.run.config.peer_timeout_s / 3:
+        if again or seen_r != r or self.clock.monotonic() - seen_at >= self.run.config.peer_timeout_s:
             cfg, keys = self.run.config, self.run.keys
             listed = self.run.bucket.listing(keys.progress_dir(r + 1))
             pending = self._ahead.pending(self.run.bucket, keys, r + 1, listed, at, cfg.peer_timeout_s,

@@ -82,7 +82,7 @@ class Transfers:
         if self.fetching is None:
             self.fetching = (latest, self.submit(load, *args))
 
-    def landed(self, sent: Sent, key: str | None) -> None:
+    def settled(self, sent: Sent, key: str | None) -> None:
         self.sending.remove(sent)
         self.upload_s = max(0.0, sent.at - sent.started) if key is not None else self.upload_s
 
@@ -96,6 +96,10 @@ class Transfers:
     def on_the_way(self, r: int) -> int:
         """Samples of round r under way: pending until their manifests land."""
         return sum(x.samples for x in self.sending if x.round == r)
+
+    def landed(self, r: int) -> int:
+        """Samples of round r whose manifests landed and were accounted for (``settled``)."""
+        return sum(x.samples for x in self.sent if x.round == r and x.at < math.inf and x not in self.sending)
 
     def abandon(self) -> None:
         """The upload under way ends before its manifest (a second Ctrl-C while leaving)."""

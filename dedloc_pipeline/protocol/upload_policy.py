@@ -35,20 +35,22 @@ def mine(v: View, r: int, beats: Iterable[Heartbeat], sent: Iterable[Sent], time
     heartbeat in it, plus this peer's shards it cannot show yet. Which of its heartbeats
     (``beats``, oldest first) the scheduler read (between ``v.at`` and ``v.written_at``) is not
     known exactly: the newest one written before ``v.at`` or any written while it read, so the
-    largest pending count among those is taken out. The others' pending samples are never
-    overestimated: this peer never uploads early on its own samples. Its shards (``sent``)
-    finished after ``v.at`` are added (the view listed before them); those finished before it
-    say whether this peer has reached the view's cap."""
+    largest pending count among those is taken out, each less this peer's shards the view listed
+    beyond those the heartbeat had counted as landed (as the scheduler subtracts them). The
+    others' pending samples are never overestimated: this peer never uploads early on its own
+    samples. Its shards (``sent``) finished after ``v.at`` are added (the view listed before
+    them); those finished before it say whether this peer has reached the view's cap."""
     pending, speed, counted = 0, 0.0, False
-    live = [(b, c) for b in beats if (c := heartbeat.counted(b, r, v.at, timeout, target, ahead_s)) is not None]
-    maybe = [c for b, c in live if b.time <= v.at][-1:] + [c for b, c in live if v.at < b.time <= v.written_at]
-    if maybe and not v.closed:  # as the scheduler counted it: projected to v.at
-        pending, speed, counted = max(c.samples for c in maybe), maybe[-1].samples_per_s, True
     ours = [x for x in sent if x.round == r]
+    seen = sum(x.samples for x in ours if x.at <= v.at)  # its manifests the view listed
+    live = [(b, c) for b in beats if (c := heartbeat.counted(b, r, v.at, timeout, target, ahead_s, seen)) is not None]
+    maybe = [c for b, c in live if b.time <= v.at][-1:] + [c for b, c in live if v.at < b.time <= v.written_at]
+    if maybe and not v.closed:  # as the scheduler counted it: projected to v.at, less the shards it listed
+        pending, speed, counted = max(c.samples for c in maybe), maybe[-1].samples_per_s, True
     unseen = sum(x.samples for x in ours if x.at > v.at)
     ahead = [c.samples_per_s for b in beats if (c := heartbeat.counted(b, r + 1, v.at, timeout, target, ahead_s))]
     ahead = ahead[-1] if ahead else None
-    return for_worker(v, pending, speed, counted, unseen, sum(x.samples for x in ours if x.at <= v.at), ahead)
+    return for_worker(v, pending, speed, counted, unseen, seen, ahead)
 
 
 def alone(r: int, sent: Iterable[Sent], now: float) -> RoundView:

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 VIEW_VERSION = 1
 MAX_VIEW_BYTES = 4096  # an honest view is ~400 bytes; anything larger is not parsed
+# the scheduler rewrites a view that did not change after this share of peer_timeout_s: a reader
+# polling at most every poll_max_s (10 s) still sees a new one within peer_timeout_s (30 s)
+KEEPALIVE = 0.5
 
 
 class View(BaseModel):
@@ -48,7 +51,7 @@ class View(BaseModel):
     peers: int = Field(0, ge=0, description="live peers: a heartbeat for this round within peer_timeout_s")
     samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
     ahead_peers: int = Field(0, ge=0, description="live peers heartbeating the next round: computing ahead "
-                             "while this one fills or is reduced (read every third of peer_timeout_s)")
+                             "while this one fills or is reduced (read every peer_timeout_s)")
     ahead_samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
     ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
     closed: bool = False
@@ -79,8 +82,9 @@ def read(bucket: Bucket, keys: RunLayout) -> View | None:
 
 class Reader:
     """A volunteer's copy of the view, refreshed by a conditional GET (``If-None-Match`` its
-    ETag): an unchanged view costs no body. The scheduler rewrites the view every poll, so a
-    view that has not changed for ``timeout`` seconds of this machine's clock is stale, which
+    ETag): an unchanged view costs no body. The scheduler rewrites the view at least every
+    ``KEEPALIVE`` of ``timeout``, so a view that has not changed for ``timeout`` seconds of this
+    machine's clock is stale, which
     needs no agreement between the two machines' clocks. The first view read is judged by its
     own ``at`` (no change seen yet)."""
 

@@ -5,9 +5,10 @@ the round view the scheduler publishes (``protocol/view.py``: the newest state, 
 the shards it validated, the live peers' pending samples, closed, stopped). A worker uploads
 what it has once the validated samples plus the other peers' pending samples plus its own reach
 the target (``protocol/upload_policy.py``); it writes only its own heartbeat
-(``protocol/heartbeat.py``) and its shards. How often it reads and heartbeats follows the round
-(the run's ``cadence``): a share of the time until the round can fill, so often near the target
-and seldom far from it. If a peer vanishes, its heartbeat goes stale, the scheduler stops
+(``protocol/heartbeat.py``) and its shards. How often it reads follows the round (the run's
+``cadence``): a share of the time until the round can fill, so often near the target and seldom
+far from it. A heartbeat is a projection of its count, written when the count strays from it
+and as a keep-alive a share of a round after the last. If a peer vanishes, its heartbeat goes stale, the scheduler stops
 counting it, and the others upload a second part as soon as their pending samples are needed:
 they make up the missing samples.
 
@@ -47,6 +48,9 @@ from .transfers import Transfers
 from .view import RoundView
 
 log = logging.getLogger(__name__)
+# a heartbeat claims a little less than the measured speed: projected above its count, the others
+# would upload early and wait for the rest; below it, they upload a little late into a larger batch
+SPEED_CLAIMED = 0.95
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,13 @@ class Snapshot:
 
 class Worker:
     """One volunteer's loop (see the module's docstring): it reads the round view (one
-    conditional GET) every ``cadence.poll_s(eta)``, computes micro-batches, heartbeats every
-    ``cadence.heartbeat_s(eta)`` and uploads when the view's validated and pending samples and
-    its own fill the round; the ETA is its own estimate of when the round fills, so it polls
-    often only near the target. A view unchanged for ``peer_timeout_s`` is no view: it computes,
-    heartbeats and holds its samples (uploading only a round its own samples fill), and reads
-    LATEST and STOP itself every ``cadence.poll_max_s``. Its pieces: the state it follows
+    conditional GET) every ``cadence.poll_s(eta)``, computes micro-batches, heartbeats when
+    ``heartbeat.due`` says (keep-alive: ``cadence.heartbeat_s(round_s)``) and uploads when the
+    view's validated and pending samples and its own fill the round; the ETA is its own
+    estimate of when the round fills, so it polls often only near the target. A view unchanged
+    for ``peer_timeout_s`` is no view: it computes, heartbeats and holds its samples (uploading
+    only a round its own samples fill), and reads LATEST and STOP itself every
+    ``cadence.poll_max_s``. Its pieces: the state it follows
     (``follower``), what it accumulated (``local``), its transfers (``transfers``) and the
     rounds it sent parts to (``parts``)."""
 
@@ -114,8 +119,6 @@ class Worker:
         self.follower = Follower(run, self.peer, self.clock, self.transfers, self.local, self.parts, self.delayed,
                                  fallback_s)
         self._beats: deque[Heartbeat] = deque(maxlen=64)  # this peer's recent heartbeats
-        self._last_beat = 0.0
-        self._rate = (self.clock.monotonic(), 0)  # (when, computed samples) at the last heartbeat
         self._speed = 0.0  # this peer's samples per second of wall time (moving average)
         self._computed_at: float | None = None
         self.activity = "starting"
@@ -194,10 +197,12 @@ class Worker:
         return cadence.poll_min_s if self.follower.behind else cadence.poll_s(self.eta())
 
     def heartbeat_every(self) -> float:
-        timeout = self.run.config.peer_timeout_s
+        """The keep-alive after a heartbeat: a share of the last round's length (before one
+        passed here, of the ETA)."""
         if self.poll_s is not None:
-            return min(3 * self.poll_s, timeout / 3)
-        return self.run.config.cadence.heartbeat_s(self.eta(), timeout)
+            return min(3 * self.poll_s, self.run.config.peer_timeout_s / 3)
+        f = self.follower
+        return self.run.config.cadence.heartbeat_s(f.round_s if f.round_s is not None else self.eta())
 
     # work
     def step(self) -> bool:
@@ -212,7 +217,7 @@ class Worker:
         full = v.closed or v.manifest_samples >= target or v.capped or self.transfers.fetching is not None
         acc = self.acc
         if v.ended is not None and not v.closed:  # nobody will aggregate round r: computing for it is lost
-            self._report(force=False)
+            self._report(waiting=True)
             self.activity = "waiting"
             return False
         if not full and acc is not None and acc.round == r + 1:
@@ -221,13 +226,13 @@ class Worker:
             self._upload(acc)  # may still make it before CLOSE; late otherwise
         ahead = full and acc is not None and acc.round == r + 1 and acc.samples >= target
         if full and (not self.delayed or ahead):  # a round's worth of stale samples is enough: a
-            self._report(force=False)  # shard may claim at most a few (shard.max_claim)
+            self._report(waiting=True)  # shard may claim at most a few (shard.max_claim)
             self.activity = "waiting"
             return False
         self.activity = "computing"
         self._compute(r + 1 if full else r)
         acc = self.acc
-        self._report(force=False)
+        self._report()
         sending = any(x.round == r for x in self.transfers.sending)  # a second part waits for the first to land
         wanted = acc.round == r and not sending and upload_policy.should_upload(
             v, acc.samples, target, first=r not in self.parts.uploaded)
@@ -265,8 +270,7 @@ class Worker:
         f = self.follower
         if f.view is not None:  # the view in hand counts it until the next read does
             f.view = replace(f.view, manifest_samples=f.view.manifest_samples + sent.samples)
-        self.local.drop(self.params)
-        self._report(force=True, round_=sent.round)  # the others count these samples as on their way
+        self.local.drop(self.params)  # its samples stay pending (``sending``) until the manifest lands
 
     def _settle(self, wait: bool = False) -> None:
         """Account for the transfers that finished (all of them with ``wait``): uploads are
@@ -280,38 +284,48 @@ class Worker:
                 key = sent.job.result()
             finally:
                 self.activity = activity
-            self.transfers.landed(sent, key)
+            self.transfers.settled(sent, key)
             self.uploads.append((sent.round, key, sent.samples))
             self.uploaded_samples += sent.samples
             log.info("%s: uploaded %d samples to round %d (%s)", self.peer, sent.samples, sent.round, key)
             self.follower.looked = float("-inf")  # the next step reads the view again, this shard counted in
-            self._report(force=True, round_=sent.round)
         self.follower.take_fetched(wait)
 
     def flush(self) -> None:
         """Wait for every transfer under way and account for it (lock-step drivers, leaving)."""
         self._settle(wait=True)
 
-    def _report(self, force: bool, round_: int | None = None, left: bool = False) -> None:
-        """Heartbeat for the round being accumulated: pending samples and speed."""
-        now = self.clock.time()
-        if not force and now - self._last_beat < self.heartbeat_every():
-            return
-        acc = self.acc
+    def _report(self, waiting: bool = False, round_: int | None = None, left: bool = False) -> None:
+        """Heartbeat for the round being accumulated (``round_``), when one is due
+        (``heartbeat.due``; always with ``left``): its pending samples and speed, 0 while
+        ``waiting``. Once the open round is full (closed, or its manifests reach the target) its
+        count no longer matters, only the keep-alive; moving on to the next round while this one
+        is short of its target, it first says it stopped computing this one, whose projection
+        would go on growing."""
+        now, acc, target = self.clock.time(), self.acc, self.run.config.target_batch_size
         r = round_ if round_ is not None else (acc.round if acc is not None else self.state)
-        t0, c0 = self._rate
-        rate = (self.computed_samples - c0) / max(1e-9, self.clock.monotonic() - t0)
-        self._rate = (self.clock.monotonic(), self.computed_samples)
+        last = self._beats[-1] if self._beats else None
+        v = self._round()
+        full = v.closed or v.manifest_samples >= target or self.transfers.fetching is not None  # round ``state``'s
+        pending = (acc.samples if acc and acc.round == r else 0) + self.transfers.on_the_way(r)
+        counts = not (full and r == self.state)
+        stopped = counts and waiting and last is not None and last.round == r and last.samples_per_s > 0
+        if not (left or stopped or heartbeat.due(last, r, pending, self.transfers.landed(r), now, target,
+                                                 self.micro_batch, counts)):
+            return
+        if not (left or full) and last is not None and last.round == self.state != r and last.samples_per_s > 0:
+            self._beat(last.round, self.transfers.on_the_way(last.round), 0.0, now)
+        self._beat(r, pending, 0.0 if waiting or left else SPEED_CLAIMED * self._speed, now, left)
+
+    def _beat(self, r: int, pending: int, speed: float, now: float, left: bool = False) -> None:
         io = self.run.bucket.stats
-        sending = self.transfers.on_the_way(r)
-        beat = Heartbeat(peer=self.peer, round=r, samples=(acc.samples if acc and acc.round == r else 0) + sending,
-                         sending=sending, samples_per_s=rate, next_s=self.heartbeat_every(), time=now,
+        beat = Heartbeat(peer=self.peer, round=r, samples=pending, sending=self.transfers.on_the_way(r),
+                         samples_per_s=speed, next_s=self.heartbeat_every(), time=now,
                          uploaded_samples=self.uploaded_samples, compute_s=self.compute_s,
                          wall_s=self.clock.monotonic() - self.started, bytes_up=io.bytes_written,
-                         bytes_down=io.bytes_read, left=left)
+                         bytes_down=io.bytes_read, left=left, landed=self.transfers.landed(r))
         self._beats.append(beat)
         heartbeat.write(self.run.bucket, self.run.keys, beat)
-        self._last_beat = now
 
     def _note_speed(self, n: int) -> None:
         """This peer's speed for the ETA: samples per second of wall time, uploads and waits
@@ -348,7 +362,7 @@ class Worker:
                 # the open round's, and the next one's if it heartbeated there (computing ahead):
                 # a live heartbeat of either keeps the id taken (joining.check_not_live)
                 for r in sorted({self.state} | {b.round for b in self._beats if b.round > self.state}):
-                    self._report(force=True, round_=r, left=True)
+                    self._report(round_=r, left=True)
 
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Work until state ``until_round`` is committed, the run is stopped, or ``stop()`` says

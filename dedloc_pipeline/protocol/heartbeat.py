@@ -127,10 +127,18 @@ def counted(beat: Heartbeat | None, r: int, now: float, timeout: float, target: 
     load."""
     if beat is None or beat.round != r or abs(now - beat.time) >= lifetime(beat, timeout, ahead_s):
         return None
-    speed = min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED)
     horizon = ahead_s if beat.next_s is None else min(max(beat.next_s, 0.0), ahead_s)
-    since = max(0, landed - beat.landed)  # its shards that landed since it was written
-    return Counted(project(beat.samples - since, speed, now - beat.time, horizon, target), speed, horizon)
+    return Counted(claimed(beat, now, landed, horizon, target), min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED),
+                   horizon)
+
+
+def claimed(beat: Heartbeat, now: float, landed: int, horizon: float, target: int) -> int:
+    """What readers count of ``beat`` at ``now``: its pending samples less those of its shards
+    that landed since (``landed``, as listed, beyond the ``landed`` it counted), grown at its
+    speed for at most ``horizon`` seconds; within [0, target]."""
+    since = max(0, landed - beat.landed)
+    speed = min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED)
+    return project(beat.samples - since, speed, now - beat.time, horizon, target)
 
 
 def project(samples: int, speed: float, since_s: float, ahead_s: float, target: int) -> int:
@@ -152,9 +160,8 @@ def due(last: Heartbeat | None, r: int, pending: int, landed: int, now: float, t
         return True
     if not counts:
         return False
-    claimed = project(last.samples - max(0, landed - last.landed), last.samples_per_s, now - last.time,
-                      last.next_s or 0.0, target)
-    return claimed - pending > 2 * step or pending - claimed > max(4 * step, target // 50)
+    counted = claimed(last, now, landed, last.next_s or 0.0, target)
+    return counted - pending > 2 * step or pending - counted > max(4 * step, target // 50)
 
 
 @dataclass(frozen=True)

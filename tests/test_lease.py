@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 
 import dedloc_pipeline.protocol.lease as lease_module
-from dedloc_pipeline.protocol.lease import LEASE_S, Lease, LeaseHeld, LeaseLost, Record, holder_of
+from dedloc_pipeline.protocol.lease import LEASE_S, RENEW, Lease, LeaseHeld, LeaseLost, Record, holder_of
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
@@ -59,12 +59,12 @@ def test_a_dead_schedulers_lease_frees_after_its_time_and_a_paused_one_stops(mak
     assert "b" == holder_of(run.bucket, run.keys, run.clock.time()).split(" ")[0]
 
 
-def test_a_lease_is_renewed_every_third_of_its_time_and_an_idle_poll_costs_nothing(make_run):
+def test_a_lease_is_renewed_every_half_of_its_time_and_an_idle_poll_costs_nothing(make_run):
     run = on_clock(make_run())
     lease = Lease(run.bucket, run.keys, run.clock, "a")
     lease.hold()
     before = Counter(run.bucket.stats.requests)
-    run.clock.advance(LEASE_S / 3 - 1)
+    run.clock.advance(LEASE_S * RENEW - 1)
     lease.hold()
     assert Counter(run.bucket.stats.requests) == before
     run.clock.advance(1)

@@ -32,6 +32,19 @@ def test_read_write_list(any_bucket):
     assert b.find("a") == ["a/x.json"]
 
 
+def test_delete_keeps_what_it_is_told_and_leaves_no_empty_folders(any_bucket):
+    """Pruning a state keeps its COMMIT (and a checkpoint's parameters): one listing of the
+    state, and afterwards its deleted folders list as absent, on a local folder as on S3."""
+    b = any_bucket
+    for key in ("s/COMMIT.json", "s/params/c/0", "s/params/c/1", "s/delta/c/0", "s/optim/m/c/0"):
+        b.write_bytes(key, b"x")
+    b.delete("s", keep=("s/COMMIT.json", "s/params"))
+    assert b.find("s") == ["s/COMMIT.json", "s/params/c/0", "s/params/c/1"]
+    assert b.list("s") == ["COMMIT.json", "params"] and b.list("s/delta") == [] and b.list("s/optim") == []
+    b.delete("s", keep=("s/COMMIT.json",))
+    assert b.find("s") == ["s/COMMIT.json"] and b.list("s/params") == []
+
+
 def test_create_happens_once(any_bucket):
     b = any_bucket
     assert b.create_json("m/COMMIT.json", {"who": 1})

@@ -18,7 +18,7 @@ from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import on_clock
+from dedloc_pipeline.testing import assert_counted_once, on_clock
 
 from .test_protocol import put_shard
 
@@ -355,3 +355,84 @@ def test_peers_computing_ahead_count_as_live_others(make_run):
                                    run.config.peer_timeout_s, 10.0, TARGET)
     assert (seen_by_b.peers, seen_by_b.ahead_peers, seen_by_b.ahead_samples_per_s) == (1, 0, 0.0)
     assert (seen_by_a.peers, seen_by_a.ahead_peers, seen_by_a.ahead_samples_per_s) == (0, 1, 2.0)
+
+
+def test_a_view_is_judged_stale_at_reads_not_between_them(make_run):
+    """A live scheduler rewrites an unchanged view every KEEPALIVE of peer_timeout_s, so a reader
+    that looks seldom (a long micro-batch: reads 25 s apart) must not call it stale for the time
+    it did not look; reads peer_timeout_s apart that see no change do."""
+    run = on_clock(make_run())
+    clock, timeout = run.clock, run.config.peer_timeout_s
+    sched = Scheduler(run, 1, 0, lease_s=3600.0)
+    reader = view.Reader(timeout, clock)
+    sched.try_close(0)
+    reader.read(run.bucket, run.keys)
+    for _ in range(8):  # the scheduler polls every 5 s, the reader looks every 25 s
+        for _ in range(5):
+            clock.advance(5.0)
+            sched.try_close(0)
+        assert reader.read(run.bucket, run.keys) is not None and reader.fresh
+    clock.advance(timeout + 5.0)  # the scheduler died: between reads nothing is judged
+    assert reader.fresh
+    reader.read(run.bucket, run.keys)
+    assert not reader.fresh
+
+
+def test_the_scheduler_polls_every_scheduler_poll_s_and_as_the_keepalive_falls_due(make_run, monkeypatch):
+    """Far from the target (nobody computing) the scheduler polls every cadence.scheduler_poll_s
+    (10 s): one LIST each, and the view rewritten at the poll its keep-alive falls due, never
+    later (a poll is moved up to it), so a reader never sees it unchanged for peer_timeout_s."""
+    run = on_clock(make_run(peer_timeout_s=36.0))  # a keep-alive of 24 s: off the 10 s polls
+    clock = run.clock
+    sched = Scheduler(run, 1, lease_s=3600.0)
+    written = []
+    write = view.write
+    monkeypatch.setattr(view, "write", lambda b, k, v: (written.append(clock.monotonic()), write(b, k, v)))
+    start, before = clock.monotonic(), Counter(run.bucket.stats.requests)
+    assert sched.wait_close(0, deadline=start + 200.0) is None
+    polls = (Counter(run.bucket.stats.requests) - before)["list"]
+    keepalive = run.config.peer_timeout_s * view.KEEPALIVE
+    assert run.config.cadence.scheduler_poll_s == 10.0
+    assert 200 / 10 <= polls <= 200 / 10 + 200 / keepalive + 8  # and the next round's heartbeats every 30 s
+    gaps = [b - a for a, b in zip(written, written[1:])]
+    assert gaps and max(gaps) <= keepalive + 1e-9 and min(gaps) >= keepalive - 1e-9
+
+
+def test_a_worker_computing_ahead_reads_the_view_seldom_while_its_round_is_reduced(make_run):
+    """Once its round is full, a worker with delayed updates computes ahead: the next state is
+    all it waits for, so it reads the view at a share of the wait so far (not every
+    poll_min_s): during a reduction held for 40 s, about 10 reads, not 40. It still moves to
+    the state as soon as a read names it, and every sample counts once."""
+    run = on_clock(make_run(target_batch_size=200))
+    workers = [Worker(run, p, micro_batch=4, threads=1, delayed=True) for p in ("a", "b")]
+    sched = Scheduler(run, 1)
+
+    def tick():
+        for w in workers:
+            w.step()
+            w.flush()
+        run.clock.sleep(1.0)
+
+    with ThreadPoolExecutor(2) as pool:
+        while run.latest() < 2:  # the workers learn how long a reduction takes
+            tick()
+            sched.step(pool)
+        while sched.try_close(2) is None:
+            tick()
+        looked = {w.peer: w.follower.looked for w in workers}
+        reads = Counter()
+        for _ in range(40):  # closed, and not reduced for 40 s
+            tick()
+            for w in workers:
+                reads[w.peer] += w.follower.looked != looked[w.peer]
+                looked[w.peer] = w.follower.looked
+        assert all(w.state == 2 and w.acc.round == 3 for w in workers)  # computing ahead throughout
+        assert all(4 <= n <= 12 for n in reads.values()), reads
+        assert sched.step(pool) and run.latest() == 3
+        for _ in range(12):  # the next state's view is read within poll_max_s
+            tick()
+            sched.try_close(3)
+        assert all(w.state == 3 for w in workers)
+        for w in workers:
+            w.leave()
+    assert_counted_once(run)

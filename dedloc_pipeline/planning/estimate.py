@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from ..protocol import view
 from ..protocol.config import RunConfig
-from ..protocol.lease import LEASE_S
+from ..protocol.lease import LEASE_S, RENEW
 from ..protocol.view import View
 from .planned import PlannedRun
 from .prices import PRICES, Dollars, PriceTable, bill
@@ -165,7 +165,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
-             + traffic.lease_renewal() * (round_s / (LEASE_S / 3))
+             + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW))
              + Requests(list=max(1.0, round_s / timeout)))  # the next round's heartbeats
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
@@ -179,12 +179,12 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # per round and volunteer; a volunteer reads the view at once when its upload lands.
     # A view read is a conditional GET: it carries a body only when the scheduler wrote one since.
     reads_open = _count(poll, open_s) + upload_s / poll(0.0) + 1
-    def while_reduced(interval: float) -> float:
-        """Computing ahead with delayed updates; else waiting, looking every quarter interval."""
-        return between_steps(interval) if config.delayed_updates else interval
 
-    # reading a closed view, a volunteer polls at a share of what the last reduction took
-    closed_reads = _count(lambda eta: while_reduced(cad.poll_s(eta)), reduce_s)
+    # the round full: computing ahead, a volunteer reads at a share of what the last reduction
+    # took, less the time since, or of the time it has waited, whichever is longer (Worker.poll_every);
+    # waiting, at a share of what is left
+    closed_reads = _count(lambda eta: between_steps(cad.poll_s(max(eta, reduce_s - eta))), reduce_s) \
+        if config.delayed_updates else _count(cad.poll_s, reduce_s)
     fallbacks = max(0.0, reduce_s - timeout) / cad.poll_max_s  # the view unchanged: LATEST and STOP
     volunteer = (Requests(get=reads_open + closed_reads, put=beats)
                  + Requests(get=1, head=2) * fallbacks + traffic.shard_upload() + traffic.state_download())

@@ -139,7 +139,7 @@ class Traffic:
         return Requests(list=2, get=shards * _reads(self.grad) + signed) + Requests(put=1, get=1)
 
     def lease_renewal(self) -> Requests:
-        """The scheduler's lease renewed (``Lease.hold``, every third of its time): the next
+        """The scheduler's lease renewed (``Lease.hold``, every ``RENEW`` of its time): the next
         generation's absence, then its own record rewritten."""
         return Requests(head=1, put=1)
 
@@ -168,24 +168,24 @@ class Traffic:
         return Requests(get=2, head=2)
 
     def prune_state(self, shards: int, peers: int, checkpoint: bool = False) -> Requests:
-        """``ledger.prune`` deleting one state that leaves the kept window, and its round's
-        scratch: a LIST page and a DeleteObjects per 1000 keys of each prefix (streams.json, a
-        single object, too). A checkpoint keeps its params and optimizer state."""
+        """``ledger.prune`` deleting one state that leaves the kept window and its round's
+        scratch: a LIST page of each (the state's folder, the round's), and a DeleteObjects per
+        1000 keys of what goes. A checkpoint keeps its params and optimizer state."""
         dense = self.dense
-        prefixes = [len(self.parts), _objects(self.delta), shards * _objects(self.grad), shards, peers,
-                    _objects(dense) + len(self.parts)]  # applied, delta, shards, manifests, heartbeats, reduced
+        state = len(self.parts) + _objects(self.delta) + 1  # applied, delta, streams
         if not checkpoint:
-            prefixes += [_objects(dense), (self.slots + 1) * (dense.n_chunks + 1)]  # params, optim
-        r = Requests(list=1, delete=1)
-        for objects in prefixes:
-            pages = max(1, math.ceil(objects / S3_PAGE))
-            r += Requests(list=pages, delete=pages)
+            state += _objects(dense) + (self.slots + 1) * (dense.n_chunks + 1)  # params, optim
+        kept = 1 + (0 if not checkpoint else _objects(dense) + (self.slots + 1) * (dense.n_chunks + 1))
+        scratch = shards * (_objects(self.grad) + 1) + peers + _objects(dense) + len(self.parts)
+        r = Requests()
+        for listed, doomed in ((state + kept, state), (scratch + 1, scratch)):  # the COMMIT, the CLOSE kept
+            r += Requests(list=max(1, math.ceil(listed / S3_PAGE)), delete=math.ceil(doomed / S3_PAGE))
         return r
 
-    def prune_missing(self, checkpoint: bool = False) -> Requests:
+    def prune_missing(self) -> Requests:
         """``ledger.prune`` deleting a state that is gone already (the ``PRUNE_WINDOW`` a
-        process looks back once): one LIST a prefix."""
-        return Requests(list=1) * (9 - 2 * checkpoint)
+        process looks back once): a LIST each of the state and its round."""
+        return Requests(list=2)
 
     def prune_steady(self, shards: int, peers: int) -> Requests:
         """``ledger.prune`` after one commit in a long run, on average: one state leaves the

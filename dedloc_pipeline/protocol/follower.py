@@ -44,6 +44,7 @@ class Follower:
         self.looked = float("-inf")  # clock.monotonic() of the last round-view read
         self.behind = False  # the fresh view is of an older state than this worker's
         self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
+        self._full_seen: float | None = None  # ... full (closed, or its validated samples at the target)
         self._reduce_s: float | None = None  # from then to the next state, last time
         self._installed_at: float | None = None  # clock.monotonic() when ``state`` was installed
         self.round_s: float | None = None  # from one state to the next, last time (heartbeats' keep-alive)
@@ -100,6 +101,7 @@ class Follower:
         now = self.clock.monotonic()
         if self._closed_seen is not None:
             self._reduce_s, self._closed_seen = now - self._closed_seen, None
+        self._full_seen = None
         if self.state is not None and latest == self.state + 1 and self._installed_at is not None:
             self.round_s = now - self._installed_at
         self._installed_at = now
@@ -168,6 +170,9 @@ class Follower:
             self.sync()
         usable = v is not None and v.state == self.state and (fresh or v.closed or v.ended is not None)
         self.view = mine(v) if usable else None
+        if self.view is not None:
+            full = self.view.closed or self.view.manifest_samples >= self.run.config.target_batch_size
+            self._full_seen = (self.looked if self._full_seen is None else self._full_seen) if full else None
         self.behind = fresh and v.state < self.state  # not published since this state: look again soon
         return self.view
 
@@ -185,8 +190,13 @@ class Follower:
         return f"no scheduler has published for {duration(silent)}" if silent < float("inf") else \
             "no fresh round view yet"
 
+    def waited(self) -> float | None:
+        """How long round ``state`` has been full as this worker saw it (None: not full): what
+        it waits for is the next state."""
+        return None if self._full_seen is None else self.clock.monotonic() - self._full_seen
+
     def reduce_left(self) -> float:
         """Round ``state`` closed: how long until its state, if it is reduced as fast as the last
         one was (unknown: soon)."""
-        since = self.clock.monotonic() - (self._closed_seen or self.clock.monotonic())
+        since = 0.0 if self._closed_seen is None else self.clock.monotonic() - self._closed_seen
         return max(0.0, (self._reduce_s or 0.0) - since)

@@ -4,8 +4,8 @@ Two schedulers on one run are safe (CLOSE and COMMIT are create-once, reduction 
 but each would print "state N committed" for half the rounds and publish views that contradict
 each other, and nobody would know. So a scheduler holds a lease in the bucket: generation ``g``
 is ``runs/RUN/lease/{g:08d}.json``, created once (whoever creates it holds it) and then
-rewritten only by its holder, every third of its ``ttl_s``. Another scheduler that finds a live
-lease is refused with a message naming the holder (or, ``--standby``, waits for it). A lease is
+rewritten only by its holder, every half of its ``ttl_s`` (``RENEW``). Another scheduler that
+finds a live lease is refused with a message naming the holder (or, ``--standby``, waits for it). A lease is
 free when its holder released it (a clean exit), stopped renewing it for ``ttl_s`` (a killed or
 cut-off machine), or names this host and a process that no longer exists (a restart here need
 not wait). Taking a free lease is creating generation ``g + 1``: of two schedulers racing for it,
@@ -33,6 +33,7 @@ from .run import RunError
 log = logging.getLogger(__name__)
 
 LEASE_S = 60.0  # a killed scheduler's lease frees this long after its last renewal
+RENEW = 0.5  # renewed when this share of it has passed: at the first poll after (polls are 10 s at most)
 
 
 class LeaseHeld(RunError):
@@ -114,14 +115,14 @@ class Lease:
         return not held(record, now) or record.holder == self.holder or _gone(record)
 
     def hold(self) -> None:
-        """Take the lease, or renew it if a third of its time has passed (nothing otherwise:
+        """Take the lease, or renew it once ``RENEW`` of its time has passed (nothing otherwise:
         an unchanged poll costs no lease request). LeaseHeld if another holds it, LeaseLost if
         it was taken over."""
         now = self.clock.time()
         if self.generation is None:
             self._take(now)
-        elif (self.clock.monotonic() - self._renewed >= self.ttl_s / 3
-              or now - self._record.renewed_at >= self.ttl_s / 3):
+        elif (self.clock.monotonic() - self._renewed >= self.ttl_s * RENEW
+              or now - self._record.renewed_at >= self.ttl_s * RENEW):
             self._renew(now)
 
     def _take(self, now: float) -> None:

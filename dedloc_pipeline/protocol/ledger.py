@@ -91,12 +91,7 @@ def prune(run: Run, newest: int, window: int = 3) -> None:
     # ``window`` states back once per process (a crash may have skipped some), then only new ones
     first = max(1, last - window) if run.pruned_through is None else run.pruned_through + 1
     run.pruned_through = max(last, run.pruned_through or 0)
-    for s in range(first, last + 1):
-        bucket.delete(keys.applied_dir(s))
-        bucket.delete(keys.streams(s))
-        bucket.delete(keys.delta(s))
-        if s % cfg.checkpoint_every:
-            bucket.delete(keys.params(s))
-            bucket.delete(keys.optim_dir(s))
-        for scratch in keys.round_scratch(s - 1):
-            bucket.delete(scratch)
+    for s in range(first, last + 1):  # a listing each of the state and of its round
+        checkpoint = (keys.params(s), keys.optim_dir(s)) if s % cfg.checkpoint_every == 0 else ()
+        bucket.delete(keys.state(s), keep=(keys.commit(s), *checkpoint))
+        bucket.delete(keys.round(s - 1), keep=(keys.close(s - 1),))

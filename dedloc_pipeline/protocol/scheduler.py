@@ -86,7 +86,8 @@ class Scheduler:
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
         self._published: tuple | None = None  # what the last view written said, time aside
-        self._published_at = float("-inf")  # clock.monotonic() when it was written
+        self._keepalive_s = run.config.peer_timeout_s * view.KEEPALIVE  # an unchanged view rewritten after this
+        self._keepalive_due = float("-inf")  # clock.monotonic() from which an unchanged view is rewritten
         if run.signed:
             run.organizer("CLOSE")  # a scheduler that could not sign its CLOSEs fails here, not at the first
 
@@ -186,11 +187,11 @@ class Scheduler:
                           written_at=max(at, self.clock.time()))
             beats = sorted((k, tag) for k, (_, tag) in listed.items() if k.startswith(keys.progress_dir(r) + "/"))
             said = (tuple(sorted(v.model_dump(exclude=_PROJECTED).items())), tuple(beats))
-            due = self.clock.monotonic() - self._published_at >= self.run.config.peer_timeout_s * view.KEEPALIVE
+            due = self.clock.monotonic() >= self._keepalive_due - 1e-3  # a sleep up to it lands within
             if said == self._published and not due:
                 return
             view.write(bucket, keys, v)
-            self._published, self._published_at = said, self.clock.monotonic()
+            self._published, self._keepalive_due = said, self.clock.monotonic() + self._keepalive_s
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
 
@@ -219,16 +220,20 @@ class Scheduler:
     def wait_close(self, r: int, deadline: float | None = None) -> Close | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
         (``clock.monotonic()``) passes, so the loop can check its stop rules again. By default
-        it polls every ``cadence.scheduler_poll_s``, faster near the target."""
+        it polls every ``cadence.scheduler_poll_s``, faster near the target, and as the view's
+        keep-alive falls due."""
         while True:
             close = self.try_close(r)
             if close is not None:
                 return close
             if self._stopped:
                 return None
-            if deadline is not None and self.clock.monotonic() > deadline:
+            if deadline is not None and self.clock.monotonic() >= deadline:
                 return None
             wait = self.run.config.cadence.scheduler_s(self._eta) if self.poll_s is None else self.poll_s
+            keepalive_in = self._keepalive_due - self.clock.monotonic()
+            if keepalive_in > 0:  # past due (a write that failed) waits the poll, never spins
+                wait = min(wait, keepalive_in)
             self.clock.sleep(wait if deadline is None else max(0.0, min(wait, deadline - self.clock.monotonic())))
 
     def finish(self, r: int, pool: Executor) -> dict:

@@ -30,9 +30,9 @@ log = logging.getLogger(__name__)
 
 VIEW_VERSION = 1
 MAX_VIEW_BYTES = 4096  # an honest view is ~400 bytes; anything larger is not parsed
-# the scheduler rewrites a view that did not change after this share of peer_timeout_s: a reader
-# polling at most every poll_max_s (10 s) still sees a new one within peer_timeout_s (30 s)
-KEEPALIVE = 0.5
+# the scheduler rewrites a view that did not change after this share of peer_timeout_s; below 1,
+# a reader sees a live scheduler's view change between any two of its reads peer_timeout_s apart
+KEEPALIVE = 2 / 3
 
 
 class View(BaseModel):
@@ -83,20 +83,23 @@ def read(bucket: Bucket, keys: RunLayout) -> View | None:
 class Reader:
     """A volunteer's copy of the view, refreshed by a conditional GET (``If-None-Match`` its
     ETag): an unchanged view costs no body. The scheduler rewrites the view at least every
-    ``KEEPALIVE`` of ``timeout``, so a view that has not changed for ``timeout`` seconds of this
-    machine's clock is stale, which
-    needs no agreement between the two machines' clocks. The first view read is judged by its
-    own ``at`` (no change seen yet)."""
+    ``KEEPALIVE`` of ``timeout``, so a view seen unchanged by reads ``timeout`` seconds apart
+    (this machine's clock: no agreement between the two machines' clocks needed) is stale. It is
+    judged at reads, not between them: a reader that looks seldom (a long micro-batch) does not
+    call a live scheduler's view stale for the time it did not look. The first view read is judged
+    by its own ``at`` (no change seen yet)."""
 
     def __init__(self, timeout: float, clock: Clock = REAL) -> None:
         self.timeout, self.clock = timeout, clock
         self.view: View | None = None
         self._tag: str | None = None
         self._changed = float("-inf")  # clock.monotonic() of the last change seen
+        self._read_at = float("-inf")  # ... of the last read, answered or not
 
     def read(self, bucket: Bucket, keys: RunLayout) -> View | None:
         """The newest view (None if there is none or it is unusable); ``fresh`` says whether it
         still counts."""
+        self._read_at = self.clock.monotonic()
         try:
             got = bucket.read_if_changed(keys.view, self._tag)
         except Exception as exc:  # a bucket hiccup: no new view this poll; freshness decides
@@ -116,7 +119,7 @@ class Reader:
 
     @property
     def fresh(self) -> bool:
-        return self.view is not None and self.clock.monotonic() - self._changed < self.timeout
+        return self.view is not None and self._read_at - self._changed < self.timeout
 
 
 def parse(raw: bytes | None) -> View | None:

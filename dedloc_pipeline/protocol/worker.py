@@ -191,10 +191,18 @@ class Worker:
         return theirs if mine_eta is None else min(mine_eta, theirs)
 
     def poll_every(self) -> float:
+        """The interval between round-view reads: a share of the ETA; once the round is full and
+        this peer computes ahead (delayed updates), a share of the wait so far, once the last
+        reduction's length has passed: a late state costs a few stale samples, not idle time."""
         if self.poll_s is not None:
             return self.poll_s
-        cadence = self.run.config.cadence
-        return cadence.poll_min_s if self.follower.behind else cadence.poll_s(self.eta())
+        cadence, f = self.run.config.cadence, self.follower
+        if f.behind:
+            return cadence.poll_min_s
+        waited = f.waited()
+        if self.delayed and waited is not None:
+            return cadence.poll_s(max(f.reduce_left(), waited))
+        return cadence.poll_s(self.eta())
 
     def heartbeat_every(self) -> float:
         """The keep-alive after a heartbeat: a share of the last round's length (before one

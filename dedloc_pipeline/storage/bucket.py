@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -306,16 +307,32 @@ class Bucket:
         return self.create(key, _dumps(obj))
 
     @_retried
-    def delete(self, prefix: str) -> None:
-        """Delete the object ``prefix`` and everything below it (on S3 in batches: ``s3.delete``)."""
+    def delete(self, prefix: str, keep: Collection[str] = ()) -> None:
+        """Delete the object ``prefix`` and everything below it but the keys ``keep`` and what
+        lies below them: one listing, however many folders (on S3 in batches: ``s3.delete``)."""
         self.stats.add("delete")
+        tops = tuple(self.path(k) for k in keep)
+
+        def kept(path: str) -> bool:
+            return any(path == t or path.startswith(t + "/") for t in tops)
+
         if self.protocol == "s3":
-            s3.delete(self.fs, self.path(prefix))
+            s3.delete(self.fs, self.path(prefix), kept)
             return
         try:
-            self.fs.rm(self.path(prefix), recursive=True)
+            if not tops:
+                self.fs.rm(self.path(prefix), recursive=True)
+                return
+            found = self.fs.find(self.path(prefix), withdirs=True, detail=True)
         except FileNotFoundError:
-            pass
+            return
+        for p, info in found.items():
+            if info["type"] != "directory" and not kept(p):
+                self.fs.rm_file(p)
+        # folders left empty go too (where folders are real): a pruned prefix lists as absent, as on S3
+        for p in sorted((p for p, info in found.items() if info["type"] == "directory"), key=len, reverse=True):
+            if not kept(p) and self.fs.isdir(p) and not self.fs.ls(p):
+                self.fs.rmdir(p)
 
     def _local_tmp(self, path: str, data: bytes) -> str:
         """A whole copy beside ``path``, under a hidden name, to be renamed or linked into place."""

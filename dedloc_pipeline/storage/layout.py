@@ -138,10 +138,6 @@ class RunLayout:
             raise ValueError(f"{key!r} is not a key of a round of run {self.run!r}")
         return int(head)
 
-    def round_scratch(self, r: int) -> tuple[str, ...]:
-        """Everything of round r but its CLOSE: pruned once no one reads it again."""
-        return (*(f"{self.round(r)}/{sub}" for sub in ROUND_FOLDERS), f"{self.round(r)}/reduced")
-
     def progress_dir(self, r: int) -> str:
         return f"{self.round(r)}/progress"
 

@@ -5,6 +5,7 @@ ETags, batched deletes). The Bucket calls these when its URL is ``s3://``."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from fsspec.asyn import sync
 
@@ -75,10 +76,10 @@ def objects(fs, path: str) -> dict[str, tuple[int, str]]:
             return found
 
 
-def delete(fs, path: str) -> None:
-    """The object ``path`` and everything below it: one LIST, and one DeleteObjects a 1000 keys
-    only if there is anything (a pruned prefix costs one LIST)."""
-    keys = [k for k in objects(fs, path) if k == path or k.startswith(path + "/")]
+def delete(fs, path: str, kept: Callable[[str], bool] = lambda k: False) -> None:
+    """The object ``path`` and everything below it but the paths ``kept`` says: one LIST, and
+    one DeleteObjects a 1000 keys only if there is anything (a pruned prefix costs one LIST)."""
+    keys = [k for k in objects(fs, path) if (k == path or k.startswith(path + "/")) and not kept(k)]
     bucket = fs.split_path(path)[0]
     for i in range(0, len(keys), 1000):
         sync(fs.loop, fs._call_s3, "delete_objects", Bucket=bucket, Delete={

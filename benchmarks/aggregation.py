@@ -165,7 +165,6 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
 
         def reset_reduced():
             reset_round(vrun, ROUND, keep_close=True)
-            aggregator.prepare(vrun, ROUND)
 
         with ThreadPoolExecutor(2) as pool:
             reduce_parallel = best_of(
@@ -195,7 +194,7 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
                               "one after the other"},
             "validate": {**validated, "what": "Scheduler.try_close: list, read every manifest, "
                          "read+checksum+decode every shard, finiteness and norm, write CLOSE"},
-            "round": {**whole, "what": "try_close + finish (prepare, reduce, AdamW apply, commit), "
+            "round": {**whole, "what": "try_close + finish (reduce, AdamW apply, commit), "
                       "2 threads"},
         }
         for t in timings.values():

@@ -138,7 +138,6 @@ def measure() -> dict:
     b = Bucket(f"file://{tempfile.mkdtemp()}/b")
     dense, shard = vector.VectorFormat("none", n, n, 4096), vector.VectorFormat("sparse", n, n, 4096, whole=True)
     arrays, total, state = codec.encode(x, "sparse", 4096), np.zeros(n), {"momentum_buffer": np.zeros(n, np.float32)}
-    vector.create_vector(b, "v", dense)
     vector.write_vector(b, "s", shard, arrays)
     write = best(lambda: vector.write_vector(b, "v", dense, {"values": p}))
     read = best(lambda: vector.read_vector(b, "v", dense))

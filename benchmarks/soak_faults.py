@@ -8,7 +8,7 @@ Every role is a process of its own: its own Run over its own Bucket (``dedloc_pi
 the faults all processes share, and its own kill switch), on one FakeClock, in lock-step. Each
 tick the live workers take a step, the scheduler one, then the clock moves ``STEP_S``. A round is
 aggregated as ``dedloc aggregate`` does it (``Scheduler.step``: parts on the scheduler's threads,
-an "engine" round) or as the Prefect round flow does (a "flow" round: try_close, prepare, each
+an "engine" round) or as the Prefect round flow does (a "flow" round: try_close, each
 part on an aggregator process of its own, tried again as Prefect retries a task, commit). Drawn
 from generators seeded by the seed and the tick (churn), the round (its kill) or nothing else (the
 bucket's stretches), so that which request a fault meets, which threads decide, moves little else:
@@ -17,7 +17,7 @@ bucket's stretches), so that which request a fault meets, which threads decide, 
   (killed at a request of its next step, mid-upload perhaps); a worker that fails (the bucket
   down past its retries) exits, and systemd starts it again ``RESTART_S`` later;
 - a scheduler is killed at a random request of an engine round, or inside a chosen step of a flow
-  round (try_close, prepare, an aggregator's reduce or apply part, commit); one that fails exits
+  round (try_close, an aggregator's reduce or apply part, commit); one that fails exits
   alike; it is started again a few ticks later, in one place (``Soak.new_scheduler``);
 - the bucket fails a share of requests, before or after they take effect, for stretches of
   requests, and the disk is full (ENOSPC on every write) for shorter ones.
@@ -56,9 +56,9 @@ FLOW_SHARE, KILL_ENGINE, KILL_FLOW = 0.5, 0.3, 0.5  # per round: flow rounds; ro
 SCHEDULER_BACK_S = (0.0, 1.0, 2.0, 5.0)  # how soon a dead scheduler is started again
 AGGREGATORS, ATTEMPTS = 2, 4  # aggregator processes; a part's tries (Prefect: retries=3)
 RETRY = RetryPolicy(attempts=6, wait_s=0.0, max_wait_s=0.0)  # the default attempts, no real waits
-FLOW_PHASES = ("try_close", "prepare", "reduce_part", "apply_part", "commit")
+FLOW_PHASES = ("try_close", "reduce_part", "apply_part", "commit")
 # where a kill or a failure happened: the innermost of these frames (module.function) in its traceback
-FRAMES = {"scheduler.try_close": "try_close", "scheduler._publish": "view", "aggregator.prepare": "prepare",
+FRAMES = {"scheduler.try_close": "try_close", "scheduler._publish": "view",
           "aggregator.reduce_part": "reduce_part", "aggregator.apply_part": "apply_part",
           "ledger._write_commit": "commit", "ledger.prune": "prune", "lease.hold": "lease",
           "transfers._send": "upload", "follower.load": "download", "worker._report": "heartbeat",
@@ -283,7 +283,7 @@ class Soak:
 
     def flow(self, sched: Scheduler, kill: Kill, r: int, plan: Plan | None) -> None:
         """The Prefect round flow's steps: try_close (a kill planned there is armed from the
-        round's first poll on, until it closes), prepare, the parts on the aggregators, commit."""
+        round's first poll on, until it closes), the parts on the aggregators, commit."""
         if plan is not None and plan.phase == "try_close" and not plan.fired:
             self.arm(kill, plan)
         before = kill.requests
@@ -293,7 +293,6 @@ class Soak:
         kill.disarm()
         if plan is None or plan.phase != "try_close":
             self.requests["try_close"] = max(5, kill.requests - before)
-        self.phase(kill, plan, "prepare", lambda: aggregator.prepare(sched.run, r))
         for fn in (aggregator.reduce_part, aggregator.apply_part):
             for k in range(self.auditor.n_parts):
                 self.on_aggregator(fn, r, k, plan)

@@ -59,9 +59,7 @@ def vector_run(bucket: Bucket, name: str, n: int, **fields) -> Run:
     keys = run.keys
     bucket.create_json(keys.config, cfg.model_dump(mode="json"))
     p0 = np.random.default_rng(n).standard_normal(n, dtype=np.float32) * 0.02
-    sums = vector.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
-    for state in ("exp_avg", "exp_avg_sq", "residual"):
-        vector.create_vector(bucket, keys.optim(0, state), run.dense_format)
+    sums = vector.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})  # optimizer state: zeros
     bucket.create_json(keys.commit(0), {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": time.time(), "n_params": n})

@@ -19,7 +19,7 @@ from prefect.artifacts import (
 
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol import aggregator, ledger, scheduler as engine
+from dedloc_pipeline.protocol import ledger, scheduler as engine
 from dedloc_pipeline.protocol.close import close_summary
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
@@ -33,11 +33,6 @@ def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: 
     """Round r's CLOSE in brief, or None if the run was stopped or nothing closed in ``max_wait_s``."""
     close = scheduler(bucket, run, poll_s).wait_close(r, time.monotonic() + max_wait_s)
     return None if close is None else close_summary(close)
-
-
-@task(retries=3, retry_delay_seconds=2)
-def prepare(bucket: str, run: str, r: int) -> None:
-    aggregator.prepare(open_run(bucket, run), r)
 
 
 @task(retries=3, retry_delay_seconds=2)
@@ -63,13 +58,11 @@ def round_flow(bucket: str, run: str, r: int, poll_s: float | None = None, max_w
     if close is None:
         return None
     parts = list(range(open_run(bucket, run).n_parts))
-    ready = prepare.submit(bucket, run, r)
     if runner == "task-workers":  # background task runs that task workers take (flows/aggregators.py)
-        ready.result()
         run_parts(reduce_part, bucket, run, r, parts)
         applied = run_parts(apply_part, bucket, run, r, parts)
     else:
-        reduced = reduce_part.map(bucket, run, r, parts, wait_for=[ready])
+        reduced = reduce_part.map(bucket, run, r, parts)
         applied = apply_part.map(bucket, run, r, parts, wait_for=reduced)
     summary = commit.submit(bucket, run, r, wait_for=applied).result()
     summary["duration_s"] = summary["committed_at"] - summary["closed_at"]

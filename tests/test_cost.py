@@ -197,7 +197,6 @@ def test_the_plan_is_the_run(round_on_s3):
     assert (planned.grad_format, planned.delta_format, planned.dense_format) == (
         run.grad_format, run.delta_format, run.dense_format)
     assert lay.parts == [len(run.part_chunks(k)) for k in range(run.n_parts)] in ([3, 1], [4])
-    assert lay.slots == len(run.bucket.list(run.keys.optim_dir(0))) - 1  # beside the residual
 
 
 def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
@@ -231,9 +230,9 @@ def test_pruning_costs_what_the_model_says(round_on_s3):
 
 def test_the_cadence_is_integrated_over_the_falling_eta():
     """A round open 100 s with the default cadence: polls every 0.5 s below an ETA of 1 s, at
-    half the ETA up to 20 s, every 10 s above."""
+    half the ETA up to 40 s, every 20 s above."""
     cad = RunConfig(run="x").cadence
-    want = 1 / 0.5 + np.log(20 / 1) / 0.5 + 80 / 10
+    want = 1 / 0.5 + np.log(40 / 1) / 0.5 + 60 / 20
     assert _count(cad.poll_s, 100.0) == pytest.approx(want, rel=1e-3)
     assert _count(cad.poll_s, 1.0) == pytest.approx(2.0, rel=1e-3) and _count(cad.poll_s, 0) == 0
 

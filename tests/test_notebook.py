@@ -77,8 +77,10 @@ def test_join_in_a_notebook_draws_one_panel_in_place(make_run, bucket, tmp_path)
     # one display, created once and updated in place, each update a panel that moved
     first = [m["content"] for m in client.displays if m["msg_type"] == "display_data"]
     assert len(first) == 1, first
+    # redrawn each second while she works, and once as she ends: how many redraws a run of a few
+    # seconds gets is the machine's load, so one is what is sure
     updates = [m["content"] for m in client.displays if m["msg_type"] == "update_display_data"]
-    assert len(updates) >= 2, updates
+    assert len(updates) >= 1, updates
     assert all(u["transient"]["display_id"] == first[0]["transient"]["display_id"] for u in updates)
     texts = [d["data"]["text/plain"] for d in first + updates]
     assert all(a != b for a, b in zip(texts, texts[1:]))  # an unchanged panel is not sent again

@@ -221,7 +221,6 @@ def test_scheduler_killed_between_close_and_commit_gives_the_same_state(tmp_path
 
     # the first scheduler gets this far, then dies
     Scheduler(run, 1, 0).try_close(0)
-    aggregator.prepare(run, 0)
     parts = range(run.n_parts)
     if crash_after != "close":
         for k in (parts[:1] if crash_after == "one_reduce" else parts):
@@ -449,7 +448,6 @@ def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run
     for r in range(4):
         _fill_round(run, r)
         assert sched.wait_close(r) is not None
-        aggregator.prepare(run, r)
         for step in (aggregator.reduce_part, aggregator.apply_part):
             for k in range(run.n_parts):
                 step(run, r, k)

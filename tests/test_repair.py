@@ -122,7 +122,6 @@ def test_a_healthy_run_has_nothing_to_repair(run):
     res = cli("repair", *where(run))
     assert res.exit_code == 0 and res.output == f"run r: state {NEWEST} is intact, nothing to repair\n", res.output
     close_round(run)  # a round in flight is no damage: closed, reduced in part
-    aggregator.prepare(run, NEWEST)
     aggregator.reduce_part(run, NEWEST, 0)
     assert repair.diagnose(run) == repair.Plan(NEWEST)
     assert repair.repair(run, True, lambda line: None)

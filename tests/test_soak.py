@@ -24,11 +24,12 @@ ROUNDS = 20
 # worker or the scheduler holds; one of tiny's) passes it over the second half's 10 rounds; slower
 # leaks are for the 300-round run's slope to show.
 RSS_GROWTH_MB = 100
-# Seed 7's 25 rounds (~15 s here) meet every kind of fault: the scheduler killed in 5 steps, 3
-# aggregators killed, a flaky stretch and a full disk, both kinds of departure, a worker the bucket
-# failed started again, a volunteer alone for 43 s. (Each concern draws from its own seeded stream,
+# Seed 9's 25 rounds meet every kind of fault: the scheduler killed in 4 steps (commit, apply,
+# reduce, try_close), 2 aggregators killed, flaky stretches and a full disk, both kinds of
+# departure, workers the bucket failed started again, a volunteer alone for 59 s (seed 7's kills
+# fell in 2 steps once a round had no prepare step). (Each concern draws from its own seeded stream,
 # so the threads' timing moved none of it in four runs.)
-FAULT_ROUNDS, FAULT_SEED = 25, 7
+FAULT_ROUNDS, FAULT_SEED = 25, 9
 
 
 @pytest.fixture(scope="module")

@@ -277,8 +277,8 @@ def _worker_requests(tmp_path, others: int) -> tuple[Counter, Counter]:
 
     from .conftest import small_config
     run = init_run(Bucket(url), small_config("cost", target_batch_size=1000))
-    for i in range(others):
-        _beat(run, 0, f"p{i}", 4)
+    for i in range(others):  # fast enough that the round is near its end: peers could be ahead
+        _beat(run, 0, f"p{i}", 4, speed=100.0)
         put_shard(run, 0, f"p{i}", samples=4)
     w = Worker(Run(Bucket(url), "cost"), "me", micro_batch=4, threads=1, poll_s=0)
     sched = Scheduler(Run(Bucket(url), "cost"), 1, 0)
@@ -364,7 +364,7 @@ def test_a_view_is_judged_stale_at_reads_not_between_them(make_run):
     run = on_clock(make_run())
     clock, timeout = run.clock, run.config.peer_timeout_s
     sched = Scheduler(run, 1, 0, lease_s=3600.0)
-    reader = view.Reader(timeout, clock)
+    reader = view.Reader(timeout, run.config.cadence.heartbeat_max_s, clock)
     sched.try_close(0)
     reader.read(run.bucket, run.keys)
     for _ in range(8):  # the scheduler polls every 5 s, the reader looks every 25 s
@@ -378,11 +378,53 @@ def test_a_view_is_judged_stale_at_reads_not_between_them(make_run):
     assert not reader.fresh
 
 
+def test_in_long_rounds_the_view_is_kept_alive_as_seldom_as_a_heartbeat(make_run, monkeypatch):
+    """The view changes with each wave of heartbeats and shards; its keep-alive alone says that a
+    scheduler is there. After a 100 s round it is rewritten unchanged 60 s after the last write (a
+    heartbeat's keep-alive: 0.6 of the round), not every 20 s, and says so (next_s): a reader
+    calls it fresh 65 s unchanged and stale at 75 s (the keep-alive plus a third of
+    peer_timeout_s), where a view of short rounds is stale at peer_timeout_s."""
+    run = on_clock(make_run())
+    clock, timeout, cap = run.clock, run.config.peer_timeout_s, run.config.cadence.heartbeat_max_s
+    sched = Scheduler(run, 1, 0, lease_s=3600.0)
+    assert sched.keepalive_s == timeout * view.KEEPALIVE  # no round seen yet
+    _beat(run, 0, "a", 4)
+    assert sched.try_close(0) is None  # the round's first work
+    clock.advance(100.0)
+    put_shard(run, 0, "a", samples=TARGET)
+    close = sched.try_close(0)
+    assert close is not None and close.closed_at - close.started_at == pytest.approx(100.0)
+    assert sched.keepalive_s == pytest.approx(60.0)
+    with ThreadPoolExecutor(2) as pool:
+        sched.finish(0, pool)
+    written = []
+    write = view.write
+    monkeypatch.setattr(view, "write", lambda b, k, v: (written.append(clock.monotonic()), write(b, k, v)))
+    for _ in range(40):  # round 1: nobody computing, a poll every 5 s for 200 s
+        assert sched.try_close(1) is None
+        clock.advance(5.0)
+    gaps = [b - a for a, b in zip(written, written[1:])]
+    assert len(gaps) == 3 and all(g == pytest.approx(60.0) for g in gaps), written
+    assert view.parse(run.bucket.read_bytes(run.keys.view)).next_s == pytest.approx(60.0)
+    reader = view.Reader(timeout, cap, clock)
+    assert sched.try_close(1) is None  # a write is due now: 200 s after the first
+    reader.read(run.bucket, run.keys)
+    assert reader.lifetime == pytest.approx(70.0)
+    clock.advance(65.0)
+    reader.read(run.bucket, run.keys)
+    assert reader.fresh
+    clock.advance(10.0)
+    reader.read(run.bucket, run.keys)
+    assert not reader.fresh
+    assert view.lifetime(view.View(state=0, round=0, target=1, at=0.0, written_at=0.0, next_s=1e9), timeout, cap) \
+        == cap + timeout / 3  # a view claiming to stand for ever counts no longer than a heartbeat
+
+
 def test_the_scheduler_polls_every_scheduler_poll_s_and_as_the_keepalive_falls_due(make_run, monkeypatch):
     """Far from the target (nobody computing) the scheduler polls every cadence.scheduler_poll_s
-    (10 s): one LIST each, and the view rewritten at the poll its keep-alive falls due, never
+    (20 s): one LIST each, and the view rewritten at the poll its keep-alive falls due, never
     later (a poll is moved up to it), so a reader never sees it unchanged for peer_timeout_s."""
-    run = on_clock(make_run(peer_timeout_s=36.0))  # a keep-alive of 24 s: off the 10 s polls
+    run = on_clock(make_run(peer_timeout_s=36.0))  # a keep-alive of 24 s: off the 20 s polls
     clock = run.clock
     sched = Scheduler(run, 1, lease_s=3600.0)
     written = []
@@ -392,8 +434,9 @@ def test_the_scheduler_polls_every_scheduler_poll_s_and_as_the_keepalive_falls_d
     assert sched.wait_close(0, deadline=start + 200.0) is None
     polls = (Counter(run.bucket.stats.requests) - before)["list"]
     keepalive = run.config.peer_timeout_s * view.KEEPALIVE
-    assert run.config.cadence.scheduler_poll_s == 10.0
-    assert 200 / 10 <= polls <= 200 / 10 + 200 / keepalive + 8  # and the next round's heartbeats every 30 s
+    assert run.config.cadence.scheduler_poll_s == 20.0
+    # and the next round's heartbeats every 36 s (nobody computing: anyone may be ahead)
+    assert 200 / 20 + 200 / 36 <= polls <= 200 / 20 + 200 / keepalive + 200 / 36 + 2
     gaps = [b - a for a, b in zip(written, written[1:])]
     assert gaps and max(gaps) <= keepalive + 1e-9 and min(gaps) >= keepalive - 1e-9
 
@@ -429,7 +472,7 @@ def test_a_worker_computing_ahead_reads_the_view_seldom_while_its_round_is_reduc
         assert all(w.state == 2 and w.acc.round == 3 for w in workers)  # computing ahead throughout
         assert all(4 <= n <= 12 for n in reads.values()), reads
         assert sched.step(pool) and run.latest() == 3
-        for _ in range(12):  # the next state's view is read within poll_max_s
+        for _ in range(int(run.config.cadence.poll_max_s) + 2):  # the next state's view is read within poll_max_s
             tick()
             sched.try_close(3)
         assert all(w.state == 3 for w in workers)

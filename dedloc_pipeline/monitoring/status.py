@@ -47,12 +47,13 @@ def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
 
 def _progress(run: Run, r: int, now: float) -> dict:
     """Open round r as its round view has it: the validated samples, and while the view is fresh
-    (written within ``peer_timeout_s`` of ``now``) the live peers' pending samples and speed; the
+    (written within its ``view.lifetime`` of ``now``) the live peers' pending samples and speed; the
     ETA from them, by the one ETA rule (``view.eta``). No view of round r: nothing validated."""
     cfg, target = run.config, run.config.target_batch_size
     published = view.read(run.bucket, run.keys)
     v = published if published is not None and published.round == r else None
-    fresh = v is not None and abs(now - v.at) < cfg.peer_timeout_s
+    stands = view.lifetime(published, cfg.peer_timeout_s, cfg.cadence.heartbeat_max_s)
+    fresh = v is not None and abs(now - v.at) < stands
     validated = v.validated_samples if v is not None else 0
     pending, peers, rate = (v.pending_samples, v.peers, v.samples_per_s) if fresh else (0, 0, 0.0)
     closed = run.bucket.exists(run.keys.close(r))
@@ -62,6 +63,7 @@ def _progress(run: Run, r: int, now: float) -> dict:
             "eta_s": view.eta(target, validated, pending, rate, closed),
             # the scheduler as its view shows it: when it last published, and whether it said it ended
             "scheduler_seen_at": published.written_at if published is not None else None,
+            "scheduler_stands_s": stands,
             "scheduler_ended": published.ended if published is not None else None}
 
 
@@ -121,8 +123,8 @@ def status(run: Run, now: float | None = None) -> dict:
 
 def scheduler_line(s: dict) -> str:
     """What is closing rounds, if anything, and how to go on when nothing is: the run stopped,
-    the scheduler ended, or none has published for ``peer_timeout_s``."""
-    p, timeout = s["progress"], s["peer_timeout_s"]
+    the scheduler ended, or none has published for its view's lifetime (``view.lifetime``)."""
+    p = s["progress"]
     if s["stopped"]:
         return (f"stopped: STOP.json is in the run; to continue, delete runs/{s['run']}/STOP.json and start a "
                 "scheduler (dedloc aggregate, or make pretrain)")
@@ -132,7 +134,7 @@ def scheduler_line(s: dict) -> str:
     if seen is None:
         return "no scheduler has published yet: start one (dedloc aggregate, or make pretrain)"
     age = max(0.0, s["at"] - seen)
-    if age >= timeout:
+    if age >= p["scheduler_stands_s"]:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seen))
         return (f"no scheduler has published for {duration(age)} (since {since}): it is stopped, dead or stuck; "
                 "start one (dedloc aggregate, or make pretrain)")

@@ -159,14 +159,15 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     changed = peers * beats
     # the view is written when a poll read something new: each wave of heartbeats (a round's
     # start, each keep-alive) and of manifests reaches the scheduler over about two polls, the
-    # peers' clocks apart; and a keep-alive of its own every view.KEEPALIVE share of peer_timeout_s
-    view_writes = min(polls, 2 * (beats + 1) + round_s / (timeout * view.KEEPALIVE))
+    # peers' clocks apart; and a keep-alive of its own (Scheduler.keepalive_s: view.KEEPALIVE of
+    # peer_timeout_s, or in long rounds a heartbeat's keep-alive)
+    view_writes = min(polls, 2 * (beats + 1) + round_s / max(timeout * view.KEEPALIVE, cad.heartbeat_s(round_s)))
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
     sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
              + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW))
-             + Requests(list=max(1.0, round_s / timeout)))  # the next round's heartbeats
+             + Requests(list=1))  # the next round's heartbeats, from an ETA of peer_timeout_s on
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)

@@ -53,9 +53,9 @@ def _chunks(fmt: VectorFormat) -> list[int]:
 
 
 def _objects(fmt: VectorFormat) -> int:
-    """Objects a whole vector is stored as: each array's chunks and its ``zarr.json``, or for a
-    vector written whole (a shard, its metadata the run's) one object."""
-    return sum(1 if fmt.whole else c + 1 for c in _chunks(fmt))
+    """Objects a whole vector is stored as (its metadata is the run's): each array's chunks, or
+    for a vector written whole (a shard) one object."""
+    return sum(1 if fmt.whole else c for c in _chunks(fmt))
 
 
 def _reads(fmt: VectorFormat, chunks: int | None = None) -> int:
@@ -144,19 +144,16 @@ class Traffic:
         return Requests(head=1, put=1)
 
     def finish(self, shards: int) -> Requests:
-        """``Scheduler.finish`` of a closed round: prepare, reduce and apply every part, commit
-        (``prune`` apart: ``prune_steady``)."""
-        dense_arrays = 1 + 1 + self.slots + 1  # reduced gradient, params, optimizer state, residual
+        """``Scheduler.finish`` of a closed round: reduce and apply every part, commit (``prune``
+        apart: ``prune_steady``); no array is made or opened (their metadata is the run's)."""
         delta_arrays = len(self.delta.arrays())
-        total = Requests(get=dense_arrays + delta_arrays, put=dense_arrays + delta_arrays)  # prepare
-        whole = len(self.parts) == 1  # a part that writes every chunk also makes (finds) the arrays
+        total = Requests()
         for c in self.parts:
-            reduce = Requests(head=1, get=1 + shards * _reads(self.grad, c) + 1 + whole, put=c + 1)
+            reduce = Requests(head=1, get=1 + shards * _reads(self.grad, c), put=c + 1)
             if self.lamb:  # partial norms need the range's params and state
-                reduce += Requests(get=(1 + self.slots) * (1 + c))
+                reduce += Requests(get=(1 + self.slots) * c)
             written = 1 + delta_arrays + self.slots + int(self.lossy_delta)
-            apply = Requests(head=1, get=(1 + c) + (2 + self.slots) * (1 + c) + written * (1 + whole),
-                             put=written * c + 1)
+            apply = Requests(head=1, get=c + (2 + self.slots) * c, put=written * c + 1)
             if self.lamb:
                 apply += Requests(get=len(self.parts))
             total += reduce + apply
@@ -174,8 +171,8 @@ class Traffic:
         dense = self.dense
         state = len(self.parts) + _objects(self.delta) + 1  # applied, delta, streams
         if not checkpoint:
-            state += _objects(dense) + (self.slots + 1) * (dense.n_chunks + 1)  # params, optim
-        kept = 1 + (0 if not checkpoint else _objects(dense) + (self.slots + 1) * (dense.n_chunks + 1))
+            state += _objects(dense) + (self.slots + 1) * dense.n_chunks  # params, optim
+        kept = 1 + (0 if not checkpoint else _objects(dense) + (self.slots + 1) * dense.n_chunks)
         scratch = shards * (_objects(self.grad) + 1) + peers + _objects(dense) + len(self.parts)
         r = Requests()
         for listed, doomed in ((state + kept, state), (scratch + 1, scratch)):  # the COMMIT, the CLOSE kept

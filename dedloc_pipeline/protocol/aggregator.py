@@ -78,16 +78,6 @@ def _read_state(run: Run, r: int, part: int, residual: bool = True):
     return p, state, res
 
 
-def prepare(run: Run, r: int) -> None:
-    """Array metadata of round r's reduction and state r+1, so parts can be filled independently."""
-    keys = run.keys
-    vector.create_vector(run.bucket, keys.reduced(r), run.dense_format)
-    vector.create_vector(run.bucket, keys.params(r + 1), run.dense_format)
-    vector.create_vector(run.bucket, keys.delta(r + 1), run.delta_format, cname="lz4hc")
-    for name in (*run.config.aggregator_optimizer.slots, "residual"):
-        vector.create_vector(run.bucket, keys.optim(r + 1, name), run.dense_format)
-
-
 def apply_part(run: Run, r: int, part: int) -> str:
     """Optimizer step for this range: writes state r+1's params, delta and optimizer state."""
     keys, bucket = run.keys, run.bucket

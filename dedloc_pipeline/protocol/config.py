@@ -87,14 +87,14 @@ class Cadence(BaseModel):
 
     poll_min_s: float = Field(0.5, gt=0, description="fastest round-view read (near the target)",
                               json_schema_extra={"flag": "--poll-min"})
-    poll_max_s: float = Field(10.0, gt=0, description="slowest round-view read (far from it, or no view)",
+    poll_max_s: float = Field(20.0, gt=0, description="slowest round-view read (far from it, or no view)",
                               json_schema_extra={"flag": "--poll-max"})
     heartbeat_min_s: float = Field(5.0, gt=0, description="shortest keep-alive between heartbeats (short rounds)")
     heartbeat_max_s: float = Field(60.0, gt=0, description="longest keep-alive between heartbeats (long rounds); "
                                    "a silent peer counts as gone that long plus two thirds of peer_timeout_s "
                                    "after its last", json_schema_extra={"flag": "--heartbeat-max"})
     poll_share: float = Field(0.5, gt=0, le=1, description="a poll every this share of the ETA")
-    scheduler_poll_s: float = Field(10.0, gt=0, description="the scheduler's slowest poll, far from the target "
+    scheduler_poll_s: float = Field(20.0, gt=0, description="the scheduler's slowest poll, far from the target "
                                     "(nearer it, a share of the ETA down to poll_min_s); a poll where nothing "
                                     "changed is one LIST and one HEAD")
     heartbeat_share: float = Field(0.6, gt=0, le=1, description="a keep-alive heartbeat every this share of a "

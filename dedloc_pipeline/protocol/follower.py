@@ -2,8 +2,8 @@
 
 A worker moves to a new state when the round view names one (reading that COMMIT and its delta,
 in the background while it computes on), and leaves when the view says the run is stopped.
-Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
-clock: no scheduler, or it died or is busy reducing) it still notices new states and the STOP
+Without a fresh view (none yet, or unchanged for its ``view.lifetime`` by this machine's clock:
+no scheduler, or it died or is busy reducing) it still notices new states and the STOP
 marker by reading LATEST and STOP itself every ``fallback_s``. What a stale view still proves is
 used: a state newer than the worker's, a closed round, STOP, a scheduler that ended.
 """
@@ -35,7 +35,7 @@ class Follower:
                  parts: Parts, delayed: bool, fallback_s: float) -> None:
         self.run, self.peer, self.clock, self.transfers = run, peer, clock, transfers
         self.local, self.parts, self.delayed, self.fallback_s = local, parts, delayed, fallback_s
-        self.reader = published.Reader(run.config.peer_timeout_s, clock)
+        self.reader = published.Reader(run.config.peer_timeout_s, run.config.cadence.heartbeat_max_s, clock)
         self.state: int | None = None
         self.params = None
         self.state_hash = ""  # shard.commit_hash of state's COMMIT

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from functools import cached_property
 
 import numpy as np
@@ -127,7 +128,8 @@ class Run:
 
     @cached_property
     def delta_format(self) -> VectorFormat:
-        return self._fmt(self.config.param_codec)
+        """What one writer makes and every peer downloads: worth lz4hc's slower, smaller frames."""
+        return replace(self._fmt(self.config.param_codec), cname="lz4hc")
 
     @property
     def n_parts(self) -> int:
@@ -243,9 +245,8 @@ def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519Priva
     if config.unigram_bias and config.data != SYNTHETIC:
         bias = run.flat.tensor("predictions.bias")
         p0[bias.offset:bias.offset + bias.size] = unigram_log_probs(bucket, config.data, bias.size)
+    # its optimizer state is zeros: no objects
     sums = vector.write_vector(bucket, keys.params(0), run.dense_format, {"values": p0})
-    for name in (*config.aggregator_optimizer.slots, "residual"):
-        vector.create_vector(bucket, keys.optim(0, name), run.dense_format)  # zeros, no chunks
     bucket.create_json(keys.commit(0), run.record("COMMIT of state 0", {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": run.clock.time(),

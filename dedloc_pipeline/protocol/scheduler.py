@@ -6,7 +6,7 @@ drive the same loop::
 
     while stop_reason(snap := scheduler.poll(), until_state, deadline, clock.monotonic()) is None:
         close = snap.close or scheduler.wait_close(snap.state, deadline_of_the_wait)
-        if close:  prepare(r); reduce_part(r, k) for every part; apply_part(r, k) ...; commit(r)
+        if close:  reduce_part(r, k) for every part; apply_part(r, k) ...; commit(r)
 
 A round closes in ``try_close``: each new manifest judged (``judge.py``: validation, then the
 round's admission rules over the validated shards), then CLOSE (``close.py``); ``finish``
@@ -86,7 +86,7 @@ class Scheduler:
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
         self._speed = 0.0  # the live peers' speed, summed, when last known
         self._published: tuple | None = None  # what the last view written said, time aside
-        self._keepalive_s = run.config.peer_timeout_s * view.KEEPALIVE  # an unchanged view rewritten after this
+        self._round_s: float | None = None  # how long the last round took, from its first work to its CLOSE
         self._keepalive_due = float("-inf")  # clock.monotonic() from which an unchanged view is rewritten
         if run.signed:
             run.organizer("CLOSE")  # a scheduler that could not sign its CLOSEs fails here, not at the first
@@ -165,12 +165,13 @@ class Scheduler:
                  cap: int | None = None, ended: str | None = None) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats) if it
         says something new (time's projections aside: workers project the pending samples
-        themselves) or the last was written ``view.KEEPALIVE`` of ``peer_timeout_s`` ago, the
-        keep-alive by which volunteers know a scheduler publishes. A failed write is logged, never
-        raised: volunteers treat a view gone stale as no view."""
+        themselves) or its keep-alive is due (``keepalive_s``), by which volunteers know a
+        scheduler publishes. A failed write is logged, never raised: volunteers treat a view gone
+        stale as no view."""
         bucket, keys, target = self.run.bucket, self.run.keys, self.run.config.target_batch_size
         if close is not None:
             samples, shards, rejected = close.samples, len(close.accepted), len(close.rejected)
+            self._round_s = close.closed_at - (close.started_at or close.opened_at)
         if pending.samples_per_s > 0:
             self._speed = pending.samples_per_s
         # before a new round's first heartbeats, the collaboration's last known speed
@@ -184,23 +185,37 @@ class Scheduler:
                           ahead_samples_per_s=ahead.samples_per_s, ignored_heartbeats=pending.ignored,
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
                           eta_s=self._eta, cap=cap, ended=ended, at=at,
-                          written_at=max(at, self.clock.time()))
+                          written_at=max(at, self.clock.time()), next_s=self.keepalive_s)
             beats = sorted((k, tag) for k, (_, tag) in listed.items() if k.startswith(keys.progress_dir(r) + "/"))
             said = (tuple(sorted(v.model_dump(exclude=_PROJECTED).items())), tuple(beats))
             due = self.clock.monotonic() >= self._keepalive_due - 1e-3  # a sleep up to it lands within
             if said == self._published and not due:
                 return
             view.write(bucket, keys, v)
-            self._published, self._keepalive_due = said, self.clock.monotonic() + self._keepalive_s
+            self._published, self._keepalive_due = said, self.clock.monotonic() + self.keepalive_s
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
 
+    @property
+    def keepalive_s(self) -> float:
+        """Seconds after which an unchanged view is written again: ``view.KEEPALIVE`` of
+        ``peer_timeout_s``, or in long rounds a heartbeat's keep-alive (a share of the last round,
+        ``cadence.heartbeat_s``): the view changes with each wave of heartbeats and shards
+        anyway, and the keep-alive alone says that a scheduler is there."""
+        cfg = self.run.config
+        return max(cfg.peer_timeout_s * view.KEEPALIVE, cfg.cadence.heartbeat_s(self._round_s))
+
     def _ahead_of(self, r: int, at: float, again: bool = False) -> heartbeat.Pending:
-        """Round r+1's live heartbeats (peers computing ahead), listed every ``peer_timeout_s``
-        (and ``again`` for the closed view, which stands while the round is reduced): they are
-        for displays, not worth a LIST each poll."""
+        """Round r+1's live heartbeats (peers computing ahead), for displays, not worth a LIST
+        each poll: a peer computes ahead once round r looks full to it, so they are listed only
+        from an ETA of ``peer_timeout_s`` on (or none: everyone may have sent their parts), every
+        ``peer_timeout_s``, and ``again`` for the closed view, which stands while the round is
+        reduced."""
         seen_r, seen_at, pending = self._ahead_seen
-        if again or seen_r != r or self.clock.monotonic() - seen_at >= self.run.config.peer_timeout_s:
+        timeout, since = self.run.config.peer_timeout_s, self.clock.monotonic() - seen_at
+        if not again and self._eta is not None and self._eta > timeout:  # nobody can be ahead yet
+            return pending if seen_r == r and since < timeout else heartbeat.Pending()
+        if again or seen_r != r or since >= timeout:
             cfg, keys = self.run.config, self.run.keys
             listed = self.run.bucket.listing(keys.progress_dir(r + 1))
             pending = self._ahead.pending(self.run.bucket, keys, r + 1, listed, at, cfg.peer_timeout_s,
@@ -240,7 +255,6 @@ class Scheduler:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat
         after any crash. The Prefect round flow runs the same four steps as tasks."""
         run = self.run
-        aggregator.prepare(run, r)
         parts = range(run.n_parts)
         list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))
         list(pool.map(lambda k: aggregator.apply_part(run, r, k), parts))

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 
 VIEW_VERSION = 1
 MAX_VIEW_BYTES = 4096  # an honest view is ~400 bytes; anything larger is not parsed
-# the scheduler rewrites a view that did not change after this share of peer_timeout_s; below 1,
-# a reader sees a live scheduler's view change between any two of its reads peer_timeout_s apart
+# the scheduler rewrites a view that did not change after this share of peer_timeout_s at the
+# least (``next_s``; in long rounds a share of the round, as heartbeats), and a reader calls it
+# stale once unchanged for that plus the rest of peer_timeout_s (``lifetime``)
 KEEPALIVE = 2 / 3
 
 
@@ -68,6 +69,17 @@ class View(BaseModel):
                       "heartbeats and manifests were listed after it")
     written_at: float = Field(allow_inf_nan=False, description="when it was written: no heartbeat written "
                               "later is counted")
+    next_s: float | None = Field(None, ge=0, allow_inf_nan=False, description="seconds after ``written_at`` "
+                                 "by which the scheduler writes it again, changed or not (its keep-alive)")
+
+
+def lifetime(v: View | None, timeout: float, cap: float) -> float:
+    """Seconds a view stands unchanged before it counts as stale: ``timeout`` (the run's
+    ``peer_timeout_s``), or its keep-alive (``next_s``, at most ``cap``: the run's longest
+    heartbeat interval) plus a third of ``timeout`` when that is longer; the heartbeat's rule
+    (``heartbeat.lifetime``), so the slack past a due keep-alive is the same in long rounds."""
+    due = 0.0 if v is None or v.next_s is None else min(v.next_s, cap)
+    return max(timeout, due + timeout * (1 - KEEPALIVE))
 
 
 def read(bucket: Bucket, keys: RunLayout) -> View | None:
@@ -83,14 +95,14 @@ def read(bucket: Bucket, keys: RunLayout) -> View | None:
 class Reader:
     """A volunteer's copy of the view, refreshed by a conditional GET (``If-None-Match`` its
     ETag): an unchanged view costs no body. The scheduler rewrites the view at least every
-    ``KEEPALIVE`` of ``timeout``, so a view seen unchanged by reads ``timeout`` seconds apart
-    (this machine's clock: no agreement between the two machines' clocks needed) is stale. It is
+    ``next_s`` it states, so a view seen unchanged by reads its ``lifetime`` apart (this
+    machine's clock: no agreement between the two machines' clocks needed) is stale. It is
     judged at reads, not between them: a reader that looks seldom (a long micro-batch) does not
     call a live scheduler's view stale for the time it did not look. The first view read is judged
     by its own ``at`` (no change seen yet)."""
 
-    def __init__(self, timeout: float, clock: Clock = REAL) -> None:
-        self.timeout, self.clock = timeout, clock
+    def __init__(self, timeout: float, cap: float, clock: Clock = REAL) -> None:
+        self.timeout, self.cap, self.clock = timeout, cap, clock
         self.view: View | None = None
         self._tag: str | None = None
         self._changed = float("-inf")  # clock.monotonic() of the last change seen
@@ -108,7 +120,7 @@ class Reader:
         if got.changed:
             first = self._tag is None
             self._tag, self.view = got.tag, parse(got.data)
-            if self.view is not None and not (first and abs(self.clock.time() - self.view.at) >= self.timeout):
+            if self.view is not None and not (first and abs(self.clock.time() - self.view.at) >= self.lifetime):
                 self._changed = self.clock.monotonic()
         return self.view
 
@@ -118,8 +130,13 @@ class Reader:
         return self._changed
 
     @property
+    def lifetime(self) -> float:
+        """How long the view in hand stands unchanged (``lifetime``)."""
+        return lifetime(self.view, self.timeout, self.cap)
+
+    @property
     def fresh(self) -> bool:
-        return self.view is not None and self._read_at - self._changed < self.timeout
+        return self.view is not None and self._read_at - self._changed < self.lifetime
 
 
 def parse(raw: bytes | None) -> View | None:

@@ -2,13 +2,16 @@
 objects, and back, checked.
 
 Every vector is stored as zarr arrays chunked like the flat parameter vector, compressed with
-Blosc-lz4, so aggregators can read any chunk range on its own. A vector one writer makes at once
-(a peer's gradient shard) keeps its chunks in one object per array (zarr's sharding codec): a
-request per array, not per chunk, to write it and to read it whole; its arrays' metadata is the
-run's (``_metadata``: every shard of a run has the same shape, dtype and layout), so a shard is
-its chunk objects alone, read with that metadata. Vectors that aggregators
-write in chunk ranges (parameters, state, deltas) keep an object per chunk. Each chunk's decoded
-bytes are hashed into the manifest, so a corrupted or forged chunk is caught on read.
+Blosc-lz4, so aggregators can read any chunk range on its own. Its arrays' metadata is the run's
+(``_metadata``: every vector of a kind has the same shape, dtype and layout), so a vector is its
+chunk objects alone, written and read with that metadata and never a ``zarr.json`` (a request
+less per array to make, open or find one). A vector one writer makes at once (a peer's gradient
+shard) keeps its chunks in one object per array (zarr's sharding codec): a request per array, not
+per chunk, to write it and to read it whole. Vectors that aggregators write in chunk ranges
+(parameters, state, deltas) keep an object per chunk; a chunk of zeros is not stored there (it
+reads as zeros), so what proves such a vector whole is its COMMIT's checksums, and the markers
+and COMMIT written after it prove it written. Each chunk's decoded bytes are hashed into the
+manifest, so a corrupted or forged chunk is caught on read.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import numpy as np
 import zarr
 import zarr.core.sync
 from zarr.codecs import BloscCodec
-from zarr.errors import ContainsArrayError
 from zarr.storage import StorePath
 
 from .bucket import Bucket, StorageError
@@ -71,6 +73,9 @@ class VectorFormat:
     chunk_size: int
     block: int
     whole: bool = False  # written at once by one writer: one object per array
+    # lz4hc writes the same lz4 format, smaller and far slower to make: worth it for what one
+    # writer makes and every peer downloads (parameter deltas), not for each peer's shard
+    cname: str = "lz4"
 
     @property
     def n_chunks(self) -> int:
@@ -108,24 +113,6 @@ def chunk_checksums(fmt: VectorFormat, arrays: dict[str, np.ndarray], chunks: ra
     return out
 
 
-def create_vector(bucket: Bucket, key: str, fmt: VectorFormat, cname: str = "lz4") -> dict:
-    """Array metadata only; an existing array (a restarted writer) is left as it is. Returns
-    the arrays it created, open for writing (no second request to open them).
-
-    ``lz4hc`` writes the same lz4 format, smaller and far slower to make: worth it for what one
-    writer makes and every peer downloads (parameter deltas), not for each peer's shard.
-    """
-    created = {}
-    for name, (dtype, length, clen) in fmt.arrays().items():
-        try:
-            created[name] = zarr.create_array(
-                bucket.zarr_store(f"{key}/{name}"), shape=(length,), dtype=dtype, fill_value=0, zarr_format=3,
-                overwrite=False, **_layout(name, clen, fmt.per_object, cname))
-        except ContainsArrayError:
-            pass
-    return created
-
-
 def _layout(name: str, clen: int, whole: int, cname: str = "lz4") -> dict:
     """Chunking and compression of an array: ``whole`` chunks in one object, or (0) an object each."""
     compressor = BoundedBlosc(cname=cname, clevel=9, shuffle=_SHUFFLE.get(name, "bitshuffle"))
@@ -148,46 +135,42 @@ def chunk_objects(fmt: VectorFormat) -> set[str]:
 def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray]) -> None:
     """A whole vector as one data object per array, nothing read first: a shard's key is new
     (its part name is unique), so there is nothing to keep. zarr encodes each array in memory
-    (it reads a shard before writing one), and its chunk objects are put as they are, not its
-    metadata (the run's: readers imply it); chunks of zeros are stored too, so an honest shard
-    has every object (chunk_objects)."""
+    (it reads a shard before writing one), and its chunk objects are put as they are; chunks of
+    zeros are stored too, so an honest shard has every object (chunk_objects)."""
     objects = {}
-    for name, (dtype, length, clen) in fmt.arrays().items():
+    for name in fmt.arrays():
         objects[name] = {}
-        z = zarr.create_array(zarr.storage.MemoryStore(objects[name]), shape=(length,), dtype=dtype, fill_value=0,
-                              zarr_format=3, config={"write_empty_chunks": True}, **_layout(name, clen, fmt.per_object))
-        z[:] = arrays[name]
+        z = zarr.AsyncArray(metadata=_metadata(fmt, name), config={"write_empty_chunks": True},
+                            store_path=StorePath(zarr.storage.MemoryStore(objects[name])))
+        zarr.Array(z)[:] = arrays[name]
 
     async def put():
         for name, encoded in objects.items():
             store = bucket.zarr_store(f"{key}/{name}")
             for file, buf in encoded.items():
-                if file != "zarr.json":
-                    await store.set(file, buf)
+                await store.set(file, buf)
 
     zarr.core.sync.sync(put())
 
 
 def write_vector(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray],
                  chunks: range | None = None) -> dict[str, list[str]]:
-    """Write ``arrays`` (the elements of ``chunks``, default all) and return their chunk hashes."""
+    """Write ``arrays`` (the elements of ``chunks``, default all) and return their chunk hashes;
+    nothing is read first."""
     chunks = chunks or range(fmt.n_chunks)
-    complete = chunks.start == 0 and chunks.stop == fmt.n_chunks
     if fmt.whole:
-        if not complete:
+        if chunks.start != 0 or chunks.stop != fmt.n_chunks:
             raise ValueError(f"{key}: a whole vector is written at once, not chunks {chunks}")
         for name, (_, length, _) in fmt.arrays().items():
             if len(arrays[name]) != length:
                 raise ValueError(f"{key}/{name}: {len(arrays[name])} elements for {length}")
         _write_whole(bucket, key, fmt, arrays)
         return chunk_checksums(fmt, arrays, chunks)
-    created = create_vector(bucket, key, fmt) if complete else {}
     for name in fmt.arrays():
         lo, hi = fmt.bounds(name, chunks)
         if len(arrays[name]) != hi - lo:
             raise ValueError(f"{key}/{name}: {len(arrays[name])} elements for [{lo}, {hi})")
-        z = created.get(name) or zarr.open_array(bucket.zarr_store(f"{key}/{name}"), mode="r+", zarr_format=3)
-        z[lo:hi] = arrays[name]
+        zarr.Array(_array(bucket, key, fmt, name))[lo:hi] = arrays[name]
     return chunk_checksums(fmt, arrays, chunks)
 
 
@@ -203,15 +186,14 @@ def read_vector(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range | Non
 def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: range | None = None,
                  checksums: list[dict[str, list[str]] | None] | None = None) -> list[dict | CorruptShard]:
     """The raw arrays of ``chunks`` of many vectors, all requests in flight at once on zarr's
-    event loop (a remote bucket's latency overlaps); a vector that is missing, malformed or does
-    not match its checksums comes back as its CorruptShard instead."""
+    event loop (a remote bucket's latency overlaps); a vector that is malformed or does not match
+    its checksums (missing chunks included) comes back as its CorruptShard instead."""
     chunks = chunks or range(fmt.n_chunks)
     checksums = checksums or [None] * len(keys)
-    implied = {name: _metadata(*spec, name=name, whole=fmt.per_object) for name, spec in fmt.arrays().items()}
+    metadata = {name: _metadata(fmt, name) for name in fmt.arrays()}  # made here: zarr's loop cannot
 
     async def gather():
-        return await asyncio.gather(*(_read(bucket, k, fmt, chunks, implied if s is not None else None)
-                                      for k, s in zip(keys, checksums)), return_exceptions=True)
+        return await asyncio.gather(*(_read(bucket, k, fmt, chunks, metadata) for k in keys), return_exceptions=True)
 
     found = zarr.core.sync.sync(gather())
     for i, (key, arrays, sums) in enumerate(zip(keys, found, checksums)):
@@ -225,23 +207,10 @@ def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: ran
     return found
 
 
-async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range,
-                implied: dict | None) -> dict[str, np.ndarray]:
-    """With ``implied`` metadata the arrays are not opened (one request less per array); only for
-    checksummed reads, where any stored array that does not match, missing chunks included,
-    fails its checksums."""
+async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range, metadata: dict) -> dict[str, np.ndarray]:
     arrays = {}
-    for name, (dtype, length, _) in fmt.arrays().items():
-        store = bucket.zarr_store(f"{key}/{name}")
-        if implied is not None:
-            z = zarr.AsyncArray(metadata=implied[name], store_path=StorePath(store))
-        else:
-            try:
-                z = await zarr.api.asynchronous.open_array(store=store, mode="r", zarr_format=3)
-            except (FileNotFoundError, zarr.errors.ArrayNotFoundError) as exc:
-                raise CorruptShard(f"{key}/{name}: missing array") from exc
-            if z.dtype != np.dtype(dtype) or z.shape != (length,):
-                raise CorruptShard(f"{key}/{name}: {z.dtype}{z.shape}, expected {dtype}")
+    for name in fmt.arrays():
+        z = zarr.AsyncArray(metadata=metadata[name], store_path=StorePath(bucket.zarr_store(f"{key}/{name}")))
         lo, hi = fmt.bounds(name, chunks)
         try:
             arrays[name] = await z.getitem(slice(lo, hi))
@@ -252,10 +221,16 @@ async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range,
     return arrays
 
 
+def _array(bucket: Bucket, key: str, fmt: VectorFormat, name: str) -> zarr.AsyncArray:
+    """Array ``name`` of vector ``key``, opened with the run's metadata: no request."""
+    return zarr.AsyncArray(metadata=_metadata(fmt, name), store_path=StorePath(bucket.zarr_store(f"{key}/{name}")))
+
+
 @functools.lru_cache(maxsize=64)
-def _metadata(dtype: str, length: int, clen: int, name: str = "values", whole: int = 0):
-    """What create_vector writes for such an array (a reader need not match the compressor's
-    settings: a Blosc frame describes itself)."""
+def _metadata(fmt: VectorFormat, name: str):
+    """The metadata of array ``name`` of a vector of format ``fmt``: a ``zarr.json`` never stored
+    (a reader need not match the compressor's settings: a Blosc frame describes itself)."""
+    dtype, length, clen = fmt.arrays()[name]
     z = zarr.create_array(zarr.storage.MemoryStore(), shape=(length,), dtype=dtype, fill_value=0,
-                          zarr_format=3, **_layout(name, clen, whole))
+                          zarr_format=3, **_layout(name, clen, fmt.per_object, fmt.cname))
     return z.metadata

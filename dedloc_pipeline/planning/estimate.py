@@ -159,9 +159,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     changed = peers * beats
     # the view is written when a poll read something new: each wave of heartbeats (a round's
     # start, each keep-alive) and of manifests reaches the scheduler over about two polls, the
-    # peers' clocks apart; and a keep-alive of its own (Scheduler.keepalive_s: view.KEEPALIVE of
-    # peer_timeout_s, or in long rounds a heartbeat's keep-alive)
-    view_writes = min(polls, 2 * (beats + 1) + round_s / max(timeout * view.KEEPALIVE, cad.heartbeat_s(round_s)))
+    # peers' clocks apart; and a keep-alive of its own
+    view_writes = min(polls, 2 * (beats + 1) + round_s / view.keepalive_s(timeout, cad, round_s))
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
     sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)

@@ -198,12 +198,9 @@ class Scheduler:
 
     @property
     def keepalive_s(self) -> float:
-        """Seconds after which an unchanged view is written again: ``view.KEEPALIVE`` of
-        ``peer_timeout_s``, or in long rounds a heartbeat's keep-alive (a share of the last round,
-        ``cadence.heartbeat_s``): the view changes with each wave of heartbeats and shards
-        anyway, and the keep-alive alone says that a scheduler is there."""
-        cfg = self.run.config
-        return max(cfg.peer_timeout_s * view.KEEPALIVE, cfg.cadence.heartbeat_s(self._round_s))
+        """Seconds after which an unchanged view is written again (``view.keepalive_s``), for
+        rounds as long as the last."""
+        return view.keepalive_s(self.run.config.peer_timeout_s, self.run.config.cadence, self._round_s)
 
     def _ahead_of(self, r: int, at: float, again: bool = False) -> heartbeat.Pending:
         """Round r+1's live heartbeats (peers computing ahead), for displays, not worth a LIST

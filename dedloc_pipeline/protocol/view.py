@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage.bucket import Bucket
 from ..storage.layout import RunLayout
 from .clock import REAL, Clock
+
+if TYPE_CHECKING:
+    from .config import Cadence
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +77,21 @@ class View(BaseModel):
                                  "by which the scheduler writes it again, changed or not (its keep-alive)")
 
 
+def keepalive_s(timeout: float, cadence: Cadence, round_s: float | None) -> float:
+    """Seconds after which the scheduler writes an unchanged view again, in rounds of
+    ``round_s`` (None: not known yet): ``KEEPALIVE`` of ``timeout`` (the run's
+    ``peer_timeout_s``), or in long rounds a heartbeat's keep-alive (``cadence.heartbeat_s``):
+    the view changes with each wave of heartbeats and shards anyway, and the keep-alive alone
+    says that a scheduler is there."""
+    return max(timeout * KEEPALIVE, cadence.heartbeat_s(round_s))
+
+
 def lifetime(v: View | None, timeout: float, cap: float) -> float:
     """Seconds a view stands unchanged before it counts as stale: ``timeout`` (the run's
     ``peer_timeout_s``), or its keep-alive (``next_s``, at most ``cap``: the run's longest
-    heartbeat interval) plus a third of ``timeout`` when that is longer; the heartbeat's rule
-    (``heartbeat.lifetime``), so the slack past a due keep-alive is the same in long rounds."""
+    heartbeat interval) plus a third of ``timeout`` when that is longer: shaped like
+    ``heartbeat.lifetime``, with the slack that makes the shortest keep-alive stand exactly
+    ``timeout``."""
     due = 0.0 if v is None or v.next_s is None else min(v.next_s, cap)
     return max(timeout, due + timeout * (1 - KEEPALIVE))
 

@@ -170,7 +170,7 @@ def write_vector(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, 
         lo, hi = fmt.bounds(name, chunks)
         if len(arrays[name]) != hi - lo:
             raise ValueError(f"{key}/{name}: {len(arrays[name])} elements for [{lo}, {hi})")
-        zarr.Array(_array(bucket, key, fmt, name))[lo:hi] = arrays[name]
+        zarr.Array(_array(bucket, key, name, _metadata(fmt, name)))[lo:hi] = arrays[name]
     return chunk_checksums(fmt, arrays, chunks)
 
 
@@ -210,7 +210,7 @@ def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: ran
 async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range, metadata: dict) -> dict[str, np.ndarray]:
     arrays = {}
     for name in fmt.arrays():
-        z = zarr.AsyncArray(metadata=metadata[name], store_path=StorePath(bucket.zarr_store(f"{key}/{name}")))
+        z = _array(bucket, key, name, metadata[name])
         lo, hi = fmt.bounds(name, chunks)
         try:
             arrays[name] = await z.getitem(slice(lo, hi))
@@ -221,9 +221,9 @@ async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range, meta
     return arrays
 
 
-def _array(bucket: Bucket, key: str, fmt: VectorFormat, name: str) -> zarr.AsyncArray:
-    """Array ``name`` of vector ``key``, opened with the run's metadata: no request."""
-    return zarr.AsyncArray(metadata=_metadata(fmt, name), store_path=StorePath(bucket.zarr_store(f"{key}/{name}")))
+def _array(bucket: Bucket, key: str, name: str, metadata) -> zarr.AsyncArray:
+    """Array ``name`` of vector ``key``, opened with the run's metadata (``_metadata``): no request."""
+    return zarr.AsyncArray(metadata=metadata, store_path=StorePath(bucket.zarr_store(f"{key}/{name}")))
 
 
 @functools.lru_cache(maxsize=64)

@@ -60,9 +60,9 @@ class FakeClock(Clock):
 
 def on_clock(run: Run, clock: Clock | None = None) -> Run:
     """``run`` read through ``clock`` (default: a FakeClock starting at state 0's COMMIT, so a
-    round opened by ``init_run`` is no older than the clock says)."""
+    round opened by ``init_run`` is no older than the clock says), with its organizer key."""
     clock = clock or FakeClock(epoch=run.commit_of(0)["committed_at"])
-    return Run(run.bucket, run.name, run.config, clock=clock)
+    return Run(run.bucket, run.name, run.config, organizer=run._organizer, clock=clock)
 
 
 class LockStep:

@@ -116,6 +116,20 @@ def test_the_first_shard_of_a_round_is_capped_by_the_volunteers_still_computing(
     assert capped.weight == 12.0 and samples == 12 and cap == 12
 
 
+def test_a_first_round_counts_the_enrolled_volunteers_up_to_three_through_its_grace():
+    """With no state contributors to count, a first round counts at least min(3, enrolled)
+    volunteers for ``grace_s`` after its first work: one alone weighs 2 x 24 / 3; three honest
+    ones are not capped; after the grace, or with fewer enrolled, one alone fills the round."""
+    assert admission.least_volunteers([], 5, 100.0, 129.0, 30.0) == 3
+    assert admission.least_volunteers([], 2, 100.0, 129.0, 30.0) == 2
+    assert admission.least_volunteers([], 5, 100.0, 130.0, 30.0) == 0  # the grace passed
+    assert admission.least_volunteers(["a"], 5, 100.0, 101.0, 30.0) == 0  # later rounds: present()
+    (capped,), samples, cap = admission.weigh([entry("m", samples=96)], 24, 0.1, least=3)
+    assert capped.weight == 16.0 and samples == 16 and cap == 16
+    honest = [entry("a", samples=4), entry("b"), entry("c", samples=12)]
+    assert admission.weigh(honest, 24, 0.1, least=3).samples == 24
+
+
 def test_the_cap_is_never_below_max_share_of_the_target():
     many = [entry(f"v{i:02d}", samples=1) for i in range(40)] + [entry("m", samples=10)]
     weighted, samples, _ = admission.weigh(many, target=100, max_share=0.05)

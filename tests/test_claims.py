@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dedloc_pipeline.model.data import DataError, make_source
-from dedloc_pipeline.protocol import aggregator, shard
+from dedloc_pipeline.protocol import admission, aggregator, shard
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import stream_next
+from dedloc_pipeline.testing import on_clock, stream_next
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
@@ -26,10 +26,10 @@ def _noise(run, seed, scale=1e-3):
     return np.random.default_rng(seed).standard_normal(run.flat.n).astype(np.float32) * scale
 
 
-def _shard(run, r, peer, grad, samples, start=None, part="0001", ranges=None, signer=None):
+def _shard(run, r, peer, grad, samples, start=None, part="0001", ranges=None, signer=None, loss=5.0):
     start = stream_next(run, r, peer) if start is None else start
     return shard.upload(run, r, peer, part, codec.encode(grad, run.config.codec, run.config.block_size),
-                        samples, 5.0, shard.DataRef(stream=peer, ranges=ranges or [(start, samples)]),
+                        samples, loss, shard.DataRef(stream=peer, ranges=ranges or [(start, samples)]),
                         signer=signer)
 
 
@@ -75,6 +75,44 @@ def test_a_claimed_batch_counts_for_at_most_twice_the_median_volunteer(make_run)
     assert claimed["mallory"] / sum(claimed.values()) == 0.8
     by_claim = sum(claimed[p] * g for p, g in zip("abc", honest)) - claimed["mallory"] * base
     assert _cos(by_claim, base) < 0
+
+
+def test_a_first_claim_in_a_signed_runs_first_round_is_capped(tmp_path, bucket):
+    """Round 0 builds on no contributors: mallory's 8 samples claiming 96, in before anyone's
+    heartbeat, count as one of the three enrolled volunteers (16 of 24) and do not close the
+    round. A volunteer truly alone fills it once ``peer_timeout_s`` has passed since its first
+    work. Control: weighed among those present only (the rule before), the claim fills the round
+    at once."""
+    org = identity.generate(tmp_path / "org.pem")
+    keys = {p: identity.generate(tmp_path / f"{p}.pem") for p in ("mallory", "alice", "bob")}
+    run = on_clock(init_run(bucket, small_config(organizer_key=identity.public(org), norm_screen=None,
+                                                 max_grad_norm=1e12), organizer=org))
+    identity.update_roster(bucket, run.name, org, enroll={p: identity.public(k) for p, k in keys.items()})
+    _shard(run, 0, "mallory", -_noise(run, 0), 96, signer=keys["mallory"])
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(0) is None, "one claim filled a run's first round alone"
+    assert run.bucket.read_json(run.keys.view)["cap"] == 16  # 2 x 24 / 3
+    entries, _ = sched.judge.verdicts(0, run.bucket.listing(run.keys.round(0)))
+    assert admission.weigh(entries, 24, 0.1).samples == 96  # the control: among those present only
+    run.clock.advance(run.config.peer_timeout_s)
+    close = sched.try_close(0)
+    assert close is not None and close.samples == 96, "a volunteer alone never fills its round"
+
+
+def test_the_round_loss_is_the_median_volunteers(make_run):
+    """A loss is a claim: of four volunteers, one reports -1e30 (refused: a cross-entropy is never
+    negative) and one 1e30; what COMMIT, status and the report print is the median volunteer's,
+    between the two honest ones. Control: the weighted mean of the claims is above 3e29."""
+    run = make_run()
+    _shard(run, 0, "mallory", _noise(run, 0), 8, loss=-1e30)
+    for i, (p, loss) in enumerate(zip("ab", (5.0, 5.2))):
+        _shard(run, 0, p, _noise(run, 1 + i), 8, loss=loss)
+    _shard(run, 0, "carol", _noise(run, 3), 8, loss=1e30)
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert {e.peer for e in close.accepted} == {"a", "b", "carol"}
+    assert [e.reason for e in close.rejected] == ["impossible loss -1e+30"]
+    assert _finish(run, 0)["loss"] == 5.2  # the median of 5.0, 5.2 and 1e30
+    assert sum(e.weight * e.loss for e in close.accepted) / close.samples > 3e29  # the control
 
 
 def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run):

@@ -14,7 +14,7 @@ from matplotlib.figure import Figure
 
 # name: (title, y label, value of a round from its history entry, drawn as bars, y axis from 0)
 FIGURES = {
-    "loss": ("training loss per round", "loss (sample-weighted mean of the shards)", lambda h: h["loss"],
+    "loss": ("training loss per round", "loss (the median volunteer's)", lambda h: h["loss"],
              False, False),
     "samples_per_s": ("throughput per round", "samples / s (opened → committed)", lambda h: h["samples_per_s"],
                       False, True),

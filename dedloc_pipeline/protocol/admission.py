@@ -103,28 +103,43 @@ def present(live: Iterable[str], previous: Iterable[str], opened_at: float, now:
     return frozenset(live) | (frozenset(previous) if now - opened_at < grace_s else frozenset())
 
 
+def least_volunteers(previous: Iterable[str], enrolled: int, started_at: float, now: float, grace_s: float) -> int:
+    """How many volunteers a round counts at least (``weigh``): in a run's first round, whose
+    state has no contributors to count as present (``present``), as many as are enrolled, up to
+    three, for the first ``grace_s`` seconds after its first work (``started_at``); else none.
+    Otherwise whoever is quickest (a shard claiming the whole target for 8 samples of work) fills
+    it before the others' first heartbeats. Counted among three, one volunteer alone weighs two
+    thirds of the target, and only until the grace passes: a volunteer alone still fills the
+    round, and three volunteers keep their exact weights. An unsigned run has no roster: anyone
+    can be any number of volunteers there, and the caps bound mistakes, not attacks."""
+    return min(3, enrolled) if not list(previous) and now - started_at < grace_s else 0
+
+
 class Weighed(NamedTuple):
     entries: list[Entry]  # with their weights
     samples: int  # the round's counted samples
     cap: int  # the most one volunteer counts for now (the round view publishes it)
 
 
-def weigh(accepted: list[Entry], target: int, max_share: float, others: Iterable[str] = ()) -> Weighed:
+def weigh(accepted: list[Entry], target: int, max_share: float, others: Iterable[str] = (),
+          least: int = 0) -> Weighed:
     """Each shard's weight in the mean and the round's counted samples. Claimed samples are
     claims: uncapped, one shard claiming 10,000 samples takes 99.8% of the mean and fills a round
     alone. So a volunteer counts for at most twice its fair share of the target (2/V, V the
     volunteers of this round and ``others``: those ``present`` without a shard yet) or twice the
     round's median volunteer, whichever is more, and never less than ``max_share`` of the target;
     its parts are scaled down alike. So the first shard of a round, or of a run, is capped by the
-    peers still computing theirs. Honest volunteers within that keep their exact weights (N peers
-    still equal one process), and one or two volunteers are never capped: a volunteer alone fills
-    its round."""
+    peers still computing theirs, or by those a run's first round awaits (``least``). Honest
+    volunteers within that keep their exact weights (N peers still equal one process), and one or
+    two volunteers are never capped: a volunteer alone fills its round."""
     claimed: dict[str, int] = {}
     for s in accepted:
         claimed[volunteer_of(s.peer)] = claimed.get(volunteer_of(s.peer), 0) + s.samples
     active = set(claimed) | set(others)  # those not in yet count 0 in the median
-    median = float(np.median([claimed.get(v, 0) for v in active])) if active else 0.0
-    cap = math.ceil(max(target * max_share, 2 * target / max(len(active), 1), 2 * median))
+    counts = [claimed.get(v, 0) for v in active]
+    counts += [0] * (least - len(counts))  # awaited volunteers: not in yet
+    median = float(np.median(counts)) if counts else 0.0
+    cap = math.ceil(max(target * max_share, 2 * target / max(len(counts), 1), 2 * median))
     weighted = [s.model_copy(update={"weight": s.samples * min(1.0, cap / claimed[volunteer_of(s.peer)])})
                 for s in accepted]
     return Weighed(weighted, sum(min(n, cap) for n in claimed.values()), cap)

@@ -8,11 +8,14 @@ create-only: a second scheduler finds it written), then LATEST, then prunes what
 from __future__ import annotations
 
 import logging
+import statistics
 
+from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import optim
 from .close import Close, Counted, closed
 from .run import Run, RunError
+from .shard import Entry
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,18 @@ def stream_ends(before: dict[str, int], close: Close) -> dict[str, int]:
     for data in [e.data for e in close.accepted] + [e.data for e in close.rejected if e.data is not None]:
         ends[data.stream] = max([ends.get(data.stream, 0)] + [a + c for a, c in data.ranges])
     return ends
+
+
+def round_loss(accepted: list[Entry]) -> float:
+    """The training loss a round reports: the median over volunteers of each one's loss (its
+    shards' mean, by weight). A loss is a volunteer's claim, and in a weighted mean one shard
+    claiming -1e30 would make the round's -2.5e29; the median of three or more volunteers stays
+    between honest ones."""
+    by_volunteer: dict[str, list[Entry]] = {}
+    for e in accepted:
+        by_volunteer.setdefault(volunteer_of(e.peer), []).append(e)
+    return statistics.median(sum(e.weight * e.loss for e in mine) / sum(e.weight for e in mine)
+                             for mine in by_volunteer.values())
 
 
 def commit(run: Run, r: int) -> dict:
@@ -60,7 +75,7 @@ def _write_commit(run: Run, r: int) -> dict:
         shards = [e.model_dump(mode="json", include=LEDGER_FIELDS) for e in close.accepted]
         bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
             "state": r + 1, "ends": stream_ends(run.stream_ends(r), close)}))
-        loss = sum(e.weight * e.loss for e in close.accepted) / sum(e.weight for e in close.accepted)
+        loss = round_loss(close.accepted)
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close.samples,
             "loss": loss, "contributors": sorted({e.peer for e in close.accepted}), "shards": shards,

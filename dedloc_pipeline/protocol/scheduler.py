@@ -114,18 +114,20 @@ class Scheduler:
         rejected += self.judge.logged(r, extra + screened)
         live = self.judge.enrolled(pending.volunteers)
         now = self.clock.time() if now is None else now
-        (accepted, samples, cap), flagged = self.judge.admitted(r, accepted, live, now)
-        rejected += flagged
         target, opened = cfg.target_batch_size, self.judge.opening(r).at
         if pending.peers or accepted:  # a round's time runs from its first work, not an idle opening
             self._started.setdefault(r, max(opened, at))
+        started = self._started.get(r, now)
+        (accepted, samples, cap), flagged = self.judge.admitted(r, accepted, live, now, started)
+        rejected += flagged
         expired = admission.timed_out(opened, now, rule.timeout_s)
         if admission.met(samples, target, rule.min_fraction, expired):
             version = self.judge.roster_version  # a roster changed since: every shard judged anew
             if self.judge.roster() is not None and self.judge.roster_version != version:
                 return self.try_close(r, now)
             # flags written since the round opened count too
-            (accepted, samples, cap), flagged = self.judge.admitted(r, accepted, live, now, reread_flags=True)
+            (accepted, samples, cap), flagged = self.judge.admitted(r, accepted, live, now, started,
+                                                                    reread_flags=True)
             rejected += flagged
         if not admission.met(samples, target, rule.min_fraction, expired):
             self._publish(r, at, listed, samples=samples, shards=len(accepted), rejected=len(rejected),

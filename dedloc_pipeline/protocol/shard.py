@@ -193,8 +193,8 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     fmt = run.grad_format
     if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
         raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
-    if not math.isfinite(m.loss):
-        raise Rejected("non-finite loss")
+    if not math.isfinite(m.loss) or m.loss < 0:  # a cross-entropy is never negative
+        raise Rejected(f"impossible loss {m.loss}")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
     if m.samples > max_claim(run):

@@ -44,7 +44,8 @@ def table(res: dict):
             for name, r in (("dedloc-pipeline", res["ours"]), ("hivemind 1.1.12", res["hivemind"]),
                             ("limit: no collaboration, a process per core", res["limit"]),
                             ("no collaboration, a process per peer", res["limit_per_peer"]))]
-    return tables.table("1. throughput: tiny, 4 peers, micro-batch 8, target 256, int8 (limits: mean of before and after)",
+    return tables.table("1. throughput: tiny, 4 peers, micro-batch 8, target 256, int8 "
+                        "(limits: mean of before and after)",
                   ["system", "samples/s", "s/round", "compute fraction", "of limit", "of a process per peer"], rows)
 
 

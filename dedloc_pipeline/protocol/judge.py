@@ -186,20 +186,22 @@ class Judge:
         return admission.folded(late)
 
     def admitted(self, r: int, accepted: list[Entry], live: frozenset[str], now: float,
-                 started_at: float | None = None, reread_flags: bool = False) -> tuple[admission.Weighed, list[Rejection]]:
+                 started_at: float | None = None,
+                 reread_flags: bool = False) -> tuple[admission.Weighed, list[Rejection]]:
         """The flagged volunteers' shards out, then the others weighed among the volunteers
         present (``admission.present``), at least as many as a signed run's first round awaits
-        (``admission.least_volunteers``, from its first work at ``started_at``): (weighed, rejected). The flags are read as a round opens
-        and again when it is about to close (``reread_flags``: one LIST), so a flag written
-        mid-round keeps its volunteer out of that round's CLOSE."""
+        (``admission.least_volunteers``, from its first work at ``started_at``): (weighed,
+        rejected). The flags are read as a round opens and again when it is about to close
+        (``reread_flags``: one LIST), so a flag written mid-round keeps its volunteer out of
+        that round's CLOSE."""
         if reread_flags:
             self._flags = verify.flagged(self.run)
         accepted, flagged = admission.unflagged(accepted, self._flags)
         cfg, opening = self.run.config, self.opening(r)
         others = admission.present(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
         enrolled = len(self._roster.volunteers) if self._roster is not None else 0
-        least = admission.least_volunteers(opening.volunteers, enrolled, opening.at if started_at is None else started_at,
-                                           now, cfg.peer_timeout_s)
+        since = opening.at if started_at is None else started_at
+        least = admission.least_volunteers(opening.volunteers, enrolled, since, now, cfg.peer_timeout_s)
         weighed = admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share, others, least)
         return weighed, self.logged(r, flagged)
 

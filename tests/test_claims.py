@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dedloc_pipeline.model.data import DataError, make_source
-from dedloc_pipeline.protocol import admission, aggregator, shard
+from dedloc_pipeline.protocol import admission, aggregator, shard, verify
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import codec, vector
@@ -228,6 +228,42 @@ def test_forged_organizer_records_are_refused(signed_run, caplog, signer):
     assert plain.latest_hint() == 99
 
 
+def test_genuine_records_copied_to_another_place_are_refused(signed_run, caplog, tmp_path):
+    """A signature proves who wrote a record, not where: each signed record names its run and its
+    place, and readers check both. The organizer's CLOSE of round 0 copied to round 1 (its gradient
+    applied twice), its COMMIT of state 1 copied to state 2 (the model frozen while the run looks
+    healthy) and another run's flag of alice (same organizer key) are refused; the scheduler
+    replaces the copies with the true records. Control: each copy carries a valid signature."""
+    run, org, alice, mallory = signed_run
+    b, k = run.bucket, run.keys
+    _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
+    Scheduler(run, 1, 0).try_close(0)
+    _finish(run, 0)
+    b.create_json(k.close(1), b.read_json(k.close(0)))
+    b.create_json(k.commit(2), b.read_json(k.commit(1)))
+    for copied in (k.close(1), k.commit(2)):  # the control: genuine signatures
+        identity.check_record(run.config.organizer_key, b.read_json(copied), copied)
+    with pytest.raises(identity.IdentityError, match="CLOSE of round 1 is a signed record of round 0, not 1"):
+        aggregator.reduce_part(run, 1, 0)
+    with pytest.raises(identity.IdentityError, match="COMMIT of state 2 is a signed record of state 1, not 2"):
+        run.commit_of(2)
+    assert run.latest() == 1
+    _shard(run, 1, "alice", _noise(run, 1), 8, signer=alice)
+    with caplog.at_level(logging.ERROR):
+        close = Scheduler(run, 1, 0).try_close(1)
+    assert close.round == 1 and [s.peer for s in close.accepted] == ["alice"] and "deleted" in caplog.text
+    assert _finish(run, 1)["round"] == 1 and run.commit_of(2)["contributors"] == ["alice"]
+    # a flag the same organizer signed in another run
+    other = Run(b, "other", small_config(run="other", organizer_key=run.config.organizer_key), organizer=org)
+    flag = other.record("flag of alice", {"volunteer": "alice", "round": 0, "reason": "mismatch"}, volunteer="alice")
+    b.create_json(k.flag("alice"), flag)
+    with caplog.at_level(logging.WARNING):
+        assert verify.flagged(run) == {}
+    assert "a signed record of run 'other', not 'test'" in caplog.text
+    b.write_json(k.flag("alice"), run.record("flag of alice", dict(flag, run=run.name), volunteer="alice"))
+    assert list(verify.flagged(run)) == ["alice"]  # the control: this run's own flag counts
+
+
 def test_a_scheduler_needs_the_organizer_key_to_close_a_signed_run(signed_run, monkeypatch):
     run, org, alice, mallory = signed_run
     monkeypatch.delenv("DEDLOC_ORGANIZER_KEY", raising=False)
@@ -257,6 +293,30 @@ def test_a_roster_replayed_before_a_restart_is_refused(signed_run, tmp_path):
     b.delete(k.rosters)  # control
     accepted, _ = Scheduler(run, 1, 0).judge.verdicts(0)
     assert [s.peer for s in accepted] == ["bob"]
+
+
+def test_a_roster_history_rewound_below_the_newest_close_is_refused(signed_run, tmp_path):
+    """Bob is revoked (version 3) and round 0 closes with it; then version 3 is deleted from the
+    history and version 2 written back as ROSTER.json, and bob uploads. A restarted scheduler
+    refuses to judge round 1 with version 2, naming the version to restore. Control: the history alone says version 2, in
+    which bob is enrolled."""
+    run, org, alice, mallory = signed_run
+    b, k = run.bucket, run.keys
+    bob = identity.generate(tmp_path / "bob.pem")
+    identity.update_roster(b, run.name, org, enroll={"bob": identity.public(bob)})
+    before = b.read_bytes(k.roster)
+    identity.update_roster(b, run.name, org, revoke=["bob"])
+    _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
+    assert Scheduler(run, 1, 0).try_close(0).roster == 3
+    _finish(run, 0)
+    b.delete(k.roster_version(3))
+    b.write_bytes(k.roster, before)
+    _shard(run, 1, "bob", _noise(run, 1), 8, signer=bob)
+    with pytest.raises(RunError, match="newest roster in the bucket is version 2, but round 0 was closed with "
+                                       "version 3.*Restore runs/test/roster/00000003.json"):
+        Scheduler(run, 1, 0).try_close(1)
+    newest = identity.newest_roster(b, run.name, run.config.organizer_key)  # the control
+    assert newest.version == 2 and identity.public(bob) not in newest.revoked
 
 
 def test_the_data_set_is_pinned_by_hash(bengali, tmp_path):

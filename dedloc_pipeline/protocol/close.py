@@ -43,6 +43,7 @@ class Close(BaseModel):
     started_at: float | None = None  # the scheduler first saw work on it (a live heartbeat or a shard)
     closed_at: float
     reason: Literal["target", "timeout"]
+    run: str | None = None  # the run it closes, in a signed run (Run.record binds it there)
     signature: str | None = None  # the organizer's, in a signed run (Run.record)
 
     def dump(self) -> dict:
@@ -60,7 +61,7 @@ class Close(BaseModel):
     def read(cls, run: Run, r: int) -> Close | None:
         """Round r's CLOSE, its signature checked in a signed run (IdentityError if forged);
         None while the round is open."""
-        found = run.read_record(run.keys.close(r), f"CLOSE of round {r}")
+        found = run.read_record(run.keys.close(r), f"CLOSE of round {r}", round=r)
         return None if found is None else cls.model_validate(found)
 
 

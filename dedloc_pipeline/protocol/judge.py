@@ -20,7 +20,7 @@ from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import admission, verify
 from .close import Close, Rejection
-from .run import Run
+from .run import Run, RunError
 from .shard import DataRef, Entry, Rejected, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,14 @@ class Judge:
         """The newest valid roster (runs with an organizer key). A forged one, or an older
         version than one seen (a replay), is refused and the last good one kept. A judge starts
         from the newest version in the roster history, so a replay written before it started is
-        refused too."""
+        refused too, and never from one older than the newest CLOSE used (RunError): versions
+        deleted from the history would otherwise undo a revocation."""
         org = self.run.config.organizer_key
         if org is None:
             return None
         if self._roster is None:
             self._roster = identity.newest_roster(self.run.bucket, self.run.name, org)
+            self._check_not_rewound()
         try:
             found = identity.read_roster(self.run.bucket, self.run.name, org)
         except identity.IdentityError as exc:
@@ -72,6 +74,24 @@ class Judge:
         log.info("roster version %d: %d volunteers, %d revoked keys", found.version,
                  len(found.volunteers), len(found.revoked))
         return found
+
+    def _check_not_rewound(self) -> None:
+        """RunError if the roster history is older than the version the newest CLOSE was judged with."""
+        s = self.run.latest()
+        for r in (s, s - 1):
+            try:
+                close = Close.read(self.run, r) if r >= 0 else None
+            except identity.IdentityError:  # a forged CLOSE: the scheduler deletes it, nothing to learn
+                continue
+            if close is None or close.roster is None:
+                continue
+            have = self._roster.version if self._roster is not None else None
+            if have is None or have < close.roster:
+                raise RunError(f"run {self.run.name!r}: the newest roster in the bucket is version {have}, but "
+                               f"round {r} was closed with version {close.roster}: roster versions were deleted, "
+                               f"which would undo revocations. Restore {self.run.keys.roster_version(close.roster)} "
+                               "(the organizer keeps the roster history) before scheduling")
+            return
 
     @property
     def roster_version(self) -> int | None:

@@ -56,7 +56,7 @@ def _write_commit(run: Run, r: int) -> dict:
     """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
     keys, bucket = run.keys, run.bucket
     try:
-        existing = run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}")
+        existing = run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}", state=r + 1)
     except identity.IdentityError as exc:  # whoever wrote it first, it is not the organizer's
         log.error("%s: deleted; committing the true one", exc)
         bucket.delete(keys.commit(r + 1))
@@ -74,7 +74,7 @@ def _write_commit(run: Run, r: int) -> dict:
                 delta_sums.setdefault(name, []).extend(s)
         shards = [e.model_dump(mode="json", include=LEDGER_FIELDS) for e in close.accepted]
         bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
-            "state": r + 1, "ends": stream_ends(run.stream_ends(r), close)}))
+            "state": r + 1, "ends": stream_ends(run.stream_ends(r), close)}, state=r + 1))
         loss = round_loss(close.accepted)
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close.samples,
@@ -86,7 +86,7 @@ def _write_commit(run: Run, r: int) -> dict:
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
                           "delta": delta_sums},
         }
-        if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit)):
+        if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit, state=r + 1)):
             log.info("state %d was committed by another scheduler", r + 1)
         existing = run.commit_of(r + 1)
     if run.latest_hint() < r + 1:

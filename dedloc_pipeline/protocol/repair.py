@@ -113,7 +113,7 @@ def _state_findings(run: Run, s: int) -> tuple[bool, dict | None, list[Finding]]
     from going on from it."""
     keys, fmt = run.keys, run.dense_format
     try:
-        commit = run.read_record(keys.commit(s), f"COMMIT of state {s}")
+        commit = run.read_record(keys.commit(s), f"COMMIT of state {s}", state=s)
     except UNREADABLE as exc:
         return True, None, [Finding("COMMIT", keys.commit(s), _unreadable(exc))]
     if commit is None:
@@ -138,7 +138,7 @@ def _state_findings(run: Run, s: int) -> tuple[bool, dict | None, list[Finding]]
         except vector.CorruptShard as exc:
             return True, commit, [Finding("optimizer", keys.optim(s, name), f"unreadable ({exc})")]
     try:
-        streams = run.read_record(keys.streams(s), f"streams of state {s}")
+        streams = run.read_record(keys.streams(s), f"streams of state {s}", state=s)
     except UNREADABLE as exc:
         return True, commit, [Finding("streams", keys.streams(s), _unreadable(exc))]
     if streams is not None and not (isinstance(streams, dict) and isinstance(streams.get("ends"), dict)):

@@ -80,19 +80,24 @@ class Run:
             self._organizer = key
         return self._organizer
 
-    def record(self, what: str, body: dict) -> dict:
-        """An organizer record as written: signed in a signed run."""
-        return identity.sign_record(self.organizer(what), body) if self.signed else body
+    def record(self, what: str, body: dict, **place) -> dict:
+        """An organizer record as written: in a signed run, naming its run and its place (``place``:
+        the round, state or volunteer its key is for) and signed, so that a genuine record copied
+        to another key or run is refused where it lands (``read_record``)."""
+        if not self.signed:
+            return body
+        return identity.sign_record(self.organizer(what), {**body, "run": self.name, **place})
 
-    def read_record(self, key: str, what: str) -> dict | None:
-        """An organizer record (None if absent), its signature checked in a signed run: a forged
-        or edited one raises IdentityError naming it."""
+    def read_record(self, key: str, what: str, **place) -> dict | None:
+        """An organizer record (None if absent), in a signed run its signature checked and its run
+        and ``place`` those of ``key``: a forged, edited or copied one raises IdentityError naming it."""
         found = self.bucket.read_json(key)
         if found is None or not self.signed:
             return found
         if not isinstance(found, dict):
             raise identity.IdentityError(f"{what} is not signed by the run's organizer: refused")
-        return identity.check_record(self.config.organizer_key, found, what)
+        return identity.check_place(identity.check_record(self.config.organizer_key, found, what), what,
+                                    run=self.name, **place)
 
     @property
     def name(self) -> str:
@@ -190,14 +195,14 @@ class Run:
         """Where each peer's data stream is counted to as of state s (its streams record); a
         forged record counts as none (logged): streams then only move forward from here."""
         try:
-            found = self.read_record(self.keys.streams(s), f"streams of state {s}")
+            found = self.read_record(self.keys.streams(s), f"streams of state {s}", state=s)
         except identity.IdentityError as exc:
             log.error("run %s: %s; ignored", self.name, exc)
             return {}
         return dict(found["ends"]) if found else {}
 
     def commit_of(self, s: int) -> dict:
-        c = self.read_record(self.keys.commit(s), f"COMMIT of state {s}")
+        c = self.read_record(self.keys.commit(s), f"COMMIT of state {s}", state=s)
         if c is None:
             raise RunError(f"state {s} of run {self.name!r} is not committed")
         return c
@@ -250,7 +255,7 @@ def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519Priva
     bucket.create_json(keys.commit(0), run.record("COMMIT of state 0", {
         "state": 0, "round": None, "step": 0, "samples": 0, "contributors": [], "loss": None,
         "checksums": {"params": sums["values"]}, "committed_at": run.clock.time(),
-        "n_params": run.flat.n}))
+        "n_params": run.flat.n}, state=0))
     bucket.write_json(keys.latest, run.record("LATEST", {"state": 0}))
     log.info("initialised run %s in %s: %d parameters", config.run, bucket.url, run.flat.n)
     return run

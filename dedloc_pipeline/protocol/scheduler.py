@@ -137,7 +137,7 @@ class Scheduler:
                       roster=self.judge.roster_version, rejected=sorted(rejected, key=lambda s: s.key),
                       opened_at=opened, started_at=self._started.get(r), closed_at=now,
                       reason="target" if samples >= target else "timeout")
-        if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump())):
+        if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump(), round=r)):
             log.warning("round %d: a CLOSE was there already, not this scheduler's", r)
         close = self._existing_close(r)
         if close is None:  # a forged one stood there: deleted, so the next poll closes the round

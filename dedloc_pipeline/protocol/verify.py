@@ -106,10 +106,10 @@ class Verifier:
         """Verify committed round r and write its record; the existing record if there is one;
         None while state r+1 is not committed."""
         bucket, keys = self.run.bucket, self.run.keys
-        existing = self.run.read_record(keys.verdicts(r), f"verdicts of round {r}")
+        existing = self.run.read_record(keys.verdicts(r), f"verdicts of round {r}", round=r)
         if existing is not None:
             return existing
-        commit = self.run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}")
+        commit = self.run.read_record(keys.commit(r + 1), f"COMMIT of state {r + 1}", state=r + 1)
         close = Close.read(self.run, r)
         if commit is None or close is None:
             return None
@@ -131,11 +131,11 @@ class Verifier:
             if v["flag"]:
                 self._flag(r, v)
         # last: a crash redoes the round
-        bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record))
+        bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record, round=r))
         n = counts(record["shards"])
         self.tally.update(n)
         log.info("round %d verified: %s", r, summary(n))
-        return self.run.read_record(keys.verdicts(r), f"verdicts of round {r}")
+        return self.run.read_record(keys.verdicts(r), f"verdicts of round {r}", round=r)
 
     def _judge(self, entry: Entry) -> dict:
         """One shard's verdict; any failure of one shard is that shard's verdict, never the loop's."""
@@ -197,7 +197,8 @@ class Verifier:
                 "verdict": v["verdict"], "reason": v["reason"], "cosine": v["cosine"], "norm_ratio": v["norm_ratio"],
                 "flagged_at": self.run.clock.time()}
         volunteer = v["volunteer"]
-        self.run.bucket.create_json(self.run.keys.flag(volunteer), self.run.record(f"flag of {volunteer}", flag))
+        record = self.run.record(f"flag of {volunteer}", flag, volunteer=volunteer)
+        self.run.bucket.create_json(self.run.keys.flag(volunteer), record)
         log.warning("round %d: volunteer %s flagged: %s", r, v["volunteer"], v["reason"])
         if self.revoke:
             revoke(self.run, self.run.organizer("roster"), v["volunteer"])
@@ -245,6 +246,9 @@ def flagged(run: Run) -> dict[str, dict]:
             flag = json.loads(raw)
             if run.signed:
                 identity.check_record(run.config.organizer_key, flag, f"flag {key}")
+                if key != run.keys.flag(str(flag.get("volunteer"))):
+                    raise identity.IdentityError(f"flag of {flag.get('volunteer')!r} stands at {key}: copied, refused")
+                identity.check_place(flag, f"flag {key}", run=run.name)
             out[str(flag["volunteer"])] = flag
         except (ValueError, KeyError, TypeError, identity.IdentityError) as exc:
             log.warning("flag %s ignored: %s", key, exc)

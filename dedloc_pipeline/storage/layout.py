@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 
-LAYOUT_VERSION = 2  # 2: quantized codes stored zigzag-folded as uint8
+# 2: quantized codes stored zigzag-folded as uint8; 3: no zarr.json for any vector (its metadata
+# follows from run.json), and a signed run's organizer records name their run and place
+LAYOUT_VERSION = 3
 PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # peer ids and shard parts: one key segment each
 
 

@@ -102,6 +102,18 @@ def check_record(public_key: str, record: dict, what: str) -> dict:
     return record
 
 
+def check_place(record: dict, what: str, **place) -> dict:
+    """``record`` if it names the run and place (round, state, volunteer) that ``place`` gives:
+    a signature proves who wrote a record, not where, so a reader checks that a genuine one was
+    not copied (a COMMIT of state s at s+1 would freeze the model; a CLOSE of round r-1 at r
+    would apply its gradient twice; another run's flag would shut out a volunteer here)."""
+    wrong = [f"{field} {record.get(field)!r}, not {want!r}" for field, want in place.items()
+             if record.get(field) != want]
+    if wrong:
+        raise IdentityError(f"{what} is a signed record of {'; '.join(wrong)}: copied from another place, refused")
+    return record
+
+
 def check_public(public_key: str) -> str:
     """``public_key`` if it is one. What is not is never echoed: it may be a private key pasted
     by mistake, which a terminal's scrollback or a CI log would then keep."""

@@ -298,8 +298,8 @@ def test_a_roster_replayed_before_a_restart_is_refused(signed_run, tmp_path):
 def test_a_roster_history_rewound_below_the_newest_close_is_refused(signed_run, tmp_path):
     """Bob is revoked (version 3) and round 0 closes with it; then version 3 is deleted from the
     history and version 2 written back as ROSTER.json, and bob uploads. A restarted scheduler
-    refuses to judge round 1 with version 2, naming the version to restore. Control: the history alone says version 2, in
-    which bob is enrolled."""
+    refuses to judge round 1 with version 2, naming the version to restore. Control: the history
+    alone says version 2, in which bob is enrolled."""
     run, org, alice, mallory = signed_run
     b, k = run.bucket, run.keys
     bob = identity.generate(tmp_path / "bob.pem")

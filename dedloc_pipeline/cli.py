@@ -86,8 +86,9 @@ def _setup(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _open(bucket: str, run: str, endpoint: str | None) -> Run:
-    return Run(Bucket(bucket, endpoint_url=endpoint), run)
+def _open(bucket: str, run: str, endpoint: str | None, organizer_key: str | None = None) -> Run:
+    return Run(Bucket(bucket, endpoint_url=endpoint), run,
+               organizer=identity.load(organizer_key) if organizer_key else None)
 
 
 @app.command()
@@ -114,6 +115,10 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
                                          "inner optimizer in bfloat16, half the memory"),
            key: Optional[str] = typer.Option(None, envvar="DEDLOC_KEY",
                                              help="your private key: signs your shards (runs that require it)"),
+           organizer: Optional[str] = typer.Option(
+               None, envvar="DEDLOC_ORGANIZER", metavar="PUBLIC_KEY",
+               help="the organizer's public key, as they gave it with the bucket and run (default: the one "
+                    "run.json names, pinned on first join)"),
            plain: bool = typer.Option(False, "--plain", help="plain progress lines, even in a terminal"),
            progress_every: float = typer.Option(10.0, help="seconds between plain progress lines"),
            verbose: bool = True):
@@ -123,7 +128,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     contributed (exit status 130, 143, 129); a second one quits at once."""
     _setup(verbose)
     from .monitoring.volunteer import make_worker, summary_text, volunteer
-    w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision)
+    w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision,
+                    organizer)
     s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))
     if s["ended"] in ("ctrl_c", "interrupted"):
@@ -165,11 +171,16 @@ def aggregator(limit: int = typer.Option(2, help="task runs at once (0: no limit
 
 @app.command()
 def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
-         reason: str = typer.Option("stopped by the organizer", help="recorded in the marker")):
+         reason: str = typer.Option("stopped by the organizer", help="recorded in the marker"),
+         organizer_key: Optional[str] = typer.Option(
+             None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
+             help="the organizer's private key: signs STOP (signed runs: no other STOP counts)")):
     """End a run: schedulers and the pretrain flow stop after the open round."""
     _setup(False)
-    r = _open(bucket, run, endpoint_url)
-    r.bucket.create_json(r.keys.stop(), {"reason": reason, "at": r.clock.time(), "state": r.latest()})
+    r = _open(bucket, run, endpoint_url, organizer_key)
+    if not r.stop(reason):
+        typer.echo(f"run {run}: already stopped")
+        return
     typer.echo(f"run {run}: STOP marker written at state {r.latest()}")
 
 

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from types import SimpleNamespace
@@ -21,6 +22,8 @@ os.environ.update({
     "PREFECT_CLOUD_ENABLE_ORCHESTRATION_TELEMETRY": "false",   # Prefect's run telemetry (Cloud only)
     "HF_HUB_DISABLE_TELEMETRY": "1",                           # huggingface_hub (transformers, datasets)
 })
+# Volunteers pin organizer keys (trust/pins.py) in a file of this test process's own, not the home's.
+os.environ["DEDLOC_PINS"] = os.path.join(tempfile.mkdtemp(prefix="dedloc-pins-"), "pins.json")
 # On pytest-xdist's processes (`make test` runs two), torch and what the tests start compute on one
 # thread each: on two cores the suite took 37 min of CPU with two threads a process, 33 with one.
 if os.environ.get("PYTEST_XDIST_WORKER"):

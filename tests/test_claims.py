@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 
 from dedloc_pipeline.model.data import DataError, make_source
-from dedloc_pipeline.protocol import admission, aggregator, shard, verify
+from dedloc_pipeline.monitoring.volunteer import make_worker
+from dedloc_pipeline.protocol import admission, aggregator, shard, verify, view
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import on_clock, stream_next
-from dedloc_pipeline.trust import identity
+from dedloc_pipeline.trust import identity, pins
 
 from .conftest import small_config
 
@@ -262,6 +263,63 @@ def test_genuine_records_copied_to_another_place_are_refused(signed_run, caplog,
     assert "a signed record of run 'other', not 'test'" in caplog.text
     b.write_json(k.flag("alice"), run.record("flag of alice", dict(flag, run=run.name), volunteer="alice"))
     assert list(verify.flagged(run)) == ["alice"]  # the control: this run's own flag counts
+
+
+def test_stop_and_the_round_view_count_only_from_the_organizer(signed_run, caplog):
+    """On R2 any volunteer can write STOP.json and VIEW.json. In a signed run both are signed: a
+    STOP not the organizer's is ignored by every reader and deleted by the scheduler, and the
+    organizer's stands; a view saying the round is closed and the run stopped, signed by mallory,
+    is no view to a worker (it holds nothing back for it), while the scheduler's is read. Control:
+    an unsigned run believes both."""
+    run, org, alice, mallory = signed_run
+    b, k = run.bucket, run.keys
+    b.create_json(k.stop(), identity.sign_record(mallory, {"run": run.name, "reason": "mallory"}))
+    assert not run.stopped()
+    with caplog.at_level(logging.ERROR):
+        assert Scheduler(run, 1, 0).poll().stopped is False
+    assert not b.exists(k.stop()) and "STOP is not signed" in caplog.text  # deleted
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(0) is None  # publishes the round view
+    reader = view.Reader(30.0, 60.0, organizer_key=run.config.organizer_key)
+    assert reader.read(b, k).round == 0
+    forged = view.View(state=0, round=0, target=8, validated_samples=8, closed=True, stopped=True, at=0.0,
+                       written_at=0.0)
+    view.write(b, k, forged, lambda what, body: identity.sign_record(mallory, dict(body, run=run.name)))
+    assert reader.read(b, k) is None
+    assert view.Reader(30.0, 60.0).read(b, k).stopped  # the control: read as an unsigned run would
+    assert run.stop("the organizer's") and run.stopped() and Scheduler(run, 1, 0).poll().stopped
+    plain = init_run(b, small_config(run="plain", target_batch_size=8))
+    b.create_json(plain.keys.stop(), {"reason": "anyone"})
+    assert plain.stopped()  # the control: unsigned, anyone's STOP counts
+
+
+def test_a_rewritten_run_json_is_refused_by_the_volunteers_pin(signed_run, tmp_path):
+    """run.json names the organizer key and is signed by it; a volunteer pins that key on first
+    join (or is given it: ``--organizer``). A run.json edited without the key fails its signature;
+    one naming mallory's key, signed by mallory, or naming none (a downgrade to an unsigned run),
+    is refused against the pin, before any model is built. Control: a volunteer with no pin
+    would believe mallory's run.json, which is self-consistent."""
+    run, org, alice, mallory = signed_run
+    b, k = run.bucket, run.keys
+    genuine, key = b.read_json(k.config), run.config.organizer_key
+    assert pins.check(b.url, run.name, key).startswith(f"run test: organizer key {key} pinned on first join")
+    assert pins.check(b.url, run.name, key) is None  # pinned: nothing new to show
+    b.write_json(k.config, dict(genuine, max_grad_norm=1e30))  # the norm bound lifted, the signature kept
+    with pytest.raises(identity.IdentityError, match="run.json is not signed"):
+        Run(b, run.name)
+    theirs = identity.public(mallory)
+    b.write_json(k.config, identity.sign_record(mallory, dict(genuine, organizer_key=theirs)))
+    rewritten = Run(b, run.name)  # self-consistent: only a pin tells it from the organizer's
+    assert rewritten.config.organizer_key == theirs
+    with pytest.raises(identity.IdentityError, match="but this volunteer trusts .* a rewritten run.json is refused"):
+        pins.check(b.url, run.name, theirs)
+    with pytest.raises(identity.IdentityError, match="a rewritten run.json is refused"):
+        make_worker(b.url, run.name)
+    with pytest.raises(identity.IdentityError, match="names no organizer key"):
+        pins.check(b.url, run.name, None)
+    with pytest.raises(identity.IdentityError, match="given with --organizer"):
+        pins.check("file:///elsewhere", run.name, theirs, given=key)
+    assert pins.check("file:///another", run.name, theirs) is not None  # the control: no pin, believed
 
 
 def test_a_scheduler_needs_the_organizer_key_to_close_a_signed_run(signed_run, monkeypatch):

@@ -388,8 +388,9 @@ def test_dedloc_policy_r2_says_what_the_credential_still_allows():
     for what in ("checksum", "signed by the enrolled, unrevoked key", "another peer's name", "ROSTER.json",
                  "heartbeat keys"):
         assert what in catches
-    for what in ("not signed", "without checksums", "deletes", "without an organizer key"):
+    for what in ("none of it is signed", "without checksums", "deletes", "without an organizer key"):
         assert what in uncaught
+    assert "pins the organizer's key" in catches and "VIEW.json or STOP.json" in catches
     assert "trust" in uncaught and "docs/security.md" in uncaught
     aws = CliRunner().invoke(app, ["policy", "--bucket", "s3://collab-bucket/collab", "--run", RUN, "--peer", ME])
     assert aws.exit_code == 0 and aws.stderr == "" and json.loads(aws.stdout)["Version"] == "2012-10-17"

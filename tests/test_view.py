@@ -399,7 +399,7 @@ def test_in_long_rounds_the_view_is_kept_alive_as_seldom_as_a_heartbeat(make_run
         sched.finish(0, pool)
     written = []
     write = view.write
-    monkeypatch.setattr(view, "write", lambda b, k, v: (written.append(clock.monotonic()), write(b, k, v)))
+    monkeypatch.setattr(view, "write", lambda *a: (written.append(clock.monotonic()), write(*a)))
     for _ in range(40):  # round 1: nobody computing, a poll every 5 s for 200 s
         assert sched.try_close(1) is None
         clock.advance(5.0)
@@ -429,7 +429,7 @@ def test_the_scheduler_polls_every_scheduler_poll_s_and_as_the_keepalive_falls_d
     sched = Scheduler(run, 1, lease_s=3600.0)
     written = []
     write = view.write
-    monkeypatch.setattr(view, "write", lambda b, k, v: (written.append(clock.monotonic()), write(b, k, v)))
+    monkeypatch.setattr(view, "write", lambda *a: (written.append(clock.monotonic()), write(*a)))
     start, before = clock.monotonic(), Counter(run.bucket.stats.requests)
     assert sched.wait_close(0, deadline=start + 200.0) is None
     polls = (Counter(run.bucket.stats.requests) - before)["list"]

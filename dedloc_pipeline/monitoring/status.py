@@ -50,7 +50,7 @@ def _progress(run: Run, r: int, now: float) -> dict:
     (written within its ``view.lifetime`` of ``now``) the live peers' pending samples and speed; the
     ETA from them, by the one ETA rule (``view.eta``). No view of round r: nothing validated."""
     cfg, target = run.config, run.config.target_batch_size
-    published = view.read(run.bucket, run.keys)
+    published = view.read(run.bucket, run.keys, cfg.organizer_key)
     v = published if published is not None and published.round == r else None
     stands = view.lifetime(published, cfg.peer_timeout_s, cfg.cadence.heartbeat_max_s)
     fresh = v is not None and abs(now - v.at) < stands
@@ -113,7 +113,7 @@ def status(run: Run, now: float | None = None) -> dict:
         "peer_timeout_s": cfg.peer_timeout_s,
         "codec": cfg.codec, "optimizer": cfg.optimizer.name, "n_params": commits.get(0, {}).get("n_params"),
         "progress": _progress(run, latest, now),
-        "stopped": run.bucket.read_json(run.keys.stop()) is not None,
+        "stopped": run.stopped(),
         "scheduler": lease.holder_of(run.bucket, run.keys, now),  # who holds the lease, and since when
         "peers": sorted(peers.values(), key=lambda p: (-p["samples"], p["peer_id"])),
         "history": history,

@@ -6,6 +6,7 @@ display until it stops, and the summary of what it contributed. ``dedloc worker`
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import threading
 import warnings
@@ -22,6 +23,8 @@ from .stop import StopRequest
 
 if TYPE_CHECKING:  # the display and the summary need no torch of their own
     from ..protocol.worker import Worker
+
+log = logging.getLogger(__name__)
 
 
 def summary(worker: Worker, ended: str, ledger: Ledger | None = None) -> dict:
@@ -103,15 +106,17 @@ def _import_tqdm_auto() -> None:
 
 def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
                 device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
-                poll: float | None = None, endpoint_url: str | None = None, precision: str = "fp32") -> Worker:
+                poll: float | None = None, endpoint_url: str | None = None, precision: str = "fp32",
+                organizer: str | None = None) -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
-    exists (default: the GPU when there is one), the key it signs with."""
+    exists (default: the GPU when there is one), the key it signs with, and the run's organizer
+    key against the one this volunteer trusts (``organizer``, or pinned: ``trust.pins``)."""
     _import_tqdm_auto()
     from ..protocol.run import Run
     from ..protocol.worker import Worker
     from ..storage.bucket import Bucket
     from ..storage.layout import name_problem
-    from ..trust import identity
+    from ..trust import identity, pins
 
     if peer_id is not None and (problem := name_problem(peer_id)):
         raise ValueError(problem)
@@ -131,5 +136,7 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
     if kind not in ("cpu", "cuda", "mps"):
         raise ValueError(f"--device {device}: this worker trains on cpu, cuda or mps")
     signer = identity.load(os.path.expanduser(key)) if key else None
-    return Worker(Run(Bucket(bucket, endpoint_url=endpoint_url), run), peer_id, micro_batch, threads,
-                  poll_s=poll, device=device, signer=signer, precision=precision)
+    r = Run(Bucket(bucket, endpoint_url=endpoint_url), run)
+    if shown := pins.check(r.bucket.url, run, r.config.organizer_key, organizer):
+        log.warning("%s", shown)
+    return Worker(r, peer_id, micro_batch, threads, poll_s=poll, device=device, signer=signer, precision=precision)

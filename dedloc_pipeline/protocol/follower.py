@@ -35,7 +35,8 @@ class Follower:
                  parts: Parts, delayed: bool, fallback_s: float) -> None:
         self.run, self.peer, self.clock, self.transfers = run, peer, clock, transfers
         self.local, self.parts, self.delayed, self.fallback_s = local, parts, delayed, fallback_s
-        self.reader = published.Reader(run.config.peer_timeout_s, run.config.cadence.heartbeat_max_s, clock)
+        self.reader = published.Reader(run.config.peer_timeout_s, run.config.cadence.heartbeat_max_s, clock,
+                                       run.config.organizer_key)
         self.state: int | None = None
         self.params = None
         self.state_hash = ""  # shard.commit_hash of state's COMMIT
@@ -57,7 +58,7 @@ class Follower:
         (``prefetch``) instead."""
         if latest is None:
             self._last_sync = self.clock.time()
-            self.stopped = self.run.bucket.exists(self.run.keys.stop())
+            self.stopped = self.run.stopped()
             latest = self.run.latest()
         if self.state is not None and latest <= self.state:
             return False

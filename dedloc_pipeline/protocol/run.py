@@ -52,8 +52,10 @@ class Run:
             if raw["layout_version"] != LAYOUT_VERSION:
                 raise RunError(f"run {name!r} uses bucket layout v{raw['layout_version']}; "
                                f"this dedloc reads v{LAYOUT_VERSION}: nothing was written")
+            if raw.get("organizer_key") is not None:  # signed by the key it names (a pin says whose)
+                identity.check_record(str(raw["organizer_key"]), raw, f"{where}")
             try:
-                config = RunConfig.model_validate(raw)
+                config = RunConfig.model_validate(_unsealed(raw))
             except ValidationError as exc:  # named as run.json's fields, not as the flags that set them
                 fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
                 raise RunError(f"{where} is invalid: {fields}") from None
@@ -70,14 +72,7 @@ class Run:
     def organizer(self, what: str) -> identity.Ed25519PrivateKey:
         """The organizer's key, to sign ``what``; a clear error where this process has none."""
         if self._organizer is None:
-            path = os.environ.get(ORGANIZER_KEY_ENV)
-            if not path:
-                raise RunError(f"run {self.name!r} is signed: writing its {what} needs the organizer's private "
-                               f"key (--organizer-key, or the path in ${ORGANIZER_KEY_ENV})")
-            key = identity.load(path)
-            if identity.public(key) != self.config.organizer_key:
-                raise RunError(f"{path} is not the organizer key run {self.name!r} was created with")
-            self._organizer = key
+            self._organizer = _organizer_from_env(self.config, what)
         return self._organizer
 
     def record(self, what: str, body: dict, **place) -> dict:
@@ -98,6 +93,33 @@ class Run:
             raise identity.IdentityError(f"{what} is not signed by the run's organizer: refused")
         return identity.check_place(identity.check_record(self.config.organizer_key, found, what), what,
                                     run=self.name, **place)
+
+    def stop_record(self) -> dict | None:
+        """STOP, if it stands (IdentityError if it is not the organizer's, in a signed run)."""
+        return self.read_record(self.keys.stop(), "STOP")
+
+    def stopped(self) -> bool:
+        """Whether the run is stopped. In a signed run only the organizer's STOP counts: anyone
+        able to write STOP.json (every volunteer, on R2) could otherwise end the run; a forged one
+        is logged and ignored (the scheduler deletes it: ``Scheduler.poll``)."""
+        if not self.signed:
+            return self.bucket.exists(self.keys.stop())
+        try:
+            return self.stop_record() is not None
+        except identity.IdentityError as exc:
+            log.warning("%s: ignored", exc)
+            return False
+
+    def stop(self, reason: str) -> bool:
+        """Write STOP (signed in a signed run, a forged one replaced); False if it stood already."""
+        if self.signed:
+            try:
+                self.stop_record()
+            except identity.IdentityError as exc:
+                log.error("%s: deleted", exc)
+                self.bucket.delete(self.keys.stop())
+        return self.bucket.create_json(self.keys.stop(), self.record("STOP", {
+            "reason": reason, "at": self.clock.time(), "state": self.latest()}))
 
     @property
     def name(self) -> str:
@@ -226,6 +248,24 @@ class Run:
         return new
 
 
+def _organizer_from_env(config: RunConfig, what: str) -> identity.Ed25519PrivateKey:
+    """The organizer's private key from ``$DEDLOC_ORGANIZER_KEY``: a clear error if there is none,
+    or if it is not the key ``config`` names."""
+    path = os.environ.get(ORGANIZER_KEY_ENV)
+    if not path:
+        raise RunError(f"run {config.run!r} is signed: writing its {what} needs the organizer's private "
+                       f"key (--organizer-key, or the path in ${ORGANIZER_KEY_ENV})")
+    key = identity.load(path)
+    if identity.public(key) != config.organizer_key:
+        raise RunError(f"{path} is not the organizer key run {config.run!r} was created with")
+    return key
+
+
+def _unsealed(raw: dict) -> dict:
+    """run.json's config fields: without the signature a signed run's carries."""
+    return {k: v for k, v in raw.items() if k != "signature"} if isinstance(raw, dict) else raw
+
+
 def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519PrivateKey | None = None) -> Run:
     """Write run.json and commit state 0 (signed with ``organizer`` in a signed run). Re-running
     with the same config is a no-op."""
@@ -238,13 +278,19 @@ def init_run(bucket: Bucket, config: RunConfig, organizer: identity.Ed25519Priva
         config = config.model_copy(update={"data_hash": pinned})
     existing = bucket.read_json(keys.config)
     if existing is not None:
-        if RunConfig.model_validate(existing) != config:
+        if RunConfig.model_validate(_unsealed(existing)) != config:
             raise RunError(f"run {config.run!r} already exists in {bucket.url} with another config")
         run = Run(bucket, config.run, organizer=organizer)
         if bucket.exists(keys.commit(0)):
             return run
     else:
-        bucket.create_json(keys.config, config.model_dump(mode="json"))
+        body = config.model_dump(mode="json")
+        if config.organizer_key is not None:  # signed, so a volunteer's pin (trust/pins.py) can be checked
+            organizer = organizer or _organizer_from_env(config, "run.json")
+            if identity.public(organizer) != config.organizer_key:
+                raise RunError(f"that private key is not the organizer key run {config.run!r} names")
+            body = identity.sign_record(organizer, body)
+        bucket.create_json(keys.config, body)
         run = Run(bucket, config.run, organizer=organizer)
     p0 = run.flat.get()
     if config.unigram_bias and config.data != SYNTHETIC:

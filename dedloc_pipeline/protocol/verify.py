@@ -218,7 +218,7 @@ class Verifier:
             if record is not None:
                 r += 1
                 continue
-            if self.run.bucket.exists(self.run.keys.stop()) and not self.run.bucket.exists(self.run.keys.close(r)):
+            if self.run.stopped() and not self.run.bucket.exists(self.run.keys.close(r)):
                 break
             self.run.clock.sleep(self.poll_s)
         return r

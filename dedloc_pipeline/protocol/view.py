@@ -17,7 +17,9 @@ Torch-free: the scheduler, ``dedloc status`` and the volunteer's display import 
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..storage.bucket import Bucket
 from ..storage.layout import RunLayout
+from ..trust import identity
 from .clock import REAL, Clock
 
 if TYPE_CHECKING:
@@ -96,14 +99,14 @@ def lifetime(v: View | None, timeout: float, cap: float) -> float:
     return max(timeout, due + timeout * (1 - KEEPALIVE))
 
 
-def read(bucket: Bucket, keys: RunLayout) -> View | None:
-    """The published view (one GET), or None when there is none or it is unusable."""
+def read(bucket: Bucket, keys: RunLayout, organizer_key: str | None = None) -> View | None:
+    """The published view (one GET), or None when there is none or it is unusable (``parse``)."""
     try:
         raw = bucket.read_bytes(keys.view)
     except Exception as exc:  # a bucket hiccup: no view this poll, the caller carries on
         log.warning("round view unreadable: %s", exc)
         return None
-    return parse(raw)
+    return parse(raw, organizer_key, keys.run)
 
 
 class Reader:
@@ -115,8 +118,8 @@ class Reader:
     call a live scheduler's view stale for the time it did not look. The first view read is judged
     by its own ``at`` (no change seen yet)."""
 
-    def __init__(self, timeout: float, cap: float, clock: Clock = REAL) -> None:
-        self.timeout, self.cap, self.clock = timeout, cap, clock
+    def __init__(self, timeout: float, cap: float, clock: Clock = REAL, organizer_key: str | None = None) -> None:
+        self.timeout, self.cap, self.clock, self.organizer_key = timeout, cap, clock, organizer_key
         self.view: View | None = None
         self._tag: str | None = None
         self._changed = float("-inf")  # clock.monotonic() of the last change seen
@@ -133,7 +136,7 @@ class Reader:
             return self.view
         if got.changed:
             first = self._tag is None
-            self._tag, self.view = got.tag, parse(got.data)
+            self._tag, self.view = got.tag, parse(got.data, self.organizer_key, keys.run)
             if self.view is not None and not (first and abs(self.clock.time() - self.view.at) >= self.lifetime):
                 self._changed = self.clock.monotonic()
         return self.view
@@ -153,21 +156,39 @@ class Reader:
         return self.view is not None and self._read_at - self._changed < self.lifetime
 
 
-def parse(raw: bytes | None) -> View | None:
+def parse(raw: bytes | None, organizer_key: str | None = None, run: str | None = None) -> View | None:
+    """The view in ``raw``, or None: absent, oversized, malformed, or in a signed run (``organizer_key``)
+    not signed by the organizer for run ``run`` (logged: no view, as if no scheduler published)."""
     if raw is None:
         return None
     if len(raw) > MAX_VIEW_BYTES:
         log.warning("round view of %d bytes, above %d: ignored", len(raw), MAX_VIEW_BYTES)
         return None
     try:
+        if organizer_key is not None:
+            body = json.loads(raw)
+            if not isinstance(body, dict):
+                raise identity.IdentityError("the round view is not signed by the run's organizer: refused")
+            identity.check_place(identity.check_record(organizer_key, body, "the round view"), "the round view",
+                                 run=run)
         return View.model_validate_json(raw)
+    except identity.IdentityError as exc:
+        log.warning("%s: ignored", exc)
+        return None
     except ValidationError as exc:
         log.warning("round view malformed: %s", exc.errors()[0].get("msg") if exc.errors() else exc)
         return None
+    except ValueError as exc:
+        log.warning("round view malformed: %s", exc)
+        return None
 
 
-def write(bucket: Bucket, keys: RunLayout, view: View) -> None:
-    bucket.write_bytes(keys.view, view.model_dump_json().encode())
+def write(bucket: Bucket, keys: RunLayout, view: View, record: Callable[..., dict] | None = None) -> None:
+    """Publish ``view``; in a signed run ``record`` (``Run.record``) names the run and signs it:
+    anyone able to write VIEW.json (every volunteer, on R2) could otherwise make every worker
+    hold its samples with a view that says closed, stopped, or full."""
+    data = view.model_dump_json() if record is None else json.dumps(record("round view", view.model_dump(mode="json")))
+    bucket.write_bytes(keys.view, data.encode())
 
 
 def eta(target: int, validated: int, pending: int, samples_per_s: float, closed: bool) -> float | None:

@@ -256,14 +256,17 @@ The protocol's checks still catch:
 - an unsigned or edited ROSTER.json: it must be signed by the organizer key in run.json;
 - a changed parameter or delta chunk, when a worker loads a state (the checksums in its
   COMMIT.json), and a changed data shard (the hashes in DATA.json);
-- in a run with an organizer key, a COMMIT.json, CLOSE.json, LATEST.json or streams.json (and the
-  validator's verdicts and flags) not signed by it: every reader checks the signature, and the
-  scheduler deletes a forged CLOSE or COMMIT and writes the true one; a roster written back over
-  a newer one (the versions are kept create-once); a rewritten DATA.json (run.json pins its hash).
+- in a run with an organizer key, a COMMIT.json, CLOSE.json, LATEST.json, streams.json,
+  VIEW.json or STOP.json (and the validator's verdicts and flags) not signed by it, or a signed
+  one copied to another round, state, volunteer or run: every reader checks the signature and the
+  place, and the scheduler deletes a forged CLOSE, COMMIT or STOP and writes the true one; a
+  rewritten run.json (signed by the key it names; each volunteer pins the organizer's key on
+  first join and refuses a run.json naming another, or none); a roster written back over a newer
+  one, or newer versions deleted (the versions are kept create-once, and a scheduler refuses a
+  history older than its newest CLOSE's); a rewritten DATA.json (run.json pins its hash).
 Nothing catches:
-- a rewritten run.json, VIEW.json or STOP.json: they are not signed (a new organizer key in
-  run.json is believed by every process started after it; a VIEW.json can make workers hold or
-  upload early; a STOP.json ends the run), nor, in a run without an organizer key, anything else;
+- in a run without an organizer key, anything the organizer writes (run.json, VIEW.json,
+  STOP.json, the states' records): none of it is signed;
 - rewritten parameters, optimizer state or reduced gradients before an aggregator reads them
   (it reads them without checksums): they go into the next state;
 - deletes: other peers' shards before CLOSE, the states, the data sets;

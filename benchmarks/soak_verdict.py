@@ -230,7 +230,7 @@ class Replay:
         total = np.zeros(run.flat.n, np.float64)
         weights: dict[str, float] = {}
         for s in accepted:
-            arrays = vector.read_vector(run.bucket, s.key, fmt, checksums=s.checksums, raw=True)
+            arrays = vector.read_vector(run.bucket, run.keys.frozen(s.key), fmt, checksums=s.checksums, raw=True)
             codec.accumulate(total, arrays, fmt.codec, fmt.block, s.weight)
             weights[volunteer_of(s.peer)] = weights.get(volunteer_of(s.peer), 0.0) + s.weight
         grad = (total / np.array([weights[v] for v in sorted(weights)]).sum()).astype(np.float32)

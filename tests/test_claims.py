@@ -13,6 +13,7 @@ import pytest
 from dedloc_pipeline.model.data import DataError, make_source
 from dedloc_pipeline.monitoring.volunteer import make_worker
 from dedloc_pipeline.protocol import admission, aggregator, shard, verify, view
+from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import codec, vector
@@ -114,6 +115,35 @@ def test_the_round_loss_is_the_median_volunteers(make_run):
     assert [e.reason for e in close.rejected] == ["impossible loss -1e+30"]
     assert _finish(run, 0)["loss"] == 5.2  # the median of 5.0, 5.2 and 1e30
     assert sum(e.weight * e.loss for e in close.accepted) / close.samples > 3e29  # the control
+
+
+@pytest.mark.parametrize("when", ["before_close", "after_close"])
+def test_a_shard_rewritten_after_validation_changes_nothing(make_run, when):
+    """The scheduler copies each shard into a prefix only the organizer writes (``frozen/``)
+    and validates the copy, which aggregators and the validator read. A volunteer rewriting a
+    chunk of its own shard after it was validated, before or after CLOSE, changes nothing: the
+    round commits the state of the validated bytes, and the validator recomputes the shard (not
+    "skipped ... pruned"). Control: the original now fails its checksums, which stalled the
+    round for good when aggregators read it."""
+    run = make_run(target_batch_size=8)
+    honest = _noise(run, 0)
+    key = _shard(run, 0, "a", honest, 8)
+    sched = Scheduler(run, 1, 0)
+    chunk = f"{key}/{sorted(vector.chunk_objects(run.grad_format))[0]}"
+    if when == "before_close":
+        assert sched.judge.verdicts(0)[0]  # validated, the round not closed yet
+    else:
+        assert sched.try_close(0) is not None
+    run.bucket.write_bytes(chunk, b"\x00" * 64)  # the volunteer's own key: its credential may write it
+    if when == "before_close":
+        assert sched.try_close(0) is not None
+    with pytest.raises(vector.CorruptShard, match="checksum mismatch|undecodable"):  # the control
+        vector.read_vector(run.bucket, key, run.grad_format, checksums=closed(run, 0).accepted[0].checksums)
+    _finish(run, 0)
+    reduced = vector.read_vector(run.bucket, run.keys.reduced(0), run.dense_format)
+    assert np.array_equal(reduced, honest)  # the exact codec: the validated gradient itself
+    record = verify.Verifier(run, fraction=1.0).verify_round(0)
+    assert record["shards"][0]["verdict"] in ("ok", "mismatch")  # recomputed from the frozen copy (noise here)
 
 
 def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run):

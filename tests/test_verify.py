@@ -185,6 +185,25 @@ def test_a_restarted_verifier_does_not_redo_a_round(make_run):
 
 
 @pytest.mark.slow
+def test_one_unreadable_shard_does_not_skip_the_copy_screen_for_the_others(make_run):
+    """mallory copies alice's codes; bob's frozen copy is then gone. The screen still pairs
+    mallory with alice and flags mallory; bob is listed as unreadable, screening nobody (the
+    first report: one such shard skipped the screen of the whole round, for every volunteer)."""
+    run = make_run(codec="int8", target_batch_size=72, keep_states=10)
+    alice = honest_upload(run, "alice")
+    entry = shard.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
+    arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
+    forged(run, "mallory", None, entry.samples, [(0, entry.samples)], arrays=arrays)
+    bob = honest_upload(run, "bob")
+    finish(run, 0)
+    run.bucket.delete(run.keys.frozen(bob))
+    record = verify.Verifier(run, fraction=0.0, at_least=0, device="cpu").verify_round(0)
+    assert record["copy_screen"]["unreadable"] == [bob]
+    mallory = verdicts(record)["mallory"]["key"]
+    assert [p["shards"] for p in record["copy_screen"]["pairs"]] == [sorted([alice, mallory])]
+    assert verdicts(record)["mallory"]["verdict"] == "copy" and list(verify.flagged(run)) == ["mallory"]
+
+
 def test_a_round_whose_state_was_pruned_is_skipped(make_run, caplog):
     """keep_states 2: after state 4, states 1 and 2 and rounds 0 and 1 are gone. Round 1 is
     recorded as skipped, never a crash, and its log line and the validator's tally count it so
@@ -198,7 +217,7 @@ def test_a_round_whose_state_was_pruned_is_skipped(make_run, caplog):
     n = len(pruned["shards"])
     assert n and all(s["verdict"] == "skipped" and not s["flag"] for s in pruned["shards"])
     assert pruned["shards"][0]["reason"].startswith("skipped: ") and "pruned" in pruned["shards"][0]["reason"]
-    assert "skipped" in pruned["copy_screen"]
+    assert sorted(pruned["copy_screen"]["unreadable"]) == sorted(s["key"] for s in pruned["shards"])
     assert whole["shards"] and all(s["verdict"] == "ok" for s in whole["shards"])
     lines = [r.getMessage() for r in caplog.records if "verified:" in r.getMessage()]
     m = len(whole["shards"])

@@ -131,12 +131,14 @@ class Traffic:
         return r
 
     def closing(self, shards: int) -> Requests:
-        """What closing adds to its poll: each new shard validated (every chunk read and
-        checksummed; its objects' sizes came with the round's listing), the roster (signed runs)
-        and the validator's flags read again, CLOSE created and read back, and the next round's
+        """What closing adds to its poll: each new shard frozen (a server-side copy of each of its
+        objects, billed as a PUT) and validated there (every chunk read and checksummed; its
+        objects' sizes came with the round's listing), the roster (signed runs) and the
+        validator's flags read again, CLOSE created and read back, and the next round's
         heartbeats listed for the closed view (which stands while the round is reduced)."""
         signed = int(self.config.organizer_key is not None)
-        return Requests(list=2, get=shards * _reads(self.grad) + signed) + Requests(put=1, get=1)
+        return (Requests(list=2, get=shards * _reads(self.grad) + signed, put=shards * _objects(self.grad))
+                + Requests(put=1, get=1))
 
     def lease_renewal(self) -> Requests:
         """The scheduler's lease renewed (``Lease.hold``, every ``RENEW`` of its time): the next
@@ -173,7 +175,7 @@ class Traffic:
         if not checkpoint:
             state += _objects(dense) + (self.slots + 1) * dense.n_chunks  # params, optim
         kept = 1 + (0 if not checkpoint else _objects(dense) + (self.slots + 1) * dense.n_chunks)
-        scratch = shards * (_objects(self.grad) + 1) + peers + _objects(dense) + len(self.parts)
+        scratch = shards * (2 * _objects(self.grad) + 1) + peers + _objects(dense) + len(self.parts)  # + frozen
         r = Requests()
         for listed, doomed in ((state + kept, state), (scratch + 1, scratch)):  # the COMMIT, the CLOSE kept
             r += Requests(list=max(1, math.ceil(listed / S3_PAGE)), delete=math.ceil(doomed / S3_PAGE))

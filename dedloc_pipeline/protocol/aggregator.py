@@ -45,9 +45,10 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     stacked = np.zeros((len(volunteers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
-        found = vector.read_vectors(bucket, [s.key for s in batch], fmt, chunks, [s.checksums for s in batch])
+        found = vector.read_vectors(bucket, [keys.frozen(s.key) for s in batch], fmt, chunks,
+                                    [s.checksums for s in batch])
         for shard, arrays in zip(batch, found):
-            if isinstance(arrays, vector.CorruptShard):  # changed after CLOSE: refuse, never skip
+            if isinstance(arrays, vector.CorruptShard):  # only the organizer writes frozen copies: refuse, never skip
                 raise arrays
             if robust_mode:  # the volunteer's parts, sample-weighted
                 k = row[volunteer_of(shard.peer)]

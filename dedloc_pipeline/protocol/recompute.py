@@ -154,31 +154,38 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 
 
 def read_shard(run: Run, entry: Entry) -> np.ndarray:
-    """A shard's gradient as the round's mean used it, checked against its CLOSE entry."""
-    fmt = run.grad_format
+    """A shard's gradient as the round's mean used it: its frozen copy (``shard.freeze``), checked
+    against its CLOSE entry. Its volunteer cannot write there, so a copy gone is pruned and one
+    that fails its checksums was changed by whoever holds the organizer's credentials."""
+    fmt, frozen = run.grad_format, run.keys.frozen(entry.key)
     try:
-        arrays = vector.read_vector(run.bucket, entry.key, fmt, checksums=entry.checksums, raw=True)
+        arrays = vector.read_vector(run.bucket, frozen, fmt, checksums=entry.checksums, raw=True)
     except vector.CorruptShard as exc:
+        if run.bucket.sizes(frozen):
+            raise Unverifiable(f"its frozen copy changed after validation: {exc}", fault=False) from exc
         raise Unverifiable(f"the shard is no longer in the bucket (pruned): {exc}", fault=False, pruned=True) from exc
     return codec.decode(arrays, fmt.codec, fmt.block, fmt.n)
 
 
 def similarities(run: Run, entries: list[Entry]) -> np.ndarray:
     """The cosine of every pair of shards, from dot products summed chunk by chunk: one chunk of
-    every shard in memory at a time, never all shards whole. Raises Unverifiable if one is pruned."""
+    every shard in memory at a time, never all shards whole. A shard that cannot be read (pruned,
+    damaged) has NaN for every cosine: it screens nobody, and the others are still screened."""
     fmt, k = run.grad_format, len(entries)
     gram = np.zeros((k, k))
+    unreadable = np.zeros(k, bool)
     for c in range(fmt.n_chunks):
-        found = vector.read_vectors(run.bucket, [e.key for e in entries], fmt, range(c, c + 1),
-                                   [e.checksums for e in entries])
-        bad = next((x for x in found if isinstance(x, vector.CorruptShard)), None)
-        if bad is not None:
-            raise Unverifiable(f"a shard is no longer in the bucket (pruned): {bad}", fault=False, pruned=True)
-        x = np.stack([codec.decode(a, fmt.codec, fmt.block, fmt.elements(range(c, c + 1)))
-                      for a in found]).astype(np.float64)
+        found = vector.read_vectors(run.bucket, [run.keys.frozen(e.key) for e in entries], fmt, range(c, c + 1),
+                                    [e.checksums for e in entries])
+        unreadable |= [isinstance(a, vector.CorruptShard) for a in found]
+        x = np.stack([np.zeros(fmt.elements(range(c, c + 1))) if unreadable[i] else
+                      codec.decode(a, fmt.codec, fmt.block, fmt.elements(range(c, c + 1)))
+                      for i, a in enumerate(found)]).astype(np.float64)
         gram += x @ x.T
     norms = np.sqrt(np.clip(np.diag(gram), 1e-300, None))
-    return gram / np.outer(norms, norms)
+    cos = gram / np.outer(norms, norms)
+    cos[unreadable, :] = cos[:, unreadable] = np.nan
+    return cos
 
 
 def copy_suspects(entries: list[Entry], cosines: np.ndarray, threshold: float = COPY_COSINE) -> list[tuple[int, int]]:

@@ -210,8 +210,9 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     stored = sum(stored.values())
     if stored > stored_limit(fmt):
         raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
+    frozen = freeze(run, key)
     try:
-        arrays = vector.read_vector(run.bucket, key, fmt, checksums=m.checksums, raw=True)
+        arrays = vector.read_vector(run.bucket, frozen, fmt, checksums=m.checksums, raw=True)
     except vector.CorruptShard as exc:
         raise Rejected(str(exc)) from exc
     if not all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f"):
@@ -222,6 +223,19 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     return Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
                  stale_samples=m.stale_samples, checksums=m.checksums, data=m.data, norm=norm,
                  manifest_sha=hashlib.sha256(raw).hexdigest())
+
+
+def freeze(run: Run, key: str) -> str:
+    """Copy shard ``key``'s objects to its frozen key (``RunLayout.frozen``), which only the
+    organizer writes, and return that key: what is validated there is what every aggregator and
+    the validator read, whatever the volunteer writes to its own keys afterwards."""
+    frozen = run.keys.frozen(key)
+    for name in sorted(vector.chunk_objects(run.grad_format)):
+        try:
+            run.bucket.copy(f"{key}/{name}", f"{frozen}/{name}")
+        except FileNotFoundError as exc:
+            raise Rejected(f"{name} vanished while the shard was judged") from exc
+    return frozen
 
 
 def _check_contiguous(data: DataRef, end: int, window: int) -> None:

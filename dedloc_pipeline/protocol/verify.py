@@ -32,6 +32,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 
+import numpy as np
+
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
@@ -169,12 +171,10 @@ class Verifier:
         if len({volunteer_of(s.peer) for s in accepted}) < 2:
             return {"pairs": [], "max_cosine": None}
         t0 = time.perf_counter()
-        try:
-            cos = similarities(self.run, accepted)
-        except Unverifiable as exc:
-            return {"pairs": [], "max_cosine": None, "skipped": str(exc)}
+        cos = similarities(self.run, accepted)
+        unreadable = [e.key for i, e in enumerate(accepted) if np.isnan(cos[i, i])]
         cross = [cos[i, j] for i in range(len(accepted)) for j in range(i + 1, len(accepted))
-                 if volunteer_of(accepted[i].peer) != volunteer_of(accepted[j].peer)]
+                 if volunteer_of(accepted[i].peer) != volunteer_of(accepted[j].peer) and not np.isnan(cos[i, j])]
         pairs = []
         for i, j in copy_suspects(accepted, cos, self.copy_cosine):
             a, b = accepted[i], accepted[j]
@@ -188,7 +188,8 @@ class Verifier:
                 if v["verdict"] == "mismatch":
                     v.update(verdict="copy", flag=True, copy_of=other.key,
                              reason=f"copy of {other.key} (cosine {cos[i, j]:.4f}); {v['reason']}")
-        return {"pairs": pairs, "max_cosine": float(max(cross)) if cross else None, "seconds": time.perf_counter() - t0}
+        out = {"pairs": pairs, "max_cosine": float(max(cross)) if cross else None, "seconds": time.perf_counter() - t0}
+        return {**out, "unreadable": unreadable} if unreadable else out
 
     def _flag(self, r: int, v: dict) -> None:
         """The volunteer's flag (its first caught shard is kept), then its key revoked if the

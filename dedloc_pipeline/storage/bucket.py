@@ -280,6 +280,25 @@ class Bucket:
         self.write_bytes(key, _dumps(obj))
 
     @_retried
+    def copy(self, src: str, dst: str) -> None:
+        """Copy object ``src`` to ``dst``: on S3 server-side (one CopyObject, billed as a PUT, no
+        bytes through this machine); on a disk whole, then renamed into place. FileNotFoundError
+        if ``src`` is gone."""
+        self.stats.add("put")
+        if self.protocol == "s3":
+            s3.copy(self.fs, self.path(src), self.path(dst))
+            return
+        if not self.local:
+            self.fs.copy(self.path(src), self.path(dst))
+            return
+        data = self.fs.cat_file(self.path(src))
+        tmp = self._local_tmp(self.path(dst), data)
+        try:
+            self.fs.mv(tmp, self.path(dst))
+        finally:
+            self._discard(tmp)
+
+    @_retried
     def create(self, key: str, data: bytes) -> bool:
         """Write ``key`` only if it does not exist yet. True if this call created it, or an
         earlier attempt of it did (the same bytes are there: its reply was lost)."""

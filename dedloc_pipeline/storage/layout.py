@@ -169,6 +169,13 @@ class RunLayout:
             raise ValueError(f"{shard!r} is not a shard key")
         return self.round_of(shard), peer, part
 
+    def frozen(self, shard: str) -> str:
+        """The copy of shard ``rounds/R/shards/PEER/PART`` the scheduler validates, and everyone
+        after it reads: ``rounds/R/frozen/PEER/PART``, which only the organizer writes, so
+        nothing its volunteer does to the shard afterwards changes or stalls the round."""
+        head, peer, part = shard.rsplit("/", 2)
+        return f"{head.removesuffix('/shards')}/frozen/{peer}/{part}"
+
     def manifests_dir(self, r: int, peer: str | None = None) -> str:
         """Manifests only, apart from the chunks: listing the round's shards lists just these
         (one peer's, given ``peer``)."""

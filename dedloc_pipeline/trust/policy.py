@@ -244,9 +244,11 @@ Under those prefixes its holder can:
   and its shards) under {data}, which other runs may use too;
 - overwrite or delete any object there.
 The protocol's checks still catch:
-- a changed chunk of a shard: it fails its checksum in the shard's manifest. Before CLOSE the
-  shard is rejected (its samples are lost, not altered); after CLOSE the aggregator stops on it
-  rather than skip it or use the new bytes;
+- a changed chunk of a shard: it fails its checksum in the shard's manifest, and the shard is
+  rejected (its samples are lost, not altered). The scheduler validates a copy of each shard in
+  frozen/, which aggregators and the validator read: a rewrite after validation changes nothing,
+  but this credential can write frozen/ too, and a frozen copy that fails its checksums stops
+  the aggregator rather than be skipped or used;
 - in a run with an organizer key, every manifest not signed by the enrolled, unrevoked key of the
   volunteer its peer id names: unsigned or edited manifests, manifests under another peer's name,
   and signed ones copied to another round or part (round, peer and part are signed and must match

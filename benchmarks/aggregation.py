@@ -76,24 +76,26 @@ def numpy_reduce(root: str, run: Run, accepted: list[dict]) -> np.ndarray:
     """The lower bound: the round's mean gradient straight from the shards' files.
 
     Chunk by chunk (a 1M-element float64 accumulator stays small), every shard's codes and
-    scales are read with plain file reads (a shard keeps an array's chunks in one file, their
-    offsets in its index), Blosc-decompressed, dequantized as codes times their block's scale,
+    scales are read with plain file reads (a shard keeps its chunks in one file, their offsets
+    in its index, each chunk its codes then its scales), Blosc-decompressed, dequantized as codes
+    times their block's scale,
     weighted by its samples and summed in float64.
     """
     fmt = run.grad_format
     codes_dtype = np.dtype(fmt.arrays()["codes"][0])
+    codes_bytes = codes_dtype.itemsize * fmt.arrays()["codes"][2]  # a packed chunk: codes, then scales
     blosc = numcodecs.Blosc()
     total_samples = sum(s["samples"] for s in accepted)
     out = np.empty(fmt.n, np.float32)
     weighted = np.empty(fmt.chunk_size, np.float64)
-    index = {(s["key"], name): _shard_index(f"{root}/{s['key']}/{name}/c/0", fmt.n_chunks)
-             for s in accepted for name in ("codes", "scales")}
+    index = {s["key"]: _shard_index(f"{root}/{s['key']}/{vector.PACKED}/c/0", fmt.n_chunks) for s in accepted}
     for c in range(fmt.n_chunks):
         lo, hi = fmt.bounds("codes", range(c, c + 1))
         acc = np.zeros(hi - lo, np.float64)
         for s in accepted:
-            g = code_values(blosc.decode(_read_chunk(root, s["key"], "codes", index, c)), codes_dtype)
-            scales = np.frombuffer(blosc.decode(_read_chunk(root, s["key"], "scales", index, c)), np.float32)
+            packed = np.frombuffer(blosc.decode(_read_chunk(root, s["key"], index, c)), np.uint8)
+            g = code_values(packed[:codes_bytes].tobytes(), codes_dtype)  # a whole chunk, the last one padded
+            scales = packed[codes_bytes:].view(np.float32)
             blocks = g.reshape(len(scales), fmt.block)  # a view: scaled in place
             blocks *= scales[:, None]
             np.multiply(g[: hi - lo], np.float64(s["samples"]), out=weighted[: hi - lo])
@@ -109,9 +111,9 @@ def _shard_index(path: str, chunks: int) -> np.ndarray:
         return np.frombuffer(f.read(16 * chunks), "<u8").reshape(chunks, 2)
 
 
-def _read_chunk(root: str, key: str, name: str, index: dict, c: int) -> bytes:
-    offset, size = index[key, name][c]
-    with open(f"{root}/{key}/{name}/c/0", "rb") as f:
+def _read_chunk(root: str, key: str, index: dict, c: int) -> bytes:
+    offset, size = index[key][c]
+    with open(f"{root}/{key}/{vector.PACKED}/c/0", "rb") as f:
         f.seek(int(offset))
         return f.read(int(size))
 

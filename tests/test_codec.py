@@ -158,14 +158,15 @@ def test_parameter_delta_rebuilds_the_commit_bit_for_bit(bucket, name):
 
 
 def test_a_vector_written_whole_reads_any_chunk_range_the_same_on_s3(s3_bucket, tmp_path):
-    """A shard is one object per array (zarr's sharding codec), its metadata implied: read whole, or a range of its
-    chunks as a partitioned aggregator does (the shard's index, then the chunks), on S3 and on a
-    local folder alike, and checked against the chunk hashes."""
+    """A shard is one object (zarr's sharding codec; each chunk its codes then its scales), its
+    metadata implied: read whole, or a range of its chunks as a partitioned aggregator does (the
+    shard's index, then the chunks; the last one short), on S3 and on a local folder alike, and
+    checked against the chunk hashes of the codec's arrays."""
     fmt = vector.VectorFormat("int8", 3000, 1024, 256, whole=True)
     arrays = codec.encode(np.random.default_rng(0).standard_normal(3000).astype(np.float32), "int8", 256)
     local = Bucket(str(tmp_path / "local"))
     sums = [vector.write_vector(b, "s", fmt, arrays) for b in (local, s3_bucket)]
-    assert sums[0] == sums[1] and sorted(local.find("s")) == ["s/codes/c/0", "s/scales/c/0"]
+    assert sums[0] == sums[1] and sorted(local.find("s")) == ["s/shard/c/0"]
     for chunks in (range(0, 3), range(0, 1), range(1, 2), range(2, 3), range(1, 3)):
         here, there = (vector.read_vector(b, "s", fmt, chunks, checksums=sums[0], raw=True) for b in (local, s3_bucket))
         lo, hi = fmt.bounds("codes", chunks)

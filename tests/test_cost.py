@@ -205,9 +205,9 @@ def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
     _close(steps["poll"], lay.scheduler_poll(heartbeats=2, manifests=0, first=True))
     _close(steps["view"], Requests(get=1))
     _close(steps["upload p0"], lay.shard_upload())
-    # codes and scales, or sparse indices, codes and scales (each one object of its 4 chunks, its
-    # metadata the run's), then the manifest
-    arrays = 3 if run.config.codec == "sparse" else 2
+    # codes and scales packed in one object of its 4 chunks, or sparse indices, codes and scales
+    # (one object each; the metadata the run's), then the manifest
+    arrays = 3 if run.config.codec == "sparse" else 1
     assert lay.shard_upload() == Requests(put=arrays + 1)
 
 

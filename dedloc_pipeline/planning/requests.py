@@ -48,8 +48,8 @@ class Requests:
 
 
 def _chunks(fmt: VectorFormat) -> list[int]:
-    """Chunks of each of a vector's arrays."""
-    return [-(-length // clen) for _, length, clen in fmt.arrays().values()]
+    """Chunks of each of a vector's stored arrays (one for a packed shard: ``VectorFormat.stored``)."""
+    return [-(-length // clen) for _, length, clen in fmt.stored().values()]
 
 
 def _objects(fmt: VectorFormat) -> int:
@@ -62,7 +62,7 @@ def _reads(fmt: VectorFormat, chunks: int | None = None) -> int:
     """GETs of a checksummed read (no metadata) of ``chunks`` chunks of each array (default
     all): a chunk each, or for a vector written whole one object, and for a range of it the
     shard's index and then the range's chunks."""
-    arrays = len(fmt.arrays())
+    arrays = len(fmt.stored())
     if chunks is None or chunks >= fmt.n_chunks:
         return arrays if fmt.whole else sum(_chunks(fmt))
     return arrays * (chunks + int(fmt.whole))

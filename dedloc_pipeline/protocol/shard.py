@@ -134,8 +134,8 @@ def manifest_limit(fmt: vector.VectorFormat) -> int:
 def stored_limit(fmt: vector.VectorFormat) -> int:
     """The most bytes an honest shard's files take: Blosc stores a chunk it cannot compress as
     it is, behind a 16-byte header; zarr's metadata is under a kilobyte per array."""
-    raw = sum(np.dtype(dtype).itemsize * length for dtype, length, _ in fmt.arrays().values())
-    return raw + 64 * fmt.n_chunks * len(fmt.arrays()) + 4096 * len(fmt.arrays())
+    raw = sum(np.dtype(dtype).itemsize * length for dtype, length, _ in fmt.stored().values())
+    return raw + 64 * fmt.n_chunks * len(fmt.stored()) + 4096 * len(fmt.stored())
 
 
 def stream_window(run: Run) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import re
 
 # 2: quantized codes stored zigzag-folded as uint8; 3: no zarr.json for any vector (its metadata
-# follows from run.json), and a signed run's organizer records name their run and place
+# follows from run.json), a shard's codes and scales in one object, shards validated and read in
+# a frozen copy, and a signed run's organizer records (run.json too) name their run and place
 LAYOUT_VERSION = 3
 PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # peer ids and shard parts: one key segment each
 

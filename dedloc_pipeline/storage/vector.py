@@ -6,8 +6,9 @@ Blosc-lz4, so aggregators can read any chunk range on its own. Its arrays' metad
 (``_metadata``: every vector of a kind has the same shape, dtype and layout), so a vector is its
 chunk objects alone, written and read with that metadata and never a ``zarr.json`` (a request
 less per array to make, open or find one). A vector one writer makes at once (a peer's gradient
-shard) keeps its chunks in one object per array (zarr's sharding codec): a request per array, not
-per chunk, to write it and to read it whole. Vectors that aggregators write in chunk ranges
+shard) keeps its chunks in one object per array (zarr's sharding codec), and codes and scales in
+one array of bytes (``VectorFormat.packed``): one request, not one per chunk and array, to write
+it, to copy it and to read it whole. Vectors that aggregators write in chunk ranges
 (parameters, state, deltas) keep an object per chunk; a chunk of zeros is not stored there (it
 reads as zeros), so what proves such a vector whole is its COMMIT's checksums, and the markers
 and COMMIT written after it prove it written. Each chunk's decoded bytes are hashed into the
@@ -36,6 +37,7 @@ from .codec import codec_of, decode
 # see codec), but for the fp32 scales, which prefer byte-shuffle (0.91 vs 1.01 bytes per element
 # on real tiny-ALBERT gradients). int4 parameter deltas take 0.39 bytes (lz4) and 0.35 (lz4hc).
 _SHUFFLE = {"scales": "shuffle"}
+PACKED = "shard"  # the one stored array of a packed vector (VectorFormat.packed): codes, then scales, per chunk
 
 
 class CorruptShard(ValueError):
@@ -87,11 +89,26 @@ class VectorFormat:
         return self.n_chunks if self.whole else 0
 
     def arrays(self) -> dict[str, tuple[str, int, int]]:
-        """name -> (dtype, length, chunk length)."""
+        """The codec's arrays: name -> (dtype, length, chunk length)."""
         return codec_of(self.codec).arrays(self.n, self.chunk_size, self.block)
 
+    @property
+    def packed(self) -> bool:
+        """Written whole with codes and scales (``Blockwise``): all its arrays in one object."""
+        return self.whole and set(self.arrays()) == {"codes", "scales"}
+
+    def stored(self) -> dict[str, tuple[str, int, int]]:
+        """The arrays as stored: the codec's, or for a packed vector one array of bytes
+        (``PACKED``) whose chunk c holds chunk c of each of the codec's arrays, back to back: a
+        shard is then one object to upload, to copy when frozen, and to read."""
+        if not self.packed:
+            return self.arrays()
+        width = sum(np.dtype(dtype).itemsize * clen for dtype, _, clen in self.arrays().values())
+        return {PACKED: ("uint8", self.n_chunks * width, width)}
+
     def bounds(self, name: str, chunks: range) -> tuple[int, int]:
-        _, length, clen = self.arrays()[name]
+        """Elements of array ``name`` (the codec's or a stored one) that ``chunks`` hold."""
+        _, length, clen = {**self.arrays(), **self.stored()}[name]
         return chunks.start * clen, min(chunks.stop * clen, length)
 
     def elements(self, chunks: range) -> int:
@@ -129,7 +146,37 @@ def chunk_object(fmt: VectorFormat, name: str, chunk: int) -> str:
 
 def chunk_objects(fmt: VectorFormat) -> set[str]:
     """The chunk objects a whole vector stores, by name under its key."""
-    return {chunk_object(fmt, name, i) for name in fmt.arrays() for i in range(fmt.n_chunks)}
+    return {chunk_object(fmt, name, i) for name in fmt.stored() for i in range(fmt.n_chunks)}
+
+
+def _pack(fmt: VectorFormat, arrays: dict[str, np.ndarray], chunks: range) -> dict[str, np.ndarray]:
+    """The stored arrays of ``arrays`` (the codec's, holding the elements of ``chunks``)."""
+    if not fmt.packed:
+        return arrays
+    rows = np.zeros((len(chunks), fmt.stored()[PACKED][2]), np.uint8)
+    col = 0
+    for name, (dtype, _, clen) in fmt.arrays().items():
+        size = np.dtype(dtype).itemsize * clen
+        raw = np.zeros(len(chunks) * size, np.uint8)  # a short last chunk is padded with zeros
+        data = np.ascontiguousarray(arrays[name], dtype=dtype).view(np.uint8)
+        raw[:data.size] = data
+        rows[:, col:col + size] = raw.reshape(len(chunks), size)
+        col += size
+    return {PACKED: rows.reshape(-1)}
+
+
+def _unpack(fmt: VectorFormat, stored: dict[str, np.ndarray], chunks: range) -> dict[str, np.ndarray]:
+    """The codec's arrays, the elements of ``chunks``, from the stored ones (``_pack``)."""
+    if not fmt.packed:
+        return stored
+    rows = stored[PACKED].reshape(len(chunks), -1)
+    out, col = {}, 0
+    for name, (dtype, _, clen) in fmt.arrays().items():
+        size = np.dtype(dtype).itemsize * clen
+        lo, hi = fmt.bounds(name, chunks)
+        out[name] = np.ascontiguousarray(rows[:, col:col + size]).reshape(-1).view(dtype)[:hi - lo]
+        col += size
+    return out
 
 
 def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, np.ndarray]) -> None:
@@ -138,11 +185,11 @@ def _write_whole(bucket: Bucket, key: str, fmt: VectorFormat, arrays: dict[str, 
     (it reads a shard before writing one), and its chunk objects are put as they are; chunks of
     zeros are stored too, so an honest shard has every object (chunk_objects)."""
     objects = {}
-    for name in fmt.arrays():
+    for name, values in _pack(fmt, arrays, range(fmt.n_chunks)).items():
         objects[name] = {}
         z = zarr.AsyncArray(metadata=_metadata(fmt, name), config={"write_empty_chunks": True},
                             store_path=StorePath(zarr.storage.MemoryStore(objects[name])))
-        zarr.Array(z)[:] = arrays[name]
+        zarr.Array(z)[:] = values
 
     async def put():
         for name, encoded in objects.items():
@@ -190,7 +237,7 @@ def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: ran
     its checksums (missing chunks included) comes back as its CorruptShard instead."""
     chunks = chunks or range(fmt.n_chunks)
     checksums = checksums or [None] * len(keys)
-    metadata = {name: _metadata(fmt, name) for name in fmt.arrays()}  # made here: zarr's loop cannot
+    metadata = {name: _metadata(fmt, name) for name in fmt.stored()}  # made here: zarr's loop cannot
 
     async def gather():
         return await asyncio.gather(*(_read(bucket, k, fmt, chunks, metadata) for k in keys), return_exceptions=True)
@@ -209,7 +256,7 @@ def read_vectors(bucket: Bucket, keys: list[str], fmt: VectorFormat, chunks: ran
 
 async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range, metadata: dict) -> dict[str, np.ndarray]:
     arrays = {}
-    for name in fmt.arrays():
+    for name in fmt.stored():
         z = _array(bucket, key, name, metadata[name])
         lo, hi = fmt.bounds(name, chunks)
         try:
@@ -218,7 +265,7 @@ async def _read(bucket: Bucket, key: str, fmt: VectorFormat, chunks: range, meta
             raise
         except (RuntimeError, ValueError, TypeError) as exc:  # bytes that do not decompress
             raise CorruptShard(f"{key}/{name}: undecodable chunk ({exc})") from exc
-    return arrays
+    return _unpack(fmt, arrays, chunks)
 
 
 def _array(bucket: Bucket, key: str, name: str, metadata) -> zarr.AsyncArray:
@@ -230,7 +277,7 @@ def _array(bucket: Bucket, key: str, name: str, metadata) -> zarr.AsyncArray:
 def _metadata(fmt: VectorFormat, name: str):
     """The metadata of array ``name`` of a vector of format ``fmt``: a ``zarr.json`` never stored
     (a reader need not match the compressor's settings: a Blosc frame describes itself)."""
-    dtype, length, clen = fmt.arrays()[name]
+    dtype, length, clen = fmt.stored()[name]
     z = zarr.create_array(zarr.storage.MemoryStore(), shape=(length,), dtype=dtype, fill_value=0,
                           zarr_format=3, **_layout(name, clen, fmt.per_object, fmt.cname))
     return z.metadata

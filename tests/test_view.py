@@ -18,6 +18,7 @@ from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.storage.layout import RunLayout
 from dedloc_pipeline.testing import assert_counted_once, on_clock
 
 from .test_protocol import put_shard
@@ -99,6 +100,20 @@ def test_the_view_is_what_the_scheduler_validated(make_run):
     assert Scheduler(run, 1, 0).try_close(0) == close  # an existing CLOSE: published as it is
     v = _published(run)
     assert v.closed and v.stopped and v.validated_samples == 24
+
+
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_an_oversized_view_costs_its_reader_no_more_than_the_bound(tmp_path, request, where):
+    """A VIEW.json of a megabyte (anyone able to write it on R2) is refused after at most
+    MAX_VIEW_BYTES + 1 bytes read, by a worker's reader and by ``dedloc status`` alike, on a disk
+    and on S3 (a ranged GET). Control: the object really is a megabyte."""
+    bucket = Bucket(str(tmp_path / "b")) if where == "file" else request.getfixturevalue("s3_bucket")
+    keys = RunLayout("test")
+    bucket.write_bytes(keys.view, b'{"state": 0, "round": 0' + b" " * (1 << 20) + b"}")
+    assert len(bucket.read_bytes(keys.view)) > 1 << 20  # the control
+    before = bucket.stats.snapshot()["bytes_read"]
+    assert view.Reader(30.0, 60.0).read(bucket, keys) is None and view.read(bucket, keys) is None
+    assert bucket.stats.snapshot()["bytes_read"] - before <= 2 * (view.MAX_VIEW_BYTES + 1)
 
 
 def test_a_view_out_of_bounds_is_no_view(make_run):

@@ -9,8 +9,9 @@ samples of the shards it accepted (after the norm screen), the live peers' pendi
 speed, closed and stopped, an ETA. A volunteer reads that one object per poll (one GET).
 
 Every value a volunteer writes is a claim, so a heartbeat is bounded before it counts
-(``protocol/heartbeat.py``). The view itself is bounded too (``MAX_VIEW_BYTES``, its schema) and
-read defensively: a missing or unreadable view is no view.
+(``protocol/heartbeat.py``). The view itself is bounded too (``MAX_VIEW_BYTES``, its schema: no
+more than that is fetched), signed in a signed run, and read defensively: a missing,
+unreadable or forged view is no view.
 
 Torch-free: the scheduler, ``dedloc status`` and the volunteer's display import it.
 """
@@ -102,7 +103,7 @@ def lifetime(v: View | None, timeout: float, cap: float) -> float:
 def read(bucket: Bucket, keys: RunLayout, organizer_key: str | None = None) -> View | None:
     """The published view (one GET), or None when there is none or it is unusable (``parse``)."""
     try:
-        raw = bucket.read_bytes(keys.view)
+        raw = bucket.read_if_changed(keys.view, None, limit=MAX_VIEW_BYTES + 1).data  # more is refused unread
     except Exception as exc:  # a bucket hiccup: no view this poll, the caller carries on
         log.warning("round view unreadable: %s", exc)
         return None
@@ -130,7 +131,7 @@ class Reader:
         still counts."""
         self._read_at = self.clock.monotonic()
         try:
-            got = bucket.read_if_changed(keys.view, self._tag)
+            got = bucket.read_if_changed(keys.view, self._tag, limit=MAX_VIEW_BYTES + 1)  # more is refused unread
         except Exception as exc:  # a bucket hiccup: no new view this poll; freshness decides
             log.warning("round view unreadable: %s", exc)
             return self.view

@@ -172,13 +172,14 @@ class Bucket:
         return data
 
     @_retried
-    def read_if_changed(self, key: str, tag: str | None) -> Fetched:
+    def read_if_changed(self, key: str, tag: str | None, limit: int | None = None) -> Fetched:
         """The object unless it still has version ``tag``: one conditional GET on S3
         (``If-None-Match``: a 304 carries no body), a stat on a local disk. A missing object
-        reads as ``Fetched(None, None)``."""
+        reads as ``Fetched(None, None)``. ``limit``: at most that many bytes are fetched (a
+        ranged GET), so an object larger than the caller accepts costs no more than that."""
         self.stats.add("get")
         if self.protocol == "s3":
-            got = Fetched(*s3.get_if_changed(self.fs, self.path(key), tag))
+            got = Fetched(*s3.get_if_changed(self.fs, self.path(key), tag, limit))
             if got.data is not None:
                 self.stats.add("get", read=len(got.data), n=0)
             return got
@@ -186,7 +187,7 @@ class Bucket:
             now = _tag(self.fs.info(self.path(key)))
             if tag is not None and now == tag:
                 return Fetched(None, tag, changed=False)
-            data = self.fs.cat_file(self.path(key))
+            data = self.fs.cat_file(self.path(key), end=limit)
         except FileNotFoundError:
             return Fetched(None, None)
         self.stats.add("get", read=len(data), n=0)

@@ -27,16 +27,18 @@ def configure(options: dict, endpoint_url: str | None, timeout: float, stats: IO
     options.setdefault("session", counted_session(stats))
 
 
-def get_if_changed(fs, path: str, tag: str | None) -> tuple[bytes | None, str | None, bool]:
-    """One GET with ``If-None-Match: tag`` (a 304 carries no body): ``Fetched``'s fields, (bytes,
-    ETag, True), (None, tag, False) if unchanged, or (None, None, True) if missing."""
-    return sync(fs.loop, _get_if_changed, fs, path, tag)
+def get_if_changed(fs, path: str, tag: str | None, limit: int | None = None) -> tuple[bytes | None, str | None, bool]:
+    """One GET with ``If-None-Match: tag`` (a 304 carries no body), of at most ``limit`` bytes:
+    ``Fetched``'s fields, (bytes, ETag, True), (None, tag, False) if unchanged, or (None, None,
+    True) if missing."""
+    return sync(fs.loop, _get_if_changed, fs, path, tag, limit)
 
 
-async def _get_if_changed(fs, path: str, tag: str | None) -> tuple[bytes | None, str | None, bool]:
+async def _get_if_changed(fs, path: str, tag: str | None, limit: int | None) -> tuple[bytes | None, str | None, bool]:
     bucket, name, _ = fs.split_path(path)
+    options = {**({"IfNoneMatch": tag} if tag else {}), **({"Range": f"bytes=0-{limit - 1}"} if limit else {})}
     try:
-        resp = await fs._call_s3("get_object", Bucket=bucket, Key=name, **({"IfNoneMatch": tag} if tag else {}))
+        resp = await fs._call_s3("get_object", Bucket=bucket, Key=name, **options)
     except FileNotFoundError:
         return None, None, True
     except OSError as exc:  # s3fs makes botocore's 304 an OSError

@@ -361,16 +361,22 @@ def test_a_scheduler_needs_the_organizer_key_to_close_a_signed_run(signed_run, m
         Run(run.bucket, run.name, organizer=mallory)
 
 
+def _enrol_then_revoke_bob(run, org, tmp_path):
+    """Bob enrolled (roster version 2), then revoked (3): bob's key, and version 2's bytes."""
+    bob = identity.generate(tmp_path / "bob.pem")
+    identity.update_roster(run.bucket, run.name, org, enroll={"bob": identity.public(bob)})
+    before = run.bucket.read_bytes(run.keys.roster)
+    identity.update_roster(run.bucket, run.name, org, revoke=["bob"])
+    return bob, before
+
+
 def test_a_roster_replayed_before_a_restart_is_refused(signed_run, tmp_path):
     """Bob is revoked (roster version 3), then the version-2 roster is written back over
     ROSTER.json, and only then is the scheduler (re)started: it starts from the roster history,
     so bob's shard is still refused. Control: without the history it would have been accepted."""
     run, org, alice, mallory = signed_run
     b, k = run.bucket, run.keys
-    bob = identity.generate(tmp_path / "bob.pem")
-    identity.update_roster(b, run.name, org, enroll={"bob": identity.public(bob)})
-    before = b.read_bytes(k.roster)
-    identity.update_roster(b, run.name, org, revoke=["bob"])
+    bob, before = _enrol_then_revoke_bob(run, org, tmp_path)
     b.write_bytes(k.roster, before)
     _shard(run, 0, "bob", _noise(run, 0), 8, signer=bob)
     sched = Scheduler(run, 1, 0)
@@ -390,10 +396,7 @@ def test_a_roster_history_rewound_below_the_newest_close_is_refused(signed_run, 
     alone says version 2, in which bob is enrolled."""
     run, org, alice, mallory = signed_run
     b, k = run.bucket, run.keys
-    bob = identity.generate(tmp_path / "bob.pem")
-    identity.update_roster(b, run.name, org, enroll={"bob": identity.public(bob)})
-    before = b.read_bytes(k.roster)
-    identity.update_roster(b, run.name, org, revoke=["bob"])
+    bob, before = _enrol_then_revoke_bob(run, org, tmp_path)
     _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
     assert Scheduler(run, 1, 0).try_close(0).roster == 3
     _finish(run, 0)

@@ -270,7 +270,8 @@ ATTACKS = [
     *((key, {"round folders"}) for key in (
         KEYS.config, KEYS.roster, KEYS.view, KEYS.latest, KEYS.stop(), KEYS.commit(5), KEYS.close(5), KEYS.streams(5),
         f"{KEYS.params(5)}/values/c/0", f"{KEYS.delta(5)}/codes/c/0", KEYS.optim(5, "exp_avg") + "/values/c/0",
-        KEYS.applied(5, 0), f"{KEYS.reduced(5)}/values/c/0", KEYS.eval(5, "ner"), KEYS.report())),
+        KEYS.applied(5, 0), f"{KEYS.reduced(5)}/values/c/0", KEYS.eval(5, "ner"), KEYS.report(),
+        f"{KEYS.frozen(KEYS.shard(5, ME, PART))}/shard/c/0")),  # its own shard's frozen copy too
 ]
 
 

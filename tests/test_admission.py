@@ -154,3 +154,36 @@ def test_a_round_closes_at_its_target_or_once_expired_at_min_fraction(samples, e
 def test_a_round_expires_after_timeout_s_or_never():
     assert admission.timed_out(100.0, 105.0, 5.0) and not admission.timed_out(100.0, 104.9, 5.0)
     assert not admission.timed_out(100.0, 1e9, None)
+
+
+# the direction screen (local-steps mode)
+
+def test_a_large_shard_is_sketched_on_chunks_no_volunteer_can_know():
+    """A small vector is sketched whole; a large one on 8 chunks drawn per round from this
+    process's secret: the same for every shard of a round, another in the next round, another in
+    another scheduler process (so nobody can reverse only the chunks left unsketched)."""
+    import subprocess
+    import sys
+
+    from dedloc_pipeline.protocol import direction
+    assert direction.sampled(5, 3) == [0, 1, 2, 3, 4]
+    here = direction.sampled(120, 3)
+    assert len(here) == 8 == len(set(here)) and here == direction.sampled(120, 3) != direction.sampled(120, 4)
+    code = "from dedloc_pipeline.protocol import direction; print(direction.sampled(120, 3))"
+    there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert there.strip() != str(here)
+
+
+def test_the_direction_screen_rejects_the_volunteer_pointing_away_from_the_median():
+    """Sketches of three volunteers near one direction and one reversed: only the reversed one
+    is rejected; with two volunteers, or the screen off, nobody is."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal(4096)
+    shards = [entry(p) for p in ("a", "b", "c", "m")]
+    for s, sign in zip(shards, (1, 1, 1, -8)):
+        s._sketch = sign * base + rng.standard_normal(4096)
+    kept, out = admission.agree(shards, 0.0)
+    assert keys(kept) == ["a/0001", "b/0001", "c/0001"] and [r.key for r in out] == ["m/0001"]
+    assert admission.agree(shards[2:], 0.0) == (shards[2:], [])  # two volunteers: no majority
+    assert admission.agree(shards, None) == (shards, [])

@@ -146,6 +146,37 @@ def test_a_shard_rewritten_after_validation_changes_nothing(make_run, when):
     assert record["shards"][0]["verdict"] in ("ok", "mismatch")  # recomputed from the frozen copy (noise here)
 
 
+@pytest.mark.parametrize("attack", ["reversed_x8", "reversed"])
+def test_in_the_local_steps_mode_a_shard_pointing_away_from_the_median_volunteer_is_rejected(make_run, attack):
+    """A diloco shard is never recomputed, and at 8x the median norm a reversed one passes the
+    norm screen (10x). Sketched as it is validated, it is compared with the median volunteer and
+    rejected; the three honest volunteers, whose pseudo-gradients share a direction through their
+    noise, are not. Control: counted, the mean would point the attacker's way (and with the
+    default algorithm, shards carry no sketch: the validator recomputes them instead)."""
+    run = make_run(algorithm="diloco", codec="int8", target_batch_size=24, max_grad_norm=1e12)
+    base = _noise(run, 0)
+    honest = [base + _noise(run, 1 + i, 2e-3) for i in range(3)]  # cosine about 0.45 with base
+    for p, g in zip("abc", honest):
+        _shard(run, 0, p, g, 8)
+    _shard(run, 0, "mallory", -(8.0 if attack == "reversed_x8" else 1.0) * base, 8)
+    close = Scheduler(run, 1, 0).try_close(0)
+    assert close is not None and sorted(e.peer for e in close.accepted) == ["a", "b", "c"]
+    assert [r.reason.split(":")[0] for r in close.rejected] == ["points away from the round's median volunteer"]
+    _finish(run, 0)
+    assert _cos(vector.read_vector(run.bucket, run.keys.reduced(0), run.dense_format), base) > 0.5
+    sched = Scheduler(run, 1, 0)
+    entries, _ = sched.judge.verdicts(0)
+    kept, out = admission.agree(entries, None)  # the control: nothing screened
+    assert len(kept) == 4 and not out
+    counted = sum(codec.decode(vector.read_vector(run.bucket, run.keys.frozen(e.key), run.grad_format, raw=True),
+                               "int8", run.config.block_size) for e in kept)
+    if attack == "reversed_x8":
+        assert _cos(counted, base) < 0
+    plain = make_run(run="plain", target_batch_size=8)
+    _shard(plain, 0, "a", base, 8)
+    assert Scheduler(plain, 1, 0).judge.verdicts(0)[0][0]._sketch is None
+
+
 def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run):
     """Uneven honest volunteers (4, 8 and 12 of 24) are not capped: N peers still equal one process."""
     run = make_run()

@@ -4,7 +4,7 @@ Validation (``shard.validate``) judges one shard by itself; these rules judge a 
 round's others: a volunteer's parts, the round's median norm, the validator's flags, each
 volunteer's share of the mean, and whether the round is full. Pure functions of CLOSE entries and
 config values, so each rule is tested alone; the scheduler reads the bucket and applies them in
-this order: ``bound_parts``, ``screen``, ``unflagged``, ``weigh``, ``met``.
+this order: ``bound_parts``, ``screen``, ``agree``, ``unflagged``, ``weigh``, ``met``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..storage.layout import volunteer_of
+from . import direction
 from .close import Rejection
 from .shard import Entry
 
@@ -76,6 +77,30 @@ def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], li
         else:
             out.append(Rejection(key=s.key, reason=f"gradient norm {s.norm:.3g} ({z:.3g} at the typical shard's "
                                  f"samples) above {factor:g}x the round's median volunteer ({bound:.3g})"))
+    return kept, out
+
+
+def agree(accepted: list[Entry], min_agreement: float | None) -> tuple[list[Entry], list[Rejection]]:
+    """The direction screen (``direction.py``): the shards of a volunteer whose sketch (its
+    shards', by samples) points away from the median volunteer's, cosine below ``min_agreement``,
+    rejected. Only shards with a sketch (the local-steps mode's, never recomputed) are judged;
+    off (None) or with fewer than three volunteers, nothing is."""
+    if min_agreement is None:
+        return accepted, []
+    sketched: dict[str, np.ndarray] = {}
+    for s in accepted:
+        if s._sketch is not None:
+            v = volunteer_of(s.peer)
+            sketched[v] = sketched.get(v, 0.0) + s.samples * s._sketch
+    cosines = direction.agreement(sketched)
+    kept, out = [], []
+    for s in accepted:
+        cos = cosines.get(volunteer_of(s.peer))
+        if cos is None or cos >= min_agreement:
+            kept.append(s)
+        else:
+            out.append(Rejection(key=s.key, reason=f"points away from the round's median volunteer: cosine "
+                                 f"{cos:.3f} of its sketch, below close.min_agreement={min_agreement:g}"))
     return kept, out
 
 

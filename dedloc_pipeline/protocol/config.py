@@ -71,6 +71,9 @@ class CloseRule(BaseModel):
     max_share: float = Field(0.1, gt=0, le=1, description="one volunteer's samples count for at most "
                              "twice its fair share of the target (2/V of it, V the active volunteers), and never "
                              "less than this share, in the close rule and the mean's weights")
+    min_agreement: float | None = Field(0.0, ge=-1, lt=1, description="local-steps mode (never recomputed): "
+                                        "reject the shards of a volunteer whose sketched direction has a cosine "
+                                        "below this with the median volunteer's (3 or more); None: off")
 
 
 class Cadence(BaseModel):

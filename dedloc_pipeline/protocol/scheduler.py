@@ -111,7 +111,8 @@ class Scheduler:
                                       cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected))
         accepted, extra = admission.bound_parts(accepted + self.judge.late(r), rule.max_parts)
         accepted, screened = admission.screen(accepted, cfg.norm_screen)
-        rejected += self.judge.logged(r, extra + screened)
+        accepted, turned = admission.agree(accepted, rule.min_agreement)
+        rejected += self.judge.logged(r, extra + screened + turned)
         live = self.judge.enrolled(pending.volunteers)
         now = self.clock.time() if now is None else now
         target, opened = cfg.target_batch_size, self.judge.opening(r).at

@@ -18,11 +18,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from ..storage import codec, vector
 from ..storage.layout import LAYOUT_VERSION, PEER_ID
 from ..trust import identity
+from . import direction
 
 if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
     from .run import Run
@@ -94,6 +95,8 @@ class Entry(BaseModel):
     late: bool = False  # folded from the round before (close.late_shards="fold")
     manifest_sha: str
     weight: float | None = None  # its samples, capped (admission.weigh): set before CLOSE is written
+    # local-steps mode: its count sketch (direction.sketch), for the direction screen; never in CLOSE
+    _sketch: np.ndarray | None = PrivateAttr(default=None)
 
     def dump(self) -> dict:
         return self.model_dump(mode="json", exclude_none=True)
@@ -220,9 +223,12 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     norm = math.sqrt(codec.squared_norm(arrays, fmt.codec, fmt.block))
     if norm > run.config.max_grad_norm:
         raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
-    return Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
-                 stale_samples=m.stale_samples, checksums=m.checksums, data=m.data, norm=norm,
-                 manifest_sha=hashlib.sha256(raw).hexdigest())
+    entry = Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
+                  stale_samples=m.stale_samples, checksums=m.checksums, data=m.data, norm=norm,
+                  manifest_sha=hashlib.sha256(raw).hexdigest())
+    if run.config.algorithm == "diloco":  # never recomputed: screened by its direction instead
+        entry._sketch = direction.sketch(fmt, arrays, direction.sampled(fmt.n_chunks, r))
+    return entry
 
 
 def freeze(run: Run, key: str) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from dedloc_pipeline.model.data import DataError, make_source
 from dedloc_pipeline.monitoring.volunteer import make_worker
-from dedloc_pipeline.protocol import admission, aggregator, shard, verify, view
+from dedloc_pipeline.protocol import admission, aggregator, direction, shard, verify, view
 from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
@@ -175,6 +175,33 @@ def test_in_the_local_steps_mode_a_shard_pointing_away_from_the_median_volunteer
     plain = make_run(run="plain", target_batch_size=8)
     _shard(plain, 0, "a", base, 8)
     assert Scheduler(plain, 1, 0).judge.verdicts(0)[0][0]._sketch is None
+
+
+def test_a_late_local_steps_shard_is_sketched_again_on_the_round_it_is_folded_into(make_run, monkeypatch):
+    """Each round sketches other chunks (here: round 0 chunks 0-1, round 1 chunks 2-3), so a late
+    shard of round 0 folded into round 1 is sketched again on round 1's chunks: reversed, it is
+    rejected there like any other. Control: its round-0 sketch is of other coordinates, nearly
+    orthogonal to round 1's median, so the screen could not have judged it."""
+    monkeypatch.setattr(direction, "sampled", lambda n, r: [2 * (r % 2), 2 * (r % 2) + 1])
+    run = make_run(algorithm="diloco", codec="int8", target_batch_size=24, max_grad_norm=1e12,
+                   chunk_size=65536, close={"late_shards": "fold"})
+    assert run.grad_format.n_chunks >= 4
+    base = _noise(run, 0)
+    for i, p in enumerate("abc"):
+        _shard(run, 0, p, base + _noise(run, 1 + i, 2e-3), 8)
+    sched = Scheduler(run, 1, 0)
+    assert sched.try_close(0) is not None
+    _finish(run, 0)
+    _shard(run, 0, "mallory", -8 * base, 8)  # late for round 0
+    for i, p in enumerate("abc"):
+        _shard(run, 1, p, base + _noise(run, 10 + i, 2e-3), 8)
+    close = sched.try_close(1)
+    assert sorted(e.peer for e in close.accepted) == ["a", "b", "c"]
+    assert [(r.key.split("/")[-2], r.reason.split(":")[0]) for r in close.rejected] == [
+        ("mallory", "points away from the round's median volunteer")]
+    first = sched.judge.verdicts(0, skip=closed(run, 0).listed())[0][0]._sketch  # the control
+    median = np.median(np.stack([e._sketch for e in sched.judge.verdicts(1)[0]]), axis=0)
+    assert abs(first @ median) / (np.linalg.norm(first) * np.linalg.norm(median)) < 0.1
 
 
 def test_honest_volunteers_within_twice_their_share_keep_their_weights(make_run):

@@ -15,10 +15,11 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..storage import vector
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import admission, verify
+from . import admission, direction, verify
 from .close import Close, Rejection
 from .run import Run, RunError
 from .shard import DataRef, Entry, Rejected, commit_hash, manifest_limit, validate
@@ -46,6 +47,7 @@ class Judge:
         self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
         self._flags: dict[str, dict] = {}  # volunteer -> the validator's flag (verify.flagged)
         self._closes: dict[int, Close] = {}  # previous rounds' CLOSEs, which never change
+        self._resketched: dict[tuple[str, int], object] = {}  # late diloco shards' sketches on round r's chunks
 
     def roster(self) -> identity.Roster | None:
         """The newest valid roster (runs with an organizer key). A forged one, or an older
@@ -203,7 +205,17 @@ class Judge:
             self._closes = {r - 1: prev}
         skip = self._closes[r - 1].listed()
         late, _ = self.verdicts(r - 1, skip=skip)
-        return admission.folded(late)
+        folded = admission.folded(late)
+        fmt = self.run.grad_format
+        chunks = direction.sampled(fmt.n_chunks, r)
+        for e in folded:  # sketched again on round r's chunks (once), to compare with round r's shards
+            if e._sketch is not None and chunks != direction.sampled(fmt.n_chunks, r - 1):
+                if (e.key, r) not in self._resketched:
+                    raw = vector.read_vector(self.run.bucket, self.run.keys.frozen(e.key), fmt, raw=True)
+                    self._resketched = {k: v for k, v in self._resketched.items() if k[1] >= r}
+                    self._resketched[e.key, r] = direction.sketch(fmt, raw, chunks)
+                e._sketch = self._resketched[e.key, r]
+        return folded
 
     def admitted(self, r: int, accepted: list[Entry], live: frozenset[str], now: float,
                  started_at: float | None = None,

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import reduce
@@ -505,6 +506,34 @@ def test_sigterm_and_sighup_are_taken_as_ctrl_c(monkeypatch, sig, code):
         for s, h in previous.items():
             signal.signal(s, h)
     assert res.exit_code == code and not res.stderr.strip(), res.output
+
+
+def test_a_stop_signal_taken_inside_a_finalizer_is_not_lost(monkeypatch):
+    """A signal can arrive while the garbage collector runs some object's ``__del__``, where a
+    raised exception is printed and ignored: a SIGTERM once left a `dedloc aggregate` running that
+    way (CI, test_lease). The handler sends it again a moment later, and it interrupts then.
+    Control: raised inside the finalizer, the same exception is swallowed."""
+    from dedloc_pipeline.monitoring import stop
+
+    class Dies:
+        def __init__(self, then):
+            self.then = then
+
+        def __del__(self):
+            self.then()
+
+    swallowed = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: swallowed.append(type(u.exc_value)))
+    Dies(lambda: stop._interrupt(signal.SIGTERM, None))  # the control: raised there (no frame to tell)
+    previous = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, stop._interrupt)
+    try:
+        with pytest.raises(stop.Interrupted) as caught:
+            Dies(lambda: signal.raise_signal(signal.SIGTERM))  # collected at once: taken in its __del__
+            threading.Event().wait(30)  # interrupted when the signal comes again
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert caught.value.signum == signal.SIGTERM and swallowed == [stop.Interrupted]
 
 
 def test_damaged_records_are_named_by_their_key(tmp_path):

@@ -40,7 +40,24 @@ def as_interrupt() -> None:
 
 
 def _interrupt(signum, frame) -> None:
+    if _in_finalizer(frame):  # raised here, Python would print it and go on: the signal lost
+        main = threading.main_thread().ident
+        threading.Timer(REDELIVER_S, signal.pthread_kill, (main, signum)).start()
+        return
     raise Interrupted(signum)
+
+
+REDELIVER_S = 0.01  # a signal that landed in a finalizer is sent again this much later
+
+
+def _in_finalizer(frame) -> bool:
+    """Whether ``frame`` runs inside a ``__del__`` (a garbage collection between two bytecodes of
+    any code), where an exception is ignored. A SIGTERM taken there once left a scheduler running."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StopRequest:

@@ -97,10 +97,13 @@ class LockStep:
 
     def join(self, peer: str, micro_batch: int, signer=None, tamper: Callable | None = None) -> Worker:
         """A volunteer that is stepped from the next tick on. ``tamper``: what it does to its
-        gradient before uploading (a byzantine peer)."""
+        gradient, or in the local-steps mode its pseudo-gradient, before uploading (a byzantine peer)."""
         w = Worker(self.run, peer, micro_batch=micro_batch, threads=1, delayed=self.delayed, poll_s=self.poll_s,
                    signer=signer)
-        if tamper is not None:
+        if tamper is not None and w.local.inner is not None:
+            pseudo = w.local.update
+            w.local.update = lambda state: tamper(pseudo(state))
+        elif tamper is not None:
             honest = w.flat.grad
             w.flat.grad = lambda: tamper(honest())
         self.workers[peer] = w

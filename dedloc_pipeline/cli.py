@@ -86,6 +86,12 @@ def _setup(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _organizer_key(signs: str):
+    """The ``--organizer-key`` option of a command that writes organizer records (``signs``)."""
+    return typer.Option(None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
+                        help=f"the organizer's private key: signs {signs} (signed runs)")
+
+
 def _open(bucket: str, run: str, endpoint: str | None, organizer_key: str | None = None) -> Run:
     return Run(Bucket(bucket, endpoint_url=endpoint), run,
                organizer=identity.load(organizer_key) if organizer_key else None)
@@ -142,17 +148,14 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
               parallel: int = typer.Option(2, help="aggregator threads"),
               poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
                                                    "cadence, often near the target, seldom far from it)"),
-              organizer_key: Optional[str] = typer.Option(
-                  None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
-                  help="the organizer's private key: signs CLOSE, COMMIT, LATEST and streams (signed runs)"),
+              organizer_key: Optional[str] = _organizer_key("CLOSE, COMMIT, LATEST, streams and the round view"),
               standby: bool = typer.Option(False, help="while another scheduler holds the run's lease, wait "
                                            "and take over when it ends (default: refuse, naming it)"),
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
     from .protocol.scheduler import Scheduler
-    r = Run(Bucket(bucket, endpoint_url=endpoint_url), run,
-            organizer=identity.load(organizer_key) if organizer_key else None)
+    r = _open(bucket, run, endpoint_url, organizer_key)
     state = Scheduler(r, parallel, poll).serve(until_round, standby=standby)
     typer.echo(f"state {state} committed")
 
@@ -172,9 +175,7 @@ def aggregator(limit: int = typer.Option(2, help="task runs at once (0: no limit
 @app.command()
 def stop(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
          reason: str = typer.Option("stopped by the organizer", help="recorded in the marker"),
-         organizer_key: Optional[str] = typer.Option(
-             None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
-             help="the organizer's private key: signs STOP (signed runs: no other STOP counts)")):
+         organizer_key: Optional[str] = _organizer_key("STOP (no other STOP counts)")):
     """End a run: schedulers and the pretrain flow stop after the open round."""
     _setup(False)
     r = _open(bucket, run, endpoint_url, organizer_key)
@@ -302,8 +303,7 @@ def status(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 def repair(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            apply: bool = typer.Option(False, "--apply", help="do it: move what is damaged under runs/RUN/damaged/ "
                                       "and go back to the newest intact state (default: say what would be done)"),
-           organizer_key: Optional[str] = typer.Option(None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
-                                                       help="the organizer's private key: signs LATEST (signed runs)")):
+           organizer_key: Optional[str] = _organizer_key("LATEST")):
     """Check the newest states against their COMMITs; repair a damaged run (exit 1: damage not repaired)."""
     _setup(False)
     from .protocol.repair import repair as repair_run
@@ -388,9 +388,7 @@ def report(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            fraction: float = typer.Option(0.05, help="share of each round's accepted shards recomputed (at least one)"),
            until_round: Optional[int] = typer.Option(None, help="exit once round R is verified"),
-           organizer_key: Optional[str] = typer.Option(
-               None, envvar=ORGANIZER_KEY_ENV, metavar="FILE",
-               help="the organizer's private key: signs the verdicts and flags (signed runs)"),
+           organizer_key: Optional[str] = _organizer_key("the verdicts and flags"),
            revoke: bool = typer.Option(False, help="also revoke flagged volunteers' keys (needs --organizer-key)"),
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),
            poll: float = typer.Option(5.0, help="seconds between looks for a newly committed round"),

@@ -98,26 +98,26 @@ class Run:
         """STOP, if it stands (IdentityError if it is not the organizer's, in a signed run)."""
         return self.read_record(self.keys.stop(), "STOP")
 
-    def stopped(self) -> bool:
+    def stopped(self, delete_forged: bool = False) -> bool:
         """Whether the run is stopped. In a signed run only the organizer's STOP counts: anyone
         able to write STOP.json (every volunteer, on R2) could otherwise end the run; a forged one
-        is logged and ignored (the scheduler deletes it: ``Scheduler.poll``)."""
+        is logged and ignored, and with ``delete_forged`` (the scheduler, ``dedloc stop``) deleted."""
         if not self.signed:
             return self.bucket.exists(self.keys.stop())
         try:
             return self.stop_record() is not None
         except identity.IdentityError as exc:
-            log.warning("%s: ignored", exc)
+            if not delete_forged:
+                log.warning("%s: ignored", exc)
+                return False
+            log.error("%s: deleted", exc)
+            self.bucket.delete(self.keys.stop())
             return False
 
     def stop(self, reason: str) -> bool:
         """Write STOP (signed in a signed run, a forged one replaced); False if it stood already."""
         if self.signed:
-            try:
-                self.stop_record()
-            except identity.IdentityError as exc:
-                log.error("%s: deleted", exc)
-                self.bucket.delete(self.keys.stop())
+            self.stopped(delete_forged=True)
         return self.bucket.create_json(self.keys.stop(), self.record("STOP", {
             "reason": reason, "at": self.clock.time(), "state": self.latest()}))
 

@@ -180,7 +180,7 @@ class Scheduler:
         # before a new round's first heartbeats, the collaboration's last known speed
         self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s or self._speed, close is not None)
         try:
-            self._stopped = self._stop_stands()
+            self._stopped = self.run.stopped(delete_forged=True)
             ahead = self._ahead_of(r, at, again=close is not None)
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
@@ -229,16 +229,7 @@ class Scheduler:
         while another scheduler holds it)."""
         self.lease.hold()
         r = self.run.latest()
-        return Snapshot(state=r, close=self._existing_close(r), stopped=self._stop_stands())
-
-    def _stop_stands(self) -> bool:
-        """Whether STOP stands; a forged one (a signed run's, not the organizer's) is deleted."""
-        try:
-            return self.run.stop_record() is not None if self.run.signed else self.run.stopped()
-        except identity.IdentityError as exc:
-            log.error("%s: deleted", exc)
-            self.run.bucket.delete(self.run.keys.stop())
-            return False
+        return Snapshot(state=r, close=self._existing_close(r), stopped=self.run.stopped(delete_forged=True))
 
     def wait_close(self, r: int, deadline: float | None = None) -> Close | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``

@@ -11,7 +11,11 @@ aggregated as ``dedloc aggregate`` does it (``Scheduler.step``: parts on the sch
 an "engine" round) or as the Prefect round flow does (a "flow" round: try_close, each
 part on an aggregator process of its own, tried again as Prefect retries a task, commit). Drawn
 from generators seeded by the seed and the tick (churn), the round (its kill) or nothing else (the
-bucket's stretches), so that which request a fault meets, which threads decide, moves little else:
+bucket's stretches, counted in ticks), and, for which requests fail, from each request itself
+(its process, what it is, how many times that process made it: ``Faults``), so that the order in
+which the threads' requests arrive, which the machine's load decides, moves none of it; only
+where among a process's threads a kill falls (a real SIGKILL's lot), and what the others had
+done, is left to the threads:
 
 - volunteers arrive (a new id, or one that departed) and depart: Ctrl-C (``leave``) or vanishing
   (killed at a request of its next step, mid-upload perhaps); a worker that fails (the bucket
@@ -20,7 +24,7 @@ bucket's stretches), so that which request a fault meets, which threads decide, 
   round (try_close, an aggregator's reduce or apply part, commit); one that fails exits
   alike; it is started again a few ticks later, in one place (``Soak.new_scheduler``);
 - the bucket fails a share of requests, before or after they take effect, for stretches of
-  requests, and the disk is full (ENOSPC on every write) for shorter ones.
+  ticks, and the disk is full (ENOSPC on every write) for shorter ones.
 """
 
 from __future__ import annotations
@@ -101,7 +105,7 @@ class Soak:
         self.cfg, self.url, self.log, self.seed = cfg, url, log, seed
         self.auditor = on_clock(init_run(Bucket(url), cfg))  # reads the bucket as it is: no faults
         self.clock, self.keys = self.auditor.clock, self.auditor.keys
-        self.faults = Faults(0.0, seed=seed)
+        self.faults = Faults(0.0, seed=seed, epoch=self.clock.time())  # part names counted from the start
         self.stretches = Stretches(self.faults, random.Random(f"{seed}/weather"))
         self.replay = soak_verdict.Replay(self.auditor)
         self.live: dict[str, tuple[Worker, Kill, bool]] = {}  # peer -> worker, kill switch, vanishing

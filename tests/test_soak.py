@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
+
+from dedloc_pipeline.faults import Faults, Stretches
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 ROUNDS = 20
@@ -24,11 +27,15 @@ ROUNDS = 20
 # worker or the scheduler holds; one of tiny's) passes it over the second half's 10 rounds; slower
 # leaks are for the 300-round run's slope to show.
 RSS_GROWTH_MB = 100
-# Seed 9's 25 rounds meet every kind of fault: the scheduler killed in 4 steps (commit, apply,
-# reduce, try_close), 2 aggregators killed, flaky stretches and a full disk, both kinds of
-# departure, workers the bucket failed started again, a volunteer alone for 59 s (seed 7's kills
-# fell in 2 steps once a round had no prepare step). (Each concern draws from its own seeded stream,
-# so the threads' timing moved none of it in four runs.)
+# Seed 9's 25 rounds meet every kind of fault: the scheduler killed in 5 of its steps (commit,
+# apply, reduce, try_close among them), 2 aggregators killed, a flaky stretch and a full disk, both
+# kinds of departure, 2 workers the full disk failed started again 30 s later (38 s before the
+# end), a volunteer alone for 49 s.
+# The same events at any load: the churn, each round's kill and the stretches are drawn from
+# seeded generators by tick or round, and which requests fail from each request itself
+# (dedloc_pipeline/faults.py; the two tests below). When the faults were drawn from one generator
+# in the order the requests of all threads arrived, and the stretches counted in requests, a run
+# under load once had no worker fail early enough to be restarted, and failed the churn assertion.
 FAULT_ROUNDS, FAULT_SEED = 25, 9
 
 
@@ -102,3 +109,65 @@ def test_a_soak_with_faults_loses_nothing_and_equals_its_replay(faults_soak):
     assert v["no_unexpected_failure"], s["unexpected"]
     assert v["pruned_to_checkpoints"], s["checks"]
     assert s["ok"]
+
+
+def _fates(faults: Faults, requests: list[tuple[str, str, str]]) -> dict[tuple[str, str, str], list[str]]:
+    """Each request's outcomes, in the order that request was made."""
+    out: dict[tuple[str, str, str], list[str]] = {}
+    for who, op, named in requests:
+        try:
+            faults.call(op, named, lambda: None, who=who)
+            fate = "ok"
+        except (ConnectionResetError, TimeoutError) as exc:
+            fate = type(exc).__name__
+        out.setdefault((who, op, named), []).append(fate)
+    return out
+
+
+def test_which_requests_fail_does_not_depend_on_the_order_they_arrive_in():
+    """A request's fault comes from the seed, its process, what it is and how many times that
+    process made it: the same requests in another interleaving of the processes' threads meet the
+    same faults, and a temporary file's random name or a part's token (another every run) and
+    the run's start time change nothing. Control: another seed fails other requests."""
+    made = [(who, op, f"runs/soak/rounds/00000003/{who}/{k}") for who in ("scheduler", "p001", "aggregator-0")
+            for op in ("cat_file", "pipe_file") for k in range(40)]
+    requests = made * 4  # each made four times: a retry is the same request again
+    first = _fates(Faults(0.3, seed=9), requests)
+    shuffled = _fates(Faults(0.3, seed=9), random.Random(1).sample(requests, len(requests)))  # another order
+    assert shuffled == first
+    failed = sum(f != "ok" for fates in first.values() for f in fates)
+    assert 0.2 * len(requests) < failed < 0.4 * len(requests), failed
+    assert {f for fates in first.values() for f in fates} == {"ok", "ConnectionResetError", "TimeoutError"}
+    assert _fates(Faults(0.3, seed=10), requests) != first  # the control
+
+    def names(epoch_s: float, token: str, tmp: str) -> list[tuple[str, str, str]]:
+        ms = int((epoch_s + 7.0) * 1000)  # a part made 7 s into the run
+        return [("p001", "pipe_file", f"runs/soak/rounds/00000001/manifests/p001/.{tmp}.{ms:013d}-{token}.json")] * 50
+
+    run_a = _fates(Faults(0.3, seed=9, epoch=1796424712.0), names(1796424712.0, "848480", "0a1b2c3d"))
+    run_b = _fates(Faults(0.3, seed=9, epoch=1796424762.5), names(1796424762.5, "1bece7", "e4f5a6b7"))
+    assert list(run_a.values()) == list(run_b.values()) and "ok" in list(run_a.values())[0]
+    assert set(list(run_a.values())[0]) != {"ok"}
+
+
+def test_the_bucket_stretches_are_counted_in_steps_not_requests():
+    """The same seed, the same stretch at every step, however many requests the steps made (a
+    retry, or a kill landing in another thread, changes how many). Control: another seed."""
+    def kinds(seed: str, requests_a_step) -> list[tuple[str, float, bool]]:
+        faults = Faults(0.0)
+        stretches, out = Stretches(faults, random.Random(seed)), []
+        for step in range(400):
+            stretches.update()
+            out.append((stretches.kind, faults.rate, faults.full))
+            for k in range(requests_a_step(step)):
+                try:
+                    faults.call("pipe_file", f"k/{step}/{k}", lambda: None, who="p001")
+                except OSError:  # ConnectionResetError and TimeoutError too
+                    pass
+        return out
+
+    few, many = kinds("9/weather", lambda step: 3), kinds("9/weather", lambda step: 40 + step % 17 * 9)
+    assert few == many
+    assert {k for k, _, _ in few} == {"healthy", "flaky", "full"}
+    assert all(full == (k == "full") for k, _, full in few) and all(k == "flaky" or r == 0.0 for k, r, _ in few)
+    assert kinds("10/weather", lambda step: 3) != few  # the control

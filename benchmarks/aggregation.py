@@ -224,8 +224,9 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
 
 def _chunk_files(root: str, vrun: Run) -> list[Path]:
     """The zarr chunk files of the round's shards (what the lower bound reads)."""
-    return [p for p in Path(root, vrun.keys.shards_dir(ROUND)).rglob("*")
-            if p.is_file() and p.parent.name == "c"]
+    keys = vrun.keys
+    return [Path(root, k) for k in keys.of_round(vrun.bucket.find(keys.volunteers_dir), ROUND, "object")
+            if k.rsplit("/", 2)[1] == "c"]
 
 
 def table(res: dict):

@@ -37,7 +37,8 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERE
 def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, Heartbeat]:
     """Each peer's newest heartbeat, whatever round it was written for."""
     found: dict[str, Heartbeat] = {}
-    progress = [k for k in bucket.find(f"{keys.root}/rounds") if "/progress/" in k]
+    written = {k: keys.written(k) for k in bucket.find(keys.volunteers_dir)}
+    progress = [k for k, w in written.items() if w is not None and w.kind == "progress"]
     for raw in bucket.read_many(progress).values():
         hb = heartbeat.parse(raw)
         if hb is not None and hb.peer in peers and hb.time > (found[hb.peer].time if hb.peer in found else 0):

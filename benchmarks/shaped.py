@@ -309,11 +309,9 @@ def _mean_shard_bytes(bucket) -> float:
     """Mean stored size of the shards still in the bucket (the newest rounds keep theirs)."""
     from dedloc_pipeline.storage.layout import RunLayout
 
-    shards: dict[tuple[str, ...], int] = {}
-    for key, size in bucket.sizes(RunLayout("bench").rounds_dir).items():
-        head, found, rest = key.partition("/shards/")
-        if found:  # rounds/R/shards/PEER/PART/<zarr files>
-            shard = (head, *rest.split("/")[:2])
+    keys, shards = RunLayout("bench"), {}
+    for key, size in bucket.sizes(keys.volunteers_dir).items():
+        if (shard := keys.shard_holding(key)) is not None:
             shards[shard] = shards.get(shard, 0) + size
     return sum(shards.values()) / len(shards)
 

@@ -125,6 +125,10 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
                None, envvar="DEDLOC_ORGANIZER", metavar="PUBLIC_KEY",
                help="the organizer's public key, as they gave it with the bucket and run (default: the one "
                     "run.json names, pinned on first join)"),
+           write_profile: Optional[str] = typer.Option(
+               None, envvar="DEDLOC_WRITE_PROFILE", metavar="PROFILE",
+               help="R2: the AWS profile of your write credential (read-write on your own prefix); the "
+                    "usual AWS variables or profile hold the read-only one"),
            plain: bool = typer.Option(False, "--plain", help="plain progress lines, even in a terminal"),
            progress_every: float = typer.Option(10.0, help="seconds between plain progress lines"),
            verbose: bool = True):
@@ -135,7 +139,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     _setup(verbose)
     from .monitoring.volunteer import make_worker, summary_text, volunteer
     w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision,
-                    organizer)
+                    organizer, write_profile)
     s = volunteer(w, until_round, plain=plain or None, every=progress_every)
     typer.echo(summary_text(s))
     if s["ended"] in ("ctrl_c", "interrupted"):

@@ -155,6 +155,11 @@ def assert_counted_once(run: Run) -> None:
             seen |= got
 
 
+def written(run, r, kind="manifest"):
+    """Every peer's keys of round r of one ``kind`` (``RunLayout.of_round``), as the bucket holds them now."""
+    return run.keys.of_round(run.bucket.find(run.keys.volunteers_dir), r, kind)
+
+
 def stream_next(run, r, peer):
     """Where an honest ``peer``'s next shard of round r starts: after its counted samples and
     its other parts of the round."""

@@ -94,7 +94,7 @@ def test_a_first_claim_in_a_signed_runs_first_round_is_capped(tmp_path, bucket):
     sched = Scheduler(run, 1, 0)
     assert sched.try_close(0) is None, "one claim filled a run's first round alone"
     assert run.bucket.read_json(run.keys.view)["cap"] == 16  # 2 x 24 / 3
-    entries, _ = sched.judge.verdicts(0, run.bucket.listing(run.keys.round(0)))
+    entries, _ = sched.judge.verdicts(0)
     assert admission.weigh(entries, 24, 0.1).samples == 96  # the control: among those present only
     run.clock.advance(run.config.peer_timeout_s)
     close = sched.try_close(0)
@@ -219,7 +219,7 @@ def test_a_late_local_steps_shard_is_sketched_again_on_the_round_it_is_folded_in
         _shard(run, 1, p, base + _noise(run, 10 + i, 2e-3), 8)
     close = sched.try_close(1)
     assert sorted(e.peer for e in close.accepted) == ["a", "b", "c"]
-    assert [(r.key.split("/")[-2], r.reason.split(":")[0]) for r in close.rejected] == [
+    assert [(run.keys.shard_parts(r.key)[1], r.reason.split(":")[0]) for r in close.rejected] == [
         ("mallory", "points away from the round's median volunteer")]
     first = sched.judge.verdicts(0, skip=closed(run, 0).listed())[0][0]._sketch  # the control
     median = np.median(np.stack([e._sketch for e in sched.judge.verdicts(1)[0]]), axis=0)

@@ -214,7 +214,8 @@ def test_a_poll_and_a_shard_upload_cost_what_the_model_says(round_on_s3):
 def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_on_s3):
     run, lay, steps = round_on_s3
     _close(steps["closing"], lay.scheduler_poll(heartbeats=0, manifests=2) + lay.closing(2))
-    _close(steps["finish"], lay.finish(2))
+    # the commit's pruning lists the volunteers' prefixes (round 0 is still kept: nothing goes)
+    _close(steps["finish"], lay.finish(2) + lay.prune_volunteers(lay.volunteer_objects(2, 2, 1), 0))
     _close(steps["download"], lay.state_download())
     arrays = 3 if run.config.codec == "sparse" else 2
     assert lay.state_download() == Requests(get=1 + arrays * 4)  # the COMMIT, the delta's chunks
@@ -223,9 +224,11 @@ def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_o
 
 def test_pruning_costs_what_the_model_says(round_on_s3):
     _, lay, steps = round_on_s3
-    _close(steps["prune state 1"], lay.prune_state(shards=2, peers=2))
-    # states 2-4: gone already, and each pruned once by this process (state 1 was)
-    _close(steps["prune again"], lay.prune_missing() * 3)
+    # and round 0 out of the volunteers' prefixes: all they hold (heartbeats, shards, manifests)
+    round0 = lay.volunteer_objects(shards=2, peers=2, rounds=1)
+    _close(steps["prune state 1"], lay.prune_state(shards=2, peers=2) + lay.prune_volunteers(round0, round0))
+    # states 2-4: gone already, and each pruned once by this process (state 1 was); the prefixes empty
+    _close(steps["prune again"], lay.prune_missing() * 3 + lay.prune_volunteers(0, 0))
 
 
 def test_the_cadence_is_integrated_over_the_falling_eta():

@@ -20,7 +20,7 @@ import torch
 from dedloc_pipeline.model.albert import pretraining_loss_sum
 from dedloc_pipeline.model.data import make_source
 from dedloc_pipeline.model.flat import FlatLayout
-from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol import ledger, shard
 from dedloc_pipeline.protocol.optim import lr_at
 from dedloc_pipeline.storage import vector
 from dedloc_pipeline.testing import collaborate
@@ -51,7 +51,22 @@ def test_one_inner_sgd_step_is_the_default_algorithm_with_sgd(make_run, delayed)
         assert any(s["stale_samples"] for s in shards), "delayed updates never produced a stale sample"
 
 
-def diloco_reference(run, rounds: int, micro: dict[str, int]) -> list[np.ndarray]:
+def kept_manifests(monkeypatch) -> dict[str, bytes]:
+    """Every manifest as it stood when a commit pruned the volunteers' prefixes: what a
+    reference needs of rounds pruned since (late shards too, which no CLOSE lists)."""
+    seen: dict[str, bytes] = {}
+    real = ledger.prune
+
+    def prune(run, newest, *a, **kw):
+        seen.update(run.bucket.read_many([k for k in run.bucket.find(run.keys.volunteers_dir)
+                                          if (w := run.keys.written(k)) is not None and w.kind == "manifest"]))
+        return real(run, newest, *a, **kw)
+
+    monkeypatch.setattr(ledger, "prune", prune)
+    return seen
+
+
+def diloco_reference(run, rounds: int, micro: dict[str, int], manifests: dict[str, bytes]) -> list[np.ndarray]:
     """DiLoCo in one process: in each round every shard a volunteer made (accepted or late: all
     of them moved its inner optimizer) starts at state r and takes an AdamW step (the
     volunteer's own, kept across rounds; the round's learning rate) whenever the micro-batches
@@ -91,8 +106,9 @@ def diloco_reference(run, rounds: int, micro: dict[str, int]) -> list[np.ndarray
                      {"params": [named[t.name] for t in lf.tensors if not t.decay], "weight_decay": 0.0}],
                     lr=oc.lr, betas=oc.betas, eps=oc.eps)
             m, lf = locals_[peer], FlatLayout(locals_[peer])
-            for mkey in sorted(run.bucket.find(run.keys.manifests_dir(r, peer))):  # in the order made
-                manifest = shard.Manifest.model_validate_json(run.bucket.read_bytes(mkey))
+            mine = [k for k in manifests if run.keys.of_round([k], r, "manifest") and run.keys.writer(k) == peer]
+            for mkey in sorted(mine):  # in the order made
+                manifest = shard.Manifest.model_validate_json(manifests[mkey])
                 lf.set(thetas[r])
                 idx = [i for a, c in manifest.data.ranges for i in range(a, a + c)]
                 pending: list[int] = []
@@ -114,12 +130,13 @@ def diloco_reference(run, rounds: int, micro: dict[str, int]) -> list[np.ndarray
 
 
 @pytest.mark.slow
-def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run):
+def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run, monkeypatch):
     rounds = 3
     run = make_run(run="diloco", codec="none", optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
                    algorithm="diloco", inner_batch=8, target_batch_size=48)
+    manifests = kept_manifests(monkeypatch)
     collaborate(run, PEERS, rounds)
-    thetas = diloco_reference(run, rounds, dict(PEERS))
+    thetas = diloco_reference(run, rounds, dict(PEERS), manifests)
     for r in range(1, rounds + 1):
         got = run.load_params(r)
         assert np.abs(got - thetas[r]).max() <= 1e-5, f"state {r}: max |diff| {np.abs(got - thetas[r]).max():.3g}"

@@ -18,7 +18,7 @@ from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
 from dedloc_pipeline.storage.retry import RetryPolicy
-from dedloc_pipeline.testing import FakeClock, collaborate, on_clock, stream_next
+from dedloc_pipeline.testing import FakeClock, collaborate, on_clock, stream_next, written
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
@@ -133,7 +133,7 @@ def test_only_enrolled_volunteers_shards_count(signed, caplog, attack, reason):
         r = 0
     _upload(run, r, "alice", keys["alice"], part="good")
     bad = k.shard(r, {"unknown_key": "mallory", "unsigned": "bob"}.get(attack, "bob"), "0002")
-    peer = bad.rsplit("/", 2)[1]
+    peer = k.shard_parts(bad)[1]
     if attack == "unsigned":
         _upload(run, r, peer, None, part="0002")
     elif attack == "unknown_key":
@@ -286,9 +286,8 @@ def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
     proc = subprocess.run([sys.executable, "-c", KILLED_AT_THE_MANIFEST, run.bucket.url, run.name], timeout=120)
     assert proc.returncode == -9
     b, k = run.bucket, run.keys
-    n = len(k.shards_dir(0)) + 1
-    torn = {k.shards_dir(0) + "/" + "/".join(key[n:].split("/")[:2]) for key in b.find(k.shards_dir(0))}
-    assert len(torn) == 1 and b.find(k.manifests_dir(0)) == [] and b.find(next(iter(torn)))
+    torn = {k.shard_holding(key) for key in written(run, 0, "object")}
+    assert len(torn) == 1 and written(run, 0) == [] and b.find(next(iter(torn)))
     # restarted once its heartbeat is peer_timeout_s old (sooner, its id counts as live elsewhere)
     later = FakeClock(epoch=time.time() + run.config.peer_timeout_s)
     collaborate(on_clock(run, later), [("a", 4), ("b", 4)], rounds=4)
@@ -297,7 +296,7 @@ def test_a_worker_killed_between_its_chunks_and_its_manifest(make_run):
     assert torn.isdisjoint(listed) and close["rejected"] == [] and close["samples"] >= 24
     first = min(start for s in close["accepted"] if s["peer"] == "a" for start, _ in s["data"]["ranges"])
     assert first == 0  # the killed upload's samples come again, counted once
-    assert b.find(k.shards_dir(0)) == []  # pruned with its round
+    assert written(run, 0, "object") == []  # pruned with its round
 
 
 def test_the_norm_screen_spares_honest_small_shards(make_run):
@@ -373,3 +372,30 @@ def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregatio
     rows = np.stack(honest + [codec.decode(codec.encode(-base, run.config.codec, run.config.block_size),
                                            run.config.codec, run.config.block_size)] * 4)
     assert cos(robust.aggregate(rows, [8, 8, 8] + [50] * 4, run.config)) < 0
+
+
+# case 27: a volunteer fills its own prefix
+
+@pytest.mark.parametrize("junk", [False, True])
+def test_a_prefix_filled_past_its_bound_is_left_out_until_pruned(make_run, caplog, junk):
+    """Inside its prefix a volunteer may write anything (R2 cannot narrow it), for instance a
+    flood of keys each poll would list. A prefix holding more than ``per_volunteer`` keys is not
+    read at all, and logged once: the round closes from the others, the listing pages on after
+    it, and the commit's pruning deletes the keys off the layout. The control: the same
+    volunteer without the flood counts."""
+    run = make_run()
+    keys = {p: _upload(run, 0, p, samples=12) for p in ("a", "b", "mallory")}
+    if junk:
+        for i in range(run.per_volunteer + 1):
+            run.bucket.write_bytes(f"{run.keys.volunteer_dir('mallory')}/junk/{i}", b"x")
+    sched = Scheduler(run, 1, 0)
+    with caplog.at_level(logging.ERROR, logger="dedloc_pipeline.protocol.scheduler"):
+        close = sched.try_close(0)
+        sched.try_close(0)
+    accepted = sorted(e.peer for e in close.accepted)
+    assert accepted == (["a", "b"] if junk else ["a", "b", "mallory"])
+    said = [r.message for r in caplog.records if "prefix holds more" in r.message]
+    assert len(said) == int(junk) and all("mallory" in m for m in said)
+    finish(run, 0)
+    assert not [k for k in run.bucket.find(run.keys.volunteer_dir("mallory")) if "/junk/" in k]
+    assert run.bucket.exists(run.keys.manifest(keys["mallory"]))  # the rounds still kept stay

@@ -15,7 +15,7 @@ from dedloc_pipeline.protocol import lease
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
-from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config
+from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config, written
 
 POLL_S = 1.0
 STEP_S = 1.0
@@ -137,7 +137,7 @@ def test_workers_stop_computing_for_a_round_an_ended_scheduler_will_not_aggregat
         note = "no scheduler: the scheduler reached its last round (--until-round)"
         assert a.snapshot().scheduler == note and Display(a).facts()["activity"] == f"{note}: waiting"
         assert a.computed_samples + b.computed_samples <= computed + 2 * 4
-        assert run.bucket.find(run.keys.manifests_dir(2)) == []
+        assert written(run, 2) == []
         c.scheduler = sched
         c.until(lambda: run.latest() >= 4, max_ticks=60, what="state 4 after the scheduler is back")
     assert_counted_once(run)

@@ -19,13 +19,13 @@ from dedloc_pipeline.protocol import view
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import collaborate
+from dedloc_pipeline.testing import collaborate, written
 
 from .conftest import small_config
 
 ROUNDS = 3
 PEERS = [("ann", 4), ("bob", 8), ("cy", 4)]
-XSS_PEER = "<img src=x onerror=alert(1)>"  # a heartbeat key's name: no "/", so a legal file name
+XSS_PEER = "<img src=x onerror=alert(1)>"  # a prefix named so holds no heartbeat anyone reads: not a peer id
 XSS_TASK = "<script>alert('task')</script>"
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -45,13 +45,16 @@ def collab(tmp_path_factory):
     run = init_run(Bucket(url), small_config("mon-run"))
     collaborate(run, PEERS, ROUNDS)
     keys, bucket, now = run.keys, run.bucket, time.time()
-    beats = {"ann": (4, 2.0), "bob": (0, 3.0), XSS_PEER: (2, 1.0)}
-    bucket.delete(keys.progress_dir(ROUNDS))
+    beats = {"ann": (4, 2.0), "bob": (0, 3.0), "dee": (2, 1.0)}
+    for old in written(run, ROUNDS, "progress"):
+        bucket.delete(old)
     for peer, (samples, rate) in beats.items():
         bucket.write_json(keys.progress(ROUNDS, peer), {"peer": "someone-else", "round": ROUNDS, "samples": samples,
                                                         "samples_per_s": rate, "time": now})
     bucket.write_bytes(keys.progress(ROUNDS, "broken"), b"{not json")
-    uploaded = sum(bucket.read_json(k)["samples"] for k in bucket.find(keys.manifests_dir(ROUNDS)))
+    bucket.write_json(keys.progress(ROUNDS, XSS_PEER), {"peer": XSS_PEER, "round": ROUNDS, "samples": 2,
+                                                        "samples_per_s": 1.0, "time": now})
+    uploaded = sum(bucket.read_json(k)["samples"] for k in written(run, ROUNDS))
     bucket.write_json(keys.manifest(keys.shard(ROUNDS, "liar", "0")), {"samples": 1000})
     Scheduler(run, 1, 0).try_close(ROUNDS)  # validates the manifests, counts the heartbeats: the view
     bucket.write_json(keys.eval(ROUNDS, "mlm-heldout"), {
@@ -76,12 +79,12 @@ def test_status_equals_the_ledger(collab):
         assert h["duration_s"] == pytest.approx(c["committed_at"] - began) and h["duration_s"] > 0
         assert h["samples_per_s"] == pytest.approx(c["samples"] / h["duration_s"])
     board = {p["peer_id"]: p for p in s["peers"]}
-    assert set(board) == {name for name, _ in PEERS} | set(beats)  # "broken" is skipped
+    assert set(board) == {name for name, _ in PEERS} | set(beats)  # "broken" is skipped, XSS_PEER never read
     for name, _ in PEERS:
         mine = [sh for c in commits for sh in c["shards"] if sh["peer"] == name]
         assert board[name]["samples"] == sum(sh["samples"] for sh in mine) > 0
         assert board[name]["rounds"] == sum(name in c["contributors"] for c in commits) > 0
-    assert board[XSS_PEER]["samples"] == 0 and board[XSS_PEER]["live"]
+    assert board["dee"]["samples"] == 0 and board["dee"]["live"]
     assert sum(p["samples"] for p in s["peers"]) == sum(c["samples"] for c in commits)
     assert [p["samples"] for p in s["peers"]] == sorted((p["samples"] for p in s["peers"]), reverse=True)
 
@@ -184,8 +187,9 @@ def test_report_page(collab, tmp_path):
     for img in page.imgs:
         assert img["src"].startswith("data:image/png;base64,") and img["alt"]
         assert base64.b64decode(img["src"].split(",", 1)[1]).startswith(PNG)
-    for raw in (XSS_PEER, XSS_TASK, "<b>bold</b>"):
+    for raw in (XSS_TASK, "<b>bold</b>"):
         assert raw not in html and raw in "".join(page.text)
+    assert XSS_PEER not in "".join(page.text)  # off the layout: never read
 
     s = status(run)
     header, *board = page.rows["leaderboard"]
@@ -235,7 +239,7 @@ def test_report_renders_in_headless_chromium(collab, tmp_path):
     shown.feed(dom.stdout)
     assert len(shown.imgs) == 3 and shown.tags.count("script") == 0
     assert [row[0] for row in shown.rows["rounds"][1:]] == [str(c["round"]) for c in commits]
-    assert XSS_PEER in "".join(shown.text)  # shown as text
+    assert XSS_TASK in "".join(shown.text)  # shown as text
     shot = tmp_path / "shot.png"
     res = subprocess.run([*flags, f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
     assert res.returncode == 0 and shot.read_bytes().startswith(PNG), res.stderr[-2000:]

@@ -20,7 +20,7 @@ from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import collaborate
+from dedloc_pipeline.testing import collaborate, written
 
 from .conftest import small_config
 
@@ -174,7 +174,7 @@ def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
         for (presses, sig), (url, p) in procs.items():
             out, _ = p.communicate(timeout=HANG_S + 30)  # faulthandler ends it first
             run = Run(Bucket(url), "r")
-            manifests = run.bucket.find(run.keys.manifests_dir(0))
+            manifests = written(run, 0)
             for m in manifests:  # the scheduler's own checks: chunks present, checksums right
                 shard.validate(run, 0, run.keys.shard_of(m), run.bucket.read_bytes(m))
             assert p.returncode == (143 if sig == "SIGTERM" else 130), out

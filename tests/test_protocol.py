@@ -16,7 +16,7 @@ from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import collaborate, stream_next
+from dedloc_pipeline.testing import collaborate, stream_next, written
 
 from .conftest import small_config
 
@@ -53,6 +53,10 @@ def test_markers_are_written_after_their_data(make_run):
     keys = run.bucket.find(run.keys.root)
     for r in range(2):
         for s in run.bucket.read_json(run.keys.close(r))["accepted"]:
+            if r < run.latest() - 1:  # pruned from the volunteers' prefixes; the frozen copy stays
+                assert not [k for k in keys if k.startswith(s["key"] + "/")]
+                assert [k for k in keys if k.startswith(run.keys.frozen(s["key"]) + "/")]
+                continue
             data = [k for k in keys if k.startswith(s["key"] + "/")]
             assert data and max(map(mtime, data)) <= mtime(run.keys.manifest(s["key"]))
             assert mtime(run.keys.manifest(s["key"])) <= mtime(run.keys.close(r))
@@ -316,7 +320,7 @@ def test_a_peer_back_after_its_manifests_were_pruned_continues_its_stream(make_r
     run = make_run(keep_states=2)
     collaborate(run, [("a", 4), ("b", 4)], rounds=2)
     collaborate(run, [("b", 4), ("c", 4)], rounds=4)  # a is away; its rounds are pruned
-    assert run.bucket.find(f"{run.keys.manifests_dir(0)}/a") == []
+    assert run.bucket.find(run.keys.manifests_dir(0, "a")) == []
     collaborate(run, [("a", 4), ("b", 4)], rounds=6)
     seen = []
     for r in range(6):
@@ -360,7 +364,9 @@ def test_old_rounds_are_pruned_but_the_ledger_and_checkpoints_stay(make_run):
     # states 1..5 are older than the last 2: only checkpoints 0 and 3 keep their parameters
     assert [s for s in range(6) if b.find(k.params(s))] == [0, 3]
     assert run.load_params(3).shape == (run.flat.n,)
-    assert b.find(k.shards_dir(0)) == [] and b.find(k.shards_dir(6))
+    # the volunteers' prefixes keep the rounds from the last closed one on; the frozen copies, the last 2 states'
+    assert [r for r in range(8) if written(run, r, "object")] == [6]
+    assert not b.find(k.round(4) + "/frozen") and b.find(k.round(5) + "/frozen")
     assert not b.find(k.delta(4)) and b.find(k.delta(7))
     from dedloc_pipeline.monitoring.status import status
     assert [h["round"] for h in status(run)["history"]] == list(range(7))

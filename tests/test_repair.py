@@ -19,7 +19,7 @@ from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import FakeClock, LockStep
+from dedloc_pipeline.testing import FakeClock, LockStep, written
 from dedloc_pipeline.trust import identity
 
 from .conftest import small_config
@@ -149,7 +149,7 @@ def test_a_truncated_commit_falls_back_to_the_state_below(run):
     assert run.latest() == NEWEST - 1 and run.bucket.read_json(run.keys.latest) == {"state": NEWEST - 1}
     assert quarantined(run, key) == good[: len(good) // 2]
     assert not run.bucket.exists(run.keys.close(NEWEST - 1))  # it closes anew from its shards
-    assert run.bucket.find(run.keys.manifests_dir(NEWEST - 1))  # which stay
+    assert written(run, NEWEST - 1)  # which stay
     assert cli("repair", *where(run)).exit_code == 0
     goes_on(run, NEWEST)
 

@@ -14,7 +14,7 @@ import pytest
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import Manifest
-from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config
+from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config, written
 
 POLL_S = 1.0  # a worker's view read (a heartbeat every 3 of them at most)
 STEP_S = 1.0  # one micro-batch
@@ -29,7 +29,7 @@ def fake_run(bucket):
 
 def parts(run: Run, r: int) -> list[Manifest]:
     """Every shard of round r in the bucket, in the order they were written."""
-    found = run.bucket.read_many(run.bucket.find(run.keys.manifests_dir(r))).values()
+    found = run.bucket.read_many(written(run, r)).values()
     return sorted((Manifest.model_validate_json(raw) for raw in found), key=lambda m: m.created_at)
 
 
@@ -102,7 +102,8 @@ def test_a_killed_worker_does_not_stop_the_run(fake_run, algorithm):
     for commit in commits:
         assert commit["samples"] >= 48 and commit["contributors"], commit
     # nothing of the victim's counts but what it had uploaded before it stopped
-    assert {s["key"].split("/shards/")[1] for x in commits for s in x["shards"] if s["peer"] == "victim"} <= before
+    assert {"victim/" + run.keys.shard_parts(s["key"])[2] for x in commits for s in x["shards"]
+            if s["peer"] == "victim"} <= before
     # the round open at the kill closed from the others' samples
     open_then = commits[r_kill]
     assert open_then["round"] == r_kill and set(open_then["contributors"]) == {"w0", "w1"}, open_then
@@ -133,7 +134,7 @@ def test_a_worker_joining_late_pulls_the_state_and_contributes(fake_run, algorit
     assert min(x["round"] for x in got) == joined_at
     for x in got:
         shards = [s for s in x["shards"] if s["peer"] == "joiner"]
-        assert shards and all(f"/rounds/{x['round']:08d}/shards/joiner/" in s["key"] for s in shards)
+        assert shards and all(run.keys.shard_parts(s["key"])[:2] == (x["round"], "joiner") for s in shards)
         assert x["samples"] >= run.config.target_batch_size
     assert all("joiner" not in run.commit_of(s)["contributors"] for s in range(1, joined_at + 1))
     assert {p for s in range(1, run.latest() + 1) for p in run.commit_of(s)["contributors"]} == {"w0", "w1", "joiner"}

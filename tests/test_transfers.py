@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dedloc_pipeline.protocol import heartbeat, shard, upload_policy
 from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.testing import written
 
 from .test_protocol import finish, put_shard
 
@@ -40,7 +41,7 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     w = Worker(run, "a", micro_batch=4, threads=1, poll_s=0)
     while not started.is_set():
         w.step()
-    assert w.uploads == [] and run.bucket.find(run.keys.manifests_dir(0)) == []
+    assert w.uploads == [] and written(run, 0) == []
     computed = w.computed_samples
     for _ in range(3):
         assert w.step()  # computing, the upload still held
@@ -53,7 +54,7 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     assert beat.samples == count(0) == 24 and beat.landed == 0
     release.set()
     w.flush()
-    (manifest,) = run.bucket.find(run.keys.manifests_dir(0))
+    (manifest,) = written(run, 0)
     entry = shard.validate(run, 0, run.keys.shard_of(manifest), run.bucket.read_bytes(manifest))
     assert entry.samples == 24 and w.uploads[0][2] == 24 and w.uploaded_samples == 24
     assert count(24) == 0  # landed: the manifest's 24 samples leave the heartbeat's count
@@ -97,7 +98,7 @@ def test_leaving_waits_for_the_upload_under_way(make_run, monkeypatch):
         assert not left.done()
         release.set()
         left.result(30)
-    assert len(run.bucket.find(run.keys.manifests_dir(0))) == 1 and w.uploaded_samples == 24
+    assert len(written(run, 0)) == 1 and w.uploaded_samples == 24
     assert run.bucket.read_json(run.keys.progress(0, "a"))["samples"] == 0
     assert not any(t.name.startswith("a-transfers") for t in threading.enumerate())
 

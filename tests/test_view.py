@@ -19,7 +19,7 @@ from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import RunLayout
-from dedloc_pipeline.testing import assert_counted_once, on_clock
+from dedloc_pipeline.testing import assert_counted_once, on_clock, written
 
 from .test_protocol import put_shard
 
@@ -247,19 +247,19 @@ def test_without_a_fresh_view_workers_compute_and_hold_until_a_scheduler_publish
 
     # no view at all: no scheduler yet. 12 samples each (36 together) stay pending
     step_all(3)
-    assert run.bucket.find(run.keys.manifests_dir(0)) == []
+    assert written(run, 0) == []
     assert all(w.acc.samples == 12 and w.activity == "computing" for w in workers)
     assert [run.bucket.read_json(run.keys.progress(0, p))["samples"] for p in "abc"] == [12] * 3
     # a stale view (its scheduler died long ago): the same
     sched = Scheduler(run, 1, 0)
     sched.try_close(0, now=run.clock.time() - 2 * run.config.peer_timeout_s)
     step_all()
-    assert run.bucket.find(run.keys.manifests_dir(0)) == []
+    assert written(run, 0) == []
     assert all(w.acc.samples == 16 and w.snapshot().view is None for w in workers)
     # a scheduler publishes again: 48 pending, the round can fill, everyone uploads
     assert sched.try_close(0) is None and _published(run).pending_samples >= 48  # projected at their speed
     step_all()
-    assert len(run.bucket.find(run.keys.manifests_dir(0))) == 3 and all(w.acc is None for w in workers)
+    assert len(written(run, 0)) == 3 and all(w.acc is None for w in workers)
     with ThreadPoolExecutor(2) as pool:
         assert sched.step(pool) and run.latest() == 1
     # the view gone again: a new state and STOP are still noticed (LATEST, STOP read directly)
@@ -317,15 +317,15 @@ def test_a_workers_poll_costs_the_same_whatever_the_number_of_peers(tmp_path):
     few, sched_few = _worker_requests(tmp_path, 2)
     many, sched_many = _worker_requests(tmp_path, 6)
     assert few == many == Counter(get=3, put=3)
-    # the round's one LIST, the one changed heartbeat, STOP, and the view (a heartbeat changed)
+    # the volunteers' one LIST, the one changed heartbeat, STOP, and the view (a heartbeat changed)
     assert sched_few == sched_many == Counter(get=1, list=1, head=1, put=1)
 
 
 def test_a_scheduler_poll_where_nothing_changed_costs_a_listing_and_a_head(make_run):
     """Idle costs little: with peers' heartbeats and shards in and nothing new, a poll is the
-    round's LIST and STOP's HEAD; the view is not written again until something changes or
+    volunteers' LIST and STOP's HEAD; the view is not written again until something changes or
     half of peer_timeout_s has passed (the keep-alive that keeps it fresh for volunteers), and
-    the next round's heartbeats (peers computing ahead) are listed every peer_timeout_s."""
+    the next round's heartbeats (peers computing ahead) come in the same listing."""
     run = on_clock(make_run())
     for p in ("a", "b"):
         _beat(run, 0, p, 4)
@@ -347,7 +347,7 @@ def test_a_scheduler_poll_where_nothing_changed_costs_a_listing_and_a_head(make_
     clock.advance(timeout * view.KEEPALIVE)
     assert poll() == Counter(list=1, head=1, put=1)  # the keep-alive
     clock.advance(timeout * (1 - view.KEEPALIVE))
-    assert poll() == Counter(list=2, head=1, put=1)  # and the next round's heartbeats listed
+    assert poll() == Counter(list=1, head=1, put=1)  # the next round's heartbeats are in the same listing
     assert view.parse(run.bucket.read_bytes(run.keys.view)).at == clock.time()
     _beat(run, 0, "a", 6)
     assert poll() == Counter(list=1, head=1, get=1, put=1)  # a new heartbeat: read, and said

@@ -27,14 +27,13 @@ def _commits(run: Run) -> dict[int, dict]:
 
 def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
     """Round r's heartbeats by peer: when each was written, and whether it counts as live at
-    ``now`` (the scheduler's rule, ``heartbeat.counted``). The peer is the key's name, which the
-    volunteer's bucket policy binds to it, not the body's claim; a key that is no peer's
-    heartbeat, or one above its size bound, is not read; an unreadable one (``heartbeat.parse``)
-    is skipped."""
+    ``now`` (the scheduler's rule, ``heartbeat.counted``). The peer is the prefix the key lies
+    under, which the volunteer's bucket policy binds to it, not the body's claim; a key that is
+    no peer's heartbeat, or one above its size bound, is not read; an unreadable one
+    (``heartbeat.parse``) is skipped."""
     keys, cfg = run.keys, run.config
-    listed = run.bucket.listing(keys.progress_dir(r))
-    small = [k for k, (n, _) in listed.items()
-             if n <= heartbeat.MAX_HEARTBEAT_BYTES and k == keys.progress(r, keys.peer_of_progress(k))]
+    listed, _ = run.written()
+    small = [k for k in keys.of_round(listed, r, "progress") if listed[k][0] <= heartbeat.MAX_HEARTBEAT_BYTES]
     beats = {}
     for key, raw in run.bucket.read_many(small).items():
         beat = heartbeat.parse(raw)

@@ -107,10 +107,12 @@ def _import_tqdm_auto() -> None:
 def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | None = None,
                 device: str | None = None, micro_batch: int | None = None, threads: int | None = None,
                 poll: float | None = None, endpoint_url: str | None = None, precision: str = "fp32",
-                organizer: str | None = None) -> Worker:
+                organizer: str | None = None, write_profile: str | None = None) -> Worker:
     """A volunteer's worker, checked before any model is built: a usable peer id, a device that
     exists (default: the GPU when there is one), the key it signs with, and the run's organizer
-    key against the one this volunteer trusts (``organizer``, or pinned: ``trust.pins``)."""
+    key against the one this volunteer trusts (``organizer``, or pinned: ``trust.pins``).
+    ``write_profile``: the AWS profile of a second credential, which writes its own prefix (R2's
+    read-write one, ``dedloc policy --format r2``); the first reads."""
     _import_tqdm_auto()
     from ..protocol.run import Run
     from ..protocol.worker import Worker
@@ -139,4 +141,7 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
     r = Run(Bucket(bucket, endpoint_url=endpoint_url), run)
     if shown := pins.check(r.bucket.url, run, r.config.organizer_key, organizer):
         log.warning("%s", shown)
-    return Worker(r, peer_id, micro_batch, threads, poll_s=poll, device=device, signer=signer, precision=precision)
+    w = Worker(r, peer_id, micro_batch, threads, poll_s=poll, device=device, signer=signer, precision=precision)
+    if write_profile:
+        r.bucket.confine_writes(r.keys.volunteer_dir(w.peer), {"profile": write_profile})
+    return w

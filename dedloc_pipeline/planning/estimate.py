@@ -162,11 +162,11 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # peers' clocks apart; and a keep-alive of its own
     view_writes = min(polls, 2 * (beats + 1) + round_s / view.keepalive_s(timeout, cad, round_s))
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
-    sched = (traffic.scheduler_poll(0, 0, view=False) * polls + Requests(put=view_writes, get=roster)
+    listed = traffic.volunteer_objects(peers, peers)
+    sched = (traffic.scheduler_poll(0, 0, view=False, listed=listed) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
-             + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW))
-             + Requests(list=1))  # the next round's heartbeats, from an ETA of peer_timeout_s on
+             + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW)))
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import astuple, dataclass, fields
 
-from ..protocol.run import Run
+from ..protocol.run import LIVE_ROUNDS, Run
 from ..protocol.shard import DataRef, Manifest
 from ..storage.layout import LAYOUT_VERSION
 from ..storage.vector import VectorFormat
@@ -109,35 +109,39 @@ class Traffic:
         reads skip zarr's metadata)."""
         return Requests(get=1 + sum(_chunks(self.delta)))
 
+    def volunteer_objects(self, shards: int, peers: int, rounds: int = LIVE_ROUNDS) -> int:
+        """What the volunteers' prefixes hold over ``rounds`` rounds of ``shards`` shards (each its
+        objects and manifest) and ``peers`` heartbeats: what the scheduler's listing shows."""
+        return rounds * (shards * (_objects(self.grad) + 1) + peers)
+
     def scheduler_poll(self, heartbeats: int, manifests: int, first: bool = False, view: bool | None = None,
                        listed: int = 0) -> Requests:
         """One poll of the scheduler that does not close the round (``Scheduler.try_close``): the
-        round listed (``listed`` objects: a LIST a 1000, empty or not; it shows the CLOSE, the
-        heartbeats, the manifests and the shards' objects), the given numbers of heartbeats and
-        manifests read (those written since the last poll; with new manifests, the roster too in
-        a signed run), STOP, and the view written if ``view`` (default: when something was read,
-        as the scheduler writes it only when it changed, and the keep-alive aside). The round's
-        first poll also reads what the round is judged against (``Judge.opening``): the COMMIT
-        that opened it, the streams record, and the validator's flags (a listing), and lists the
-        next round's heartbeats (peers computing ahead), as it does every
-        ``peer_timeout_s``."""
+        volunteers' prefixes listed (``listed`` objects: a LIST a 1000, empty or not; it shows the
+        heartbeats, the manifests and the shards' objects of every round they keep), the given
+        numbers of heartbeats and manifests read (those written since the last poll; with new
+        manifests, the roster too in a signed run), STOP, and the view written if ``view``
+        (default: when something was read, as the scheduler writes it only when it changed, and
+        the keep-alive aside). The round's first poll also reads its CLOSE's absence (once a
+        round: while the lease is held nobody else writes it) and what the round is judged
+        against (``Judge.opening``): the COMMIT that opened it, the streams record, and the
+        validator's flags (a listing)."""
         cfg = self.config
         view = bool(heartbeats or manifests or first) if view is None else view
         pages = max(1, math.ceil(listed / S3_PAGE))
-        r = Requests(get=heartbeats + manifests + 2 * int(first), put=int(view), head=1, list=pages + 2 * int(first))
+        r = Requests(get=heartbeats + manifests + 3 * int(first), put=int(view), head=1, list=pages + int(first))
         r += Requests(get=int(cfg.organizer_key is not None and manifests > 0))  # the roster
-        if cfg.close.late_shards == "fold":  # the previous round listed; its CLOSE read once
-            r += Requests(get=int(first), list=1)
+        if cfg.close.late_shards == "fold":  # the previous round's CLOSE read once (its shards are listed)
+            r += Requests(get=int(first))
         return r
 
     def closing(self, shards: int) -> Requests:
         """What closing adds to its poll: each new shard frozen (a server-side copy of each of its
         objects, billed as a PUT) and validated there (every chunk read and checksummed; its
-        objects' sizes came with the round's listing), the roster (signed runs) and the
-        validator's flags read again, CLOSE created and read back, and the next round's
-        heartbeats listed for the closed view (which stands while the round is reduced)."""
+        objects' sizes came with the listing), the roster (signed runs) and the validator's
+        flags read again, and CLOSE created and read back."""
         signed = int(self.config.organizer_key is not None)
-        return (Requests(list=2, get=shards * _reads(self.grad) + signed, put=shards * _objects(self.grad))
+        return (Requests(list=1, get=shards * _reads(self.grad) + signed, put=shards * _objects(self.grad))
                 + Requests(put=1, get=1))
 
     def lease_renewal(self) -> Requests:
@@ -175,11 +179,17 @@ class Traffic:
         if not checkpoint:
             state += _objects(dense) + (self.slots + 1) * dense.n_chunks  # params, optim
         kept = 1 + (0 if not checkpoint else _objects(dense) + (self.slots + 1) * dense.n_chunks)
-        scratch = shards * (2 * _objects(self.grad) + 1) + peers + _objects(dense) + len(self.parts)  # + frozen
+        scratch = shards * _objects(self.grad) + _objects(dense) + len(self.parts)  # frozen, reduced
         r = Requests()
         for listed, doomed in ((state + kept, state), (scratch + 1, scratch)):  # the COMMIT, the CLOSE kept
             r += Requests(list=max(1, math.ceil(listed / S3_PAGE)), delete=math.ceil(doomed / S3_PAGE))
         return r
+
+    def prune_volunteers(self, listed: int, doomed: int) -> Requests:
+        """``ledger.prune`` at every commit, in the volunteers' prefixes: a LIST page per 1000 of
+        the ``listed`` objects there, and a DeleteObjects per 1000 of the ``doomed`` (the round
+        that left ``LIVE_ROUNDS``, and any key off the layout)."""
+        return Requests(list=max(1, math.ceil(listed / S3_PAGE)), delete=math.ceil(doomed / S3_PAGE))
 
     def prune_missing(self) -> Requests:
         """``ledger.prune`` deleting a state that is gone already (the ``PRUNE_WINDOW`` a
@@ -188,6 +198,8 @@ class Traffic:
 
     def prune_steady(self, shards: int, peers: int) -> Requests:
         """``ledger.prune`` after one commit in a long run, on average: one state leaves the
-        kept window (a process deletes each state once)."""
+        kept window (a process deletes each state once), and one round the volunteers' prefixes."""
         k = 1 / self.config.checkpoint_every
-        return self.prune_state(shards, peers) * (1 - k) + self.prune_state(shards, peers, True) * k
+        doomed = self.volunteer_objects(shards, peers, 1)
+        return (self.prune_state(shards, peers) * (1 - k) + self.prune_state(shards, peers, True) * k
+                + self.prune_volunteers(self.volunteer_objects(shards, peers), doomed))

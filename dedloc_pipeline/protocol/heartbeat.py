@@ -177,10 +177,10 @@ class Pending:
 
 
 class Heartbeats:
-    """A round's heartbeats as the scheduler last read them. Each poll lists the round (one
-    LIST, with sizes and version tags) and GETs only the heartbeats written since: a peer's
-    heartbeat is read about once per write, not once per poll. Any other key under the
-    heartbeats' folder, and one above ``MAX_HEARTBEAT_BYTES``, is not read."""
+    """A round's heartbeats as the scheduler last read them. Each poll lists the volunteers'
+    prefixes (one LIST, with sizes and version tags) and GETs only the heartbeats written since:
+    a peer's heartbeat is read about once per write, not once per poll. A key off the layout,
+    and a heartbeat above ``MAX_HEARTBEAT_BYTES``, is not read."""
 
     def __init__(self) -> None:
         self._raw: dict[str, tuple[str | None, bytes | None]] = {}  # key -> (tag, bytes)
@@ -188,10 +188,10 @@ class Heartbeats:
     def pending(self, bucket: Bucket, keys: RunLayout, r: int, listed: dict[str, tuple[int, str | None]],
                 now: float, timeout: float, target: int, ahead_s: float = 0.0,
                 landed: dict[str, int] | None = None) -> Pending:
-        """Round r's live heartbeats at ``now``, from ``listed`` (the round's listing);
+        """Round r's live heartbeats at ``now``, from ``listed`` (the volunteers' listing);
         ``landed``: the samples of each peer's manifests in it (what their heartbeats'
         projections lose as their shards land)."""
-        beats = {k: e for k, e in listed.items() if k == keys.progress(r, keys.peer_of_progress(k))}
+        beats = {k: listed[k] for k in keys.of_round(listed, r, "progress")}
         small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
         known = {k: v for k, v in self._raw.items() if k in small}  # other rounds', and deleted ones, go
         changed = [k for k, tag in small.items() if tag is None or known.get(k, (None,))[0] != tag]

@@ -101,13 +101,12 @@ class Judge:
 
     def verdicts(self, r: int, listed: Listing | None = None,
                  skip: set[str] = frozenset()) -> tuple[list[Entry], list[Rejection]]:
-        """Validate every manifest of round r that ``listed`` (the round's listing; None: list
-        it) shows, each new version once; (accepted, rejected). The roster is read only when
-        there is something new to judge."""
+        """Validate every manifest of round r that ``listed`` (the volunteers' listing:
+        ``Run.written``; None: list it) shows, each new version once; (accepted, rejected). The
+        roster is read only when there is something new to judge."""
         bucket, keys = self.run.bucket, self.run.keys
-        listed = bucket.listing(keys.round(r)) if listed is None else listed
-        top = keys.manifests_dir(r) + "/"
-        manifests = {k: e for k, e in listed.items() if k.startswith(top) and keys.shard_of(k) not in skip}
+        listed = self.run.written()[0] if listed is None else listed
+        manifests = {k: listed[k] for k in keys.of_round(listed, r, "manifest") if keys.shard_of(k) not in skip}
         limit = manifest_limit(self.run.grad_format)
 
         def known(k: str, version: object) -> bool:
@@ -146,13 +145,12 @@ class Judge:
         return out
 
     def _stored(self, r: int, listed: Listing) -> dict[str, dict[str, int]]:
-        """The objects each shard of round r stores and their sizes, from the round's listing
-        (a LIST per 1000 objects, not one per shard)."""
-        keys, stored, top = self.run.keys, {}, self.run.keys.shards_dir(r) + "/"
-        for k, (n, _) in listed.items():
-            if k.startswith(top):
-                shard = keys.shard_holding(r, k)
-                stored.setdefault(shard, {})[k.removeprefix(shard + "/")] = n
+        """The objects each shard of round r stores and their sizes, from the volunteers'
+        listing (a LIST per 1000 objects, not one per shard)."""
+        keys, stored = self.run.keys, {}
+        for k in keys.of_round(listed, r, "object"):
+            shard = keys.shard_holding(k)
+            stored.setdefault(shard, {})[k.removeprefix(shard + "/")] = listed[k][0]
         return stored
 
     def opening(self, r: int) -> Opening:
@@ -193,9 +191,9 @@ class Judge:
         """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
         return self.logged(r, [Rejection(key=shard, reason=reason, data=data)])[0]
 
-    def late(self, r: int) -> list[Entry]:
-        """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``: one
-        more LIST a poll, of round r-1)."""
+    def late(self, r: int, listed: Listing) -> list[Entry]:
+        """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``), from
+        the volunteers' listing ``listed``."""
         if r == 0 or self.run.config.close.late_shards != "fold":
             return []
         if r - 1 not in self._closes:
@@ -204,7 +202,7 @@ class Judge:
                 return []
             self._closes = {r - 1: prev}
         skip = self._closes[r - 1].listed()
-        late, _ = self.verdicts(r - 1, skip=skip)
+        late, _ = self.verdicts(r - 1, listed, skip=skip)
         folded = admission.folded(late)
         fmt = self.run.grad_format
         chunks = direction.sampled(fmt.n_chunks, r)

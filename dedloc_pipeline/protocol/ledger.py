@@ -99,9 +99,13 @@ def prune(run: Run, newest: int, window: int = 3) -> None:
 
     Kept forever: every COMMIT and CLOSE (the ledger), and the parameters and optimizer state of
     every ``checkpoint_every``-th state. Kept whole: the last ``keep_states`` states and their
-    rounds (late shards fold one round later; restarted peers resume from their manifests).
+    rounds (the frozen shards the validator reads). In the volunteers' prefixes, only the
+    ``LIVE_ROUNDS`` rounds from ``newest - 1`` (late shards fold one round later; restarted peers
+    resume from their manifests): everything else there, keys off the layout too, goes, so the
+    scheduler's one listing of them stays as short as the rounds it reads.
     """
     keys, bucket, cfg = run.keys, run.bucket, run.config
+    bucket.delete(keys.volunteers_dir, only=lambda k: (w := keys.written(k)) is None or w.round < newest - 1)
     last = newest - cfg.keep_states
     # ``window`` states back once per process (a crash may have skipped some), then only new ones
     first = max(1, last - window) if run.pruned_through is None else run.pruned_through + 1

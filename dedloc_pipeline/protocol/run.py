@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from dataclasses import replace
 from functools import cached_property
 
@@ -28,6 +29,9 @@ class RunError(RuntimeError):
 
 
 ORGANIZER_KEY_ENV = "DEDLOC_ORGANIZER_KEY"  # where the organizer's processes find its private key
+# rounds a volunteer's prefix holds at once: the one before the open round (its late shards fold
+# into the open one), the open one and the next (peers computing ahead); older ones are pruned
+LIVE_ROUNDS = 3
 
 
 class Run:
@@ -120,6 +124,23 @@ class Run:
             self.stopped(delete_forged=True)
         return self.bucket.create_json(self.keys.stop(), self.record("STOP", {
             "reason": reason, "at": self.clock.time(), "state": self.latest()}))
+
+    @property
+    def per_volunteer(self) -> int:
+        """The most keys one peer's prefix may hold for the scheduler to read it: its rounds
+        still kept (``LIVE_ROUNDS``), each a heartbeat and twice ``max_parts`` shards with their
+        manifests. A prefix holding more is not read at all, so a volunteer filling its own
+        prefix slows no one's poll."""
+        shard = len(vector.chunk_objects(self.grad_format)) + 1
+        return LIVE_ROUNDS * (1 + 2 * self.config.close.max_parts * shard)
+
+    def written(self) -> tuple[dict[str, tuple[int, str | None]], frozenset[str]]:
+        """What the volunteers wrote, in one listing of their prefixes (a LIST a 1000 keys), and
+        the peers left out of it for holding more than ``per_volunteer`` keys."""
+        bound = self.per_volunteer
+        listed = self.bucket.listing(self.keys.volunteers_dir, per_folder=bound)
+        over = frozenset(p for p, n in Counter(map(self.keys.writer, listed)).items() if n > bound)
+        return {k: v for k, v in listed.items() if self.keys.writer(k) not in over}, over
 
     @property
     def name(self) -> str:

@@ -88,28 +88,33 @@ class Scheduler:
         self._published: tuple | None = None  # what the last view written said, time aside
         self._round_s: float | None = None  # how long the last round took, from its first work to its CLOSE
         self._keepalive_due = float("-inf")  # clock.monotonic() from which an unchanged view is rewritten
+        self._unclosed: int | None = None  # the round whose CLOSE this scheduler read and found absent
+        self._over: frozenset[str] = frozenset()  # the peers whose prefixes held too much, last poll
         if run.signed:
             run.organizer("CLOSE")  # a scheduler that could not sign its CLOSEs fails here, not at the first
 
     def try_close(self, r: int, now: float | None = None) -> Close | None:
         """Write CLOSE for round r if its rule is met; the existing CLOSE if there is one. Either
         way, publish the round view if it changed: what volunteers read instead of the bucket.
-        One LIST of the round shows everything it decides on (its CLOSE, heartbeats, manifests
-        and the shards' objects), so a poll where nothing changed costs that LIST and STOP's HEAD."""
+        One LIST of the volunteers' prefixes shows everything it decides on (heartbeats,
+        manifests and the shards' objects, of this round, the one before and the next), so a poll
+        where nothing changed costs that LIST and STOP's HEAD. CLOSE is read once a round: while
+        this scheduler holds the lease, nobody else writes it."""
         self.lease.hold()
         bucket, keys, rule, cfg = self.run.bucket, self.run.keys, self.run.config.close, self.run.config
         at = self.clock.time() if now is None else now
-        listed = bucket.listing(keys.round(r))  # heartbeats and manifests, both as of `at`
-        close = self._existing_close(r) if keys.close(r) in listed else None
+        listed = self._written()  # heartbeats and manifests, both as of `at`
+        close = self._existing_close(r) if self._unclosed != r else None
         if close is not None:
             self._publish(r, at, listed, close=close)
             return close
+        self._unclosed = r
         self.judge.forget_before(r - 1)
         self._started = {k: v for k, v in self._started.items() if k >= r - 1}
         accepted, rejected = self.judge.verdicts(r, listed)
         pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected))
-        accepted, extra = admission.bound_parts(accepted + self.judge.late(r), rule.max_parts)
+        accepted, extra = admission.bound_parts(accepted + self.judge.late(r, listed), rule.max_parts)
         accepted, screened = admission.screen(accepted, cfg.norm_screen)
         accepted, turned = admission.agree(accepted, rule.min_agreement)
         rejected += self.judge.logged(r, extra + screened + turned)
@@ -140,6 +145,7 @@ class Scheduler:
                       reason="target" if samples >= target else "timeout")
         if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump(), round=r)):
             log.warning("round %d: a CLOSE was there already, not this scheduler's", r)
+        self._unclosed = None
         close = self._existing_close(r)
         if close is None:  # a forged one stood there: deleted, so the next poll closes the round
             return None
@@ -147,6 +153,16 @@ class Scheduler:
                  len(close.accepted), len(close.rejected))
         self._publish(r, at, listed, close=close)
         return close
+
+    def _written(self) -> Listing:
+        """What the volunteers wrote (``Run.written``); a peer whose prefix holds too much is
+        left out, and logged when it first is."""
+        listed, over = self.run.written()
+        for peer in sorted(over - self._over):
+            log.error("peer %s: its prefix holds more than %d objects, more than any round needs: "
+                      "nothing of it is read until the rounds are pruned", peer, self.run.per_volunteer)
+        self._over = over
+        return listed
 
     def _existing_close(self, r: int) -> Close | None:
         """Round r's CLOSE, if the organizer wrote one. A forged one (anyone with write access to
@@ -181,7 +197,7 @@ class Scheduler:
         self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s or self._speed, close is not None)
         try:
             self._stopped = self.run.stopped(delete_forged=True)
-            ahead = self._ahead_of(r, at, again=close is not None)
+            ahead = self._ahead_of(r, at, listed, again=close is not None)
             v = view.View(state=r, round=r, target=target, validated_samples=samples, shards=shards,
                           rejected=rejected, pending_samples=pending.samples, peers=pending.peers,
                           samples_per_s=pending.samples_per_s, ahead_peers=ahead.peers,
@@ -189,7 +205,7 @@ class Scheduler:
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
                           eta_s=self._eta, cap=cap, ended=ended, at=at,
                           written_at=max(at, self.clock.time()), next_s=self.keepalive_s)
-            beats = sorted((k, tag) for k, (_, tag) in listed.items() if k.startswith(keys.progress_dir(r) + "/"))
+            beats = [(k, listed[k][1]) for k in keys.of_round(listed, r, "progress")]
             said = (tuple(sorted(v.model_dump(exclude=_PROJECTED).items())), tuple(beats))
             due = self.clock.monotonic() >= self._keepalive_due - 1e-3  # a sleep up to it lands within
             if said == self._published and not due:
@@ -205,19 +221,18 @@ class Scheduler:
         rounds as long as the last."""
         return view.keepalive_s(self.run.config.peer_timeout_s, self.run.config.cadence, self._round_s)
 
-    def _ahead_of(self, r: int, at: float, again: bool = False) -> heartbeat.Pending:
-        """Round r+1's live heartbeats (peers computing ahead), for displays, not worth a LIST
-        each poll: a peer computes ahead once round r looks full to it, so they are listed only
-        from an ETA of ``peer_timeout_s`` on (or none: everyone may have sent their parts), every
-        ``peer_timeout_s``, and ``again`` for the closed view, which stands while the round is
-        reduced."""
+    def _ahead_of(self, r: int, at: float, listed: Listing, again: bool = False) -> heartbeat.Pending:
+        """Round r+1's live heartbeats (peers computing ahead) in ``listed``, for displays, not
+        worth reading each poll: a peer computes ahead once round r looks full to it, so they
+        are read only from an ETA of ``peer_timeout_s`` on (or none: everyone may have sent their
+        parts), every ``peer_timeout_s``, and ``again`` for the closed view, which stands while
+        the round is reduced."""
         seen_r, seen_at, pending = self._ahead_seen
         timeout, since = self.run.config.peer_timeout_s, self.clock.monotonic() - seen_at
         if not again and self._eta is not None and self._eta > timeout:  # nobody can be ahead yet
             return pending if seen_r == r and since < timeout else heartbeat.Pending()
         if again or seen_r != r or since >= timeout:
             cfg, keys = self.run.config, self.run.keys
-            listed = self.run.bucket.listing(keys.progress_dir(r + 1))
             pending = self._ahead.pending(self.run.bucket, keys, r + 1, listed, at, cfg.peer_timeout_s,
                                           cfg.target_batch_size, cfg.cadence.heartbeat_max_s)
             self._ahead_seen = (r, self.clock.monotonic(), pending)
@@ -301,7 +316,7 @@ class Scheduler:
         if self.lease.generation is None:
             return
         try:
-            listed = self.run.bucket.listing(self.run.keys.round(state))
+            listed = self._written()
             close = self._existing_close(state)
         except Exception as exc:  # ending on a bucket error: the view still says so
             log.warning("round %d: its CLOSE unreadable (%s)", state, exc)

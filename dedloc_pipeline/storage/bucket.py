@@ -18,7 +18,7 @@ import functools
 import json
 import os
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,15 +132,16 @@ class Bucket:
     """One bucket URL (``file://``, a plain path, ``s3://``, ``memory://``)."""
 
     def __init__(self, url: str, endpoint_url: str | None = None, storage_options: dict | None = None,
-                 timeout: float = 30.0, retry: RetryPolicy = RetryPolicy()):
-        self.url, self.retry = url.rstrip("/"), retry
+                 timeout: float = 30.0, retry: RetryPolicy = RetryPolicy(), stats: IOStats | None = None):
+        self.url, self.retry, self._args = url.rstrip("/"), retry, (endpoint_url, timeout)
+        self._writer: tuple[str, Bucket] | None = None  # confine_writes
         protocol, _, rest = self.url.partition("://")
         if not rest:
             protocol, rest = "file", os.path.abspath(self.url)
         self.protocol = protocol
         self.local = protocol == "file"
         self.options = dict(storage_options or {})
-        self.stats = IOStats(sent_by_client=protocol == "s3")
+        self.stats = IOStats(sent_by_client=protocol == "s3") if stats is None else stats
         if protocol == "s3":
             s3.configure(self.options, endpoint_url, timeout, self.stats)
         try:
@@ -158,6 +159,19 @@ class Bucket:
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
+
+    def confine_writes(self, prefix: str, storage_options: dict) -> None:
+        """Write the keys below ``prefix`` with other credentials (``storage_options``, e.g.
+        ``{"profile": NAME}``): a volunteer on R2 holds a read-only credential on the run and a
+        read-write one on its own prefix (trust/policy.py). Reads keep this bucket's."""
+        writer = Bucket(self.url, *self._args[:1], storage_options, self._args[1], self.retry, self.stats)
+        self._writer = (prefix.rstrip("/") + "/", writer)
+
+    def _for(self, key: str) -> "Bucket | None":
+        """The bucket that writes ``key``, where it is not this one."""
+        if self._writer is not None and key.startswith(self._writer[0]):
+            return self._writer[1]
+        return None
 
     # reads
     @_retried
@@ -249,23 +263,36 @@ class Bucket:
         return {k: size for k, (size, _) in self.listing(prefix).items()}
 
     @_retried
-    def listing(self, prefix: str) -> dict[str, tuple[int, str | None]]:
+    def listing(self, prefix: str, per_folder: int | None = None) -> dict[str, tuple[int, str | None]]:
         """Every key below ``prefix`` with its size and version tag (``Fetched.tag``): S3 lists
-        the ETag with each key, so a reader can skip the objects it has read already."""
+        the ETag with each key, so a reader can skip the objects it has read already.
+        ``per_folder``: at most that many keys, and one more, of each folder just below
+        ``prefix`` (``s3.objects``), in key order."""
         n = len(self.root) + 1
         if self.protocol == "s3":
-            return {p[n:]: info for p, info in s3.objects(self.fs, self.path(prefix) + "/").items()}
+            return {p[n:]: info for p, info in s3.objects(self.fs, self.path(prefix) + "/", per_folder).items()}
         try:
             found = {p[n:]: (int(info.get("size") or 0), _tag(info))
-                     for p, info in self.fs.find(self.path(prefix), detail=True).items()}
+                     for p, info in sorted(self.fs.find(self.path(prefix), detail=True).items())}
         except FileNotFoundError:
             found = {}
         self.stats.add("list", n=1 + len(found) // 1000)
-        return found
+        if per_folder is None:
+            return found
+        seen: dict[str, int] = {}
+        kept = {}
+        for k, info in found.items():
+            folder = k[len(prefix) + 1:].split("/", 1)[0]
+            seen[folder] = seen.get(folder, 0) + 1
+            if seen[folder] <= per_folder + 1:
+                kept[k] = info
+        return kept
 
     # writes
     @_retried
     def write_bytes(self, key: str, data: bytes) -> None:
+        if (other := self._for(key)) is not None:
+            return other.write_bytes(key, data)
         path = self.path(key)
         self.stats.add("put", written=len(data))
         if not self.local:
@@ -303,6 +330,8 @@ class Bucket:
     def create(self, key: str, data: bytes) -> bool:
         """Write ``key`` only if it does not exist yet. True if this call created it, or an
         earlier attempt of it did (the same bytes are there: its reply was lost)."""
+        if (other := self._for(key)) is not None:
+            return other.create(key, data)
         path = self.path(key)
         self.stats.add("put", written=len(data))
         try:
@@ -327,32 +356,45 @@ class Bucket:
         return self.create(key, _dumps(obj))
 
     @_retried
-    def delete(self, prefix: str, keep: Collection[str] = ()) -> None:
+    def delete(self, prefix: str, keep: Collection[str] = (), only: Callable[[str], bool] | None = None) -> None:
         """Delete the object ``prefix`` and everything below it but the keys ``keep`` and what
-        lies below them: one listing, however many folders (on S3 in batches: ``s3.delete``)."""
+        lies below them, and with ``only``, but the keys it says False of: one listing, however
+        many folders (on S3 in batches: ``s3.delete``)."""
+        if (other := self._for(prefix)) is not None:
+            return other.delete(prefix, keep, only)
         self.stats.add("delete")
-        tops = tuple(self.path(k) for k in keep)
+        tops, n = tuple(self.path(k) for k in keep), len(self.root) + 1
 
         def kept(path: str) -> bool:
-            return any(path == t or path.startswith(t + "/") for t in tops)
+            return any(path == t or path.startswith(t + "/") for t in tops) or (only is not None and not only(path[n:]))
 
         if self.protocol == "s3":
             s3.delete(self.fs, self.path(prefix), kept)
             return
         try:
-            if not tops:
+            if not tops and only is None:
                 self.fs.rm(self.path(prefix), recursive=True)
                 return
             found = self.fs.find(self.path(prefix), withdirs=True, detail=True)
         except FileNotFoundError:
             return
+        once = Retrying(**self.retry.tenacity())  # each removal retried alone: a long prune gets through
         for p, info in found.items():
             if info["type"] != "directory" and not kept(p):
-                self.fs.rm_file(p)
+                once(self._remove, p)
         # folders left empty go too (where folders are real): a pruned prefix lists as absent, as on S3
         for p in sorted((p for p, info in found.items() if info["type"] == "directory"), key=len, reverse=True):
-            if not kept(p) and self.fs.isdir(p) and not self.fs.ls(p):
-                self.fs.rmdir(p)
+            once(self._remove, p, True)
+
+    def _remove(self, path: str, folder: bool = False) -> None:
+        """A file, or a folder if it is empty; gone already is removed (a retried removal)."""
+        try:
+            if not folder:
+                self.fs.rm_file(path)
+            elif self.fs.isdir(path) and not self.fs.ls(path):
+                self.fs.rmdir(path)
+        except FileNotFoundError:
+            pass
 
     def _local_tmp(self, path: str, data: bytes) -> str:
         """A whole copy beside ``path``, under a hidden name, to be renamed or linked into place."""
@@ -375,6 +417,8 @@ class Bucket:
     # arrays
     def zarr_store(self, key: str):
         """A zarr store rooted at ``key``, retried and counted."""
+        if (other := self._for(key)) is not None:
+            return other.zarr_store(key)
         return _BucketStore(self._store(key), self)
 
     def _store(self, key: str):

@@ -8,11 +8,14 @@ batch of gradients computed against state ``r``, and committing it makes state `
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
+from typing import NamedTuple
 
 # 2: quantized codes stored zigzag-folded as uint8; 3: no zarr.json for any vector (its metadata
 # follows from run.json), a shard's codes and scales in one object, shards validated and read in
-# a frozen copy, and a signed run's organizer records (run.json too) name their run and place
-LAYOUT_VERSION = 3
+# a frozen copy, and a signed run's organizer records (run.json too) name their run and place;
+# 4: everything a volunteer writes under one prefix of its own, volunteers/{peer}/
+LAYOUT_VERSION = 4
 PEER_ID = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # peer ids and shard parts: one key segment each
 
 
@@ -24,13 +27,8 @@ def is_name(value: object) -> bool:
 
 def name_problem(value: object, what: str = "peer id") -> str | None:
     """Why ``value`` cannot be a peer id or volunteer name (None: it can): the one check every
-    command makes alike (worker, enroll, policy). A peer folder named like a round's own folders
-    would fall under what volunteers may write there, so those names are reserved."""
-    if not is_name(value):
-        return f"{what} {value!r} must match {PEER_ID}"
-    if value in ROUND_FOLDERS:
-        return f"{what} {value!r} is reserved (a round's folders: {', '.join(sorted(ROUND_FOLDERS))})"
-    return None
+    command makes alike (worker, enroll, policy)."""
+    return None if is_name(value) else f"{what} {value!r} must match {PEER_ID}"
 
 
 def volunteer_of(peer: str) -> str:
@@ -39,12 +37,23 @@ def volunteer_of(peer: str) -> str:
     return peer.split(".", 1)[0]
 
 
-ROUND_FOLDERS = ("shards", "manifests", "progress")  # what volunteers write in a round (policy.py)
 _NUMBER = re.compile(r"\d{8}")
 
 
 def _n(i: int) -> str:
     return f"{i:08d}"
+
+
+class Written(NamedTuple):
+    """A key a volunteer writes, parsed: whose, which round, and what (``progress``: its
+    heartbeat; ``manifest``; ``shard``: a shard's folder; ``object``: one of its objects, ``path``
+    below the folder)."""
+
+    peer: str
+    round: int
+    kind: str
+    part: str = ""
+    path: str = ""
 
 
 class RunLayout:
@@ -133,64 +142,104 @@ class RunLayout:
     def round(self, r: int) -> str:
         return f"{self.rounds_dir}/{_n(r)}"
 
+    # what volunteers write: everything under one prefix each, ``volunteers/{peer}/``, so a
+    # plain-prefix credential (R2's) confines a volunteer as a wildcard policy does (policy.py)
+    @property
+    def volunteers_dir(self) -> str:
+        return f"{self.root}/volunteers"
+
+    def volunteer_dir(self, peer: str) -> str:
+        """The one prefix peer ``peer`` writes: its heartbeats, shards and manifests, by round."""
+        return f"{self.volunteers_dir}/{peer}"
+
+    def writer(self, key: str) -> str:
+        """The folder just below ``volunteers_dir`` that ``key`` lies in: whose prefix it is."""
+        return key.removeprefix(self.volunteers_dir + "/").split("/", 1)[0]
+
+    def _own(self, peer: str, r: int) -> str:
+        return f"{self.volunteer_dir(peer)}/{_n(r)}"
+
+    def progress(self, r: int, peer: str) -> str:
+        """A peer's heartbeat of round r: ``volunteers/PEER/R/progress.json``."""
+        return f"{self._own(peer, r)}/progress.json"
+
+    def shard(self, r: int, peer: str, part: str) -> str:
+        """A shard's folder: ``volunteers/PEER/R/shards/PART``, its objects below it."""
+        return f"{self._own(peer, r)}/shards/{part}"
+
+    def manifests_dir(self, r: int, peer: str) -> str:
+        """A peer's manifests of round r, apart from the chunks."""
+        return f"{self._own(peer, r)}/manifests"
+
+    def manifest(self, shard: str) -> str:
+        """Marker of a shard, written after its chunks: ``volunteers/PEER/R/manifests/PART.json``."""
+        r, peer, part = self.shard_parts(shard)
+        return f"{self.manifests_dir(r, peer)}/{part}.json"
+
+    def written(self, key: str) -> Written | None:
+        """What a key under ``volunteers_dir`` is (``Written``), or None: off the layout, which no
+        reader takes (a volunteer can write anything under its own prefix)."""
+        rest = key.removeprefix(self.volunteers_dir + "/")
+        if rest == key:
+            return None
+        parts = rest.split("/")
+        if len(parts) < 3 or not is_name(parts[0]) or not _NUMBER.fullmatch(parts[1]):
+            return None
+        peer, r, what = parts[0], int(parts[1]), parts[2:]
+        if what == ["progress.json"]:
+            return Written(peer, r, "progress")
+        if len(what) == 2 and what[0] == "manifests" and what[1].endswith(".json") and is_name(what[1][:-5]):
+            return Written(peer, r, "manifest", what[1][:-5])
+        if len(what) >= 2 and what[0] == "shards" and is_name(what[1]):
+            return Written(peer, r, "shard" if len(what) == 2 else "object", what[1], "/".join(what[2:]))
+        return None
+
+    def _written(self, key: str, kind: str) -> Written:
+        w = self.written(key)
+        if w is None or w.kind != kind:
+            raise ValueError(f"{key!r} is not a {kind} key of run {self.run!r}")
+        return w
+
+    def of_round(self, listed: Iterable[str], r: int, kind: str) -> list[str]:
+        """The keys among ``listed`` that are round r's heartbeats, manifests or shard objects
+        (``kind``: ``progress``, ``manifest``, ``object``), sorted."""
+        return sorted(k for k in listed if (w := self.written(k)) is not None and w.round == r and w.kind == kind)
+
     def round_of(self, key: str) -> int:
-        """The round of a key under ``rounds/`` (a manifest, a shard, a heartbeat)."""
+        """The round of a volunteer's key (a heartbeat, a manifest, a shard) or of a key under ``rounds/``."""
+        w = self.written(key)
+        if w is not None:
+            return w.round
         rest = key.removeprefix(f"{self.rounds_dir}/")
         head = rest.split("/", 1)[0]
         if rest == key or not _NUMBER.fullmatch(head):
             raise ValueError(f"{key!r} is not a key of a round of run {self.run!r}")
         return int(head)
 
-    def progress_dir(self, r: int) -> str:
-        return f"{self.round(r)}/progress"
-
-    def progress(self, r: int, peer: str) -> str:
-        return f"{self.progress_dir(r)}/{peer}.json"
-
     def peer_of_progress(self, key: str) -> str:
-        """Whose heartbeat a key is: its file name, which a volunteer's bucket policy binds to it."""
-        return key.rsplit("/", 1)[-1].removesuffix(".json")
+        """Whose heartbeat a key is: the prefix it lies under, which only that peer may write."""
+        return self._written(key, "progress").peer
 
-    def shards_dir(self, r: int) -> str:
-        return f"{self.round(r)}/shards"
-
-    def shard(self, r: int, peer: str, part: str) -> str:
-        return f"{self.shards_dir(r)}/{peer}/{part}"
-
-    def shard_holding(self, r: int, key: str) -> str:
-        """The shard key ``rounds/R/shards/PEER/PART`` an object listed under round r's shards
-        belongs to (a stray object nearer the top counts as its own)."""
-        top = self.shards_dir(r)
-        return "/".join([top] + key.removeprefix(top + "/").split("/")[:2])
+    def shard_holding(self, key: str) -> str | None:
+        """The shard key a listed shard object belongs to; None for any other key."""
+        w = self.written(key)
+        return self.shard(w.round, w.peer, w.part) if w is not None and w.kind == "object" else None
 
     def shard_parts(self, shard: str) -> tuple[int, str, str]:
-        """(round, peer, part) of a shard key ``rounds/R/shards/PEER/PART``."""
-        head, peer, part = shard.rsplit("/", 2)
-        if not head.endswith("/shards"):
-            raise ValueError(f"{shard!r} is not a shard key")
-        return self.round_of(shard), peer, part
-
-    def frozen(self, shard: str) -> str:
-        """The copy of shard ``rounds/R/shards/PEER/PART`` the scheduler validates, and everyone
-        after it reads: ``rounds/R/frozen/PEER/PART``, which only the organizer writes, so
-        nothing its volunteer does to the shard afterwards changes or stalls the round."""
-        head, peer, part = shard.rsplit("/", 2)
-        return f"{head.removesuffix('/shards')}/frozen/{peer}/{part}"
-
-    def manifests_dir(self, r: int, peer: str | None = None) -> str:
-        """Manifests only, apart from the chunks: listing the round's shards lists just these
-        (one peer's, given ``peer``)."""
-        top = f"{self.round(r)}/manifests"
-        return top if peer is None else f"{top}/{peer}"
-
-    def manifest(self, shard: str) -> str:
-        """Marker of a shard, written after its chunks: ``rounds/R/manifests/PEER/PART.json``."""
-        head, peer, part = shard.rsplit("/", 2)
-        return f"{head.removesuffix('/shards')}/manifests/{peer}/{part}.json"
+        """(round, peer, part) of a shard key ``volunteers/PEER/R/shards/PART``."""
+        w = self._written(shard, "shard")
+        return w.round, w.peer, w.part
 
     def shard_of(self, manifest: str) -> str:
-        head, peer, part = manifest.rsplit("/", 2)
-        return f"{head.removesuffix('/manifests')}/shards/{peer}/{part.removesuffix('.json')}"
+        w = self._written(manifest, "manifest")
+        return self.shard(w.round, w.peer, w.part)
+
+    def frozen(self, shard: str) -> str:
+        """The copy of a shard the scheduler validates, and everyone after it reads:
+        ``rounds/R/frozen/PEER/PART``, which only the organizer writes, so nothing its volunteer
+        does to the shard afterwards changes or stalls the round."""
+        r, peer, part = self.shard_parts(shard)
+        return f"{self.round(r)}/frozen/{peer}/{part}"
 
     def close(self, r: int) -> str:
         return f"{self.round(r)}/CLOSE.json"

@@ -24,7 +24,7 @@ def configure(options: dict, endpoint_url: str | None, timeout: float, stats: IO
         "retries": {"max_attempts": 2, "mode": "standard"}})
     options.setdefault("use_listings_cache", False)
     options.setdefault("max_concurrency", 1)  # else every whole-object GET is a HEAD first
-    options.setdefault("session", counted_session(stats))
+    options.setdefault("session", counted_session(stats, options.pop("profile", None)))
 
 
 def get_if_changed(fs, path: str, tag: str | None, limit: int | None = None) -> tuple[bytes | None, str | None, bool]:
@@ -69,18 +69,30 @@ def copy(fs, src: str, dst: str) -> None:
     sync(fs.loop, fs._copy_basic, src, dst)
 
 
-def objects(fs, path: str) -> dict[str, tuple[int, str]]:
+def objects(fs, path: str, per_folder: int | None = None) -> dict[str, tuple[int, str]]:
     """Every object whose path starts with ``path``, with size and ETag: one LIST a 1000
-    keys (s3fs's ``find`` adds a HEAD and a second LIST when there are none)."""
+    keys (s3fs's ``find`` adds a HEAD and a second LIST when there are none). ``per_folder``: of
+    each folder just below ``path`` (which ends in '/'), at most that many keys and one more,
+    which tells the caller it has more: the listing goes on after that folder (``StartAfter``),
+    so one folder full of objects costs no more than its share."""
     bucket, name, _ = fs.split_path(path)
-    found, token = {}, None
+    found, token, start, counts = {}, None, None, {}
     while True:
-        resp = sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=name,
-                    **({"ContinuationToken": token} if token else {}))
+        more = {"ContinuationToken": token} if token else {"StartAfter": start} if start else {}
+        resp = sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=name, **more)
+        start = None
         for o in resp.get("Contents", []):
             found[f"{bucket}/{o['Key']}"] = (int(o["Size"]), str(o["ETag"]))
+            if per_folder is not None:
+                folder = o["Key"][len(name):].split("/", 1)[0]
+                counts[folder] = counts.get(folder, 0) + 1
+                if counts[folder] > per_folder:  # every key of the folder sorts before FOLDER0 ('/' < '0')
+                    start = f"{name}{folder}0"
+                    break
         token = resp.get("NextContinuationToken")
-        if not (resp.get("IsTruncated") and token):
+        if start is not None:
+            token = None
+        elif not (resp.get("IsTruncated") and token):
             return found
 
 

@@ -47,11 +47,12 @@ class IOStats:
                     "bytes_written": self.bytes_written}
 
 
-def counted_session(stats: IOStats):
-    """An aiobotocore session whose clients report every request they send to ``stats``: the
-    Bucket's own filesystem and its zarr stores' (built from the same options) share it."""
+def counted_session(stats: IOStats, profile: str | None = None):
+    """An aiobotocore session (of AWS profile ``profile``, if given) whose clients report every
+    request they send to ``stats``: the Bucket's own filesystem and its zarr stores' (built from
+    the same options) share it."""
     from aiobotocore.session import AioSession
 
-    session = AioSession()
+    session = AioSession(profile=profile)
     session.register("before-send.s3", stats.sent)
     return session

@@ -49,7 +49,9 @@ def test_a_collaboration_through_a_failing_bucket_commits_the_same_states(backen
     run = init_run(inject(Bucket(url), faults), cfg)
     collaborate(run, PEERS, rounds=rounds)
 
-    assert faults.injected["before"] > 15 and faults.injected["after"] > 15, faults.injected
+    # about 300 requests at 10%, half failing before taking effect and half after: some of each
+    # (the draws follow the bucket's name, random on S3: 13 to 45 of each measured)
+    assert faults.injected["before"] > 5 and faults.injected["after"] > 5, faults.injected
     for s in range(1, rounds + 1):
         assert run.commit_of(s)["checksums"] == healthy.commit_of(s)["checksums"]
         assert run.commit_of(s)["rejected"] == []

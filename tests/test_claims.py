@@ -32,7 +32,7 @@ def _shard(run, r, peer, grad, samples, start=None, part="0001", ranges=None, si
     start = stream_next(run, r, peer) if start is None else start
     return shard.upload(run, r, peer, part, codec.encode(grad, run.config.codec, run.config.block_size),
                         samples, loss, shard.DataRef(stream=peer, ranges=ranges or [(start, samples)]),
-                        signer=signer)
+                        signer=signer, inner_steps=[samples] if run.config.algorithm == "diloco" else None)
 
 
 def _finish(run, r):

@@ -33,6 +33,7 @@ class Accumulator:
     loss_sum: float = 0.0
     ranges: list[list[int]] = field(default_factory=list)
     unstepped: int = 0  # diloco: samples in ``model.grad`` that no inner step has taken yet
+    steps: list[int] = field(default_factory=list)  # diloco: the samples each inner step took
 
     def add(self, cursor: int, n: int, loss: float, stale: bool) -> None:
         """Samples ``cursor`` to ``cursor + n`` of the peer's stream, summed in."""
@@ -63,7 +64,8 @@ class Accumulator:
 
 class Accumulation:
     """This volunteer's model and what is accumulated on it (``acc``; None: nothing yet), with
-    diloco's inner optimizer, whose state stays on this machine (a joiner starts fresh)."""
+    diloco's inner optimizer, whose state stays on this machine: fresh with each shard
+    (``inner_state: shard``), or kept across them."""
 
     def __init__(self, model: torch.nn.Module, config: RunConfig) -> None:
         self.model, self.config = model, config
@@ -84,6 +86,8 @@ class Accumulation:
         if self.acc is None:
             self.acc = Accumulator(round=round_)
             self.model.zero_grad(set_to_none=False)
+            if self.inner is not None and self.config.inner_state == "shard":
+                self.inner.state.clear()  # a fresh start: the shard is its samples' alone, replayable
         t0 = time.perf_counter()
         loss = train(self.cursor, n)
         self.compute_s += time.perf_counter() - t0
@@ -110,6 +114,7 @@ class Accumulation:
             group["lr"] = optim.lr_at(self.config.optimizer, state + 1)
         self.inner.step()
         self.model.zero_grad(set_to_none=False)
+        acc.steps.append(acc.unstepped)
         acc.unstepped = 0
         self.compute_s += time.perf_counter() - t0
 

@@ -177,6 +177,10 @@ class RunConfig(BaseModel):
         "dedloc", description="dedloc: one optimizer step per filled batch; diloco: local steps on each "
         "volunteer, then an outer step on their mean (docs/diloco.md)")
     inner_batch: int = Field(64, gt=0, description="diloco: samples per optimizer step on a volunteer")
+    inner_state: Literal["shard", "kept"] = Field(
+        "shard", description="diloco: a volunteer's inner optimizer starts fresh with each shard, so the "
+        "validator can replay the shard (shard); or is kept across shards as DiLoCo's is, and shards are "
+        "only screened (kept)")
     cadence: Cadence = Cadence()
     optimizer: OptimizerConfig = OptimizerConfig()
     outer: Outer = Outer()

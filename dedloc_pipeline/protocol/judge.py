@@ -171,7 +171,7 @@ class Judge:
         shard = self.run.keys.shard_of(mkey)
         try:
             end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
-            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end)
+            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end, self._inspector(r))
         except Rejected as exc:
             return self.reject(r, shard, str(exc), exc.data)
         except StorageError:
@@ -179,6 +179,17 @@ class Judge:
         except Exception as exc:  # whatever else one input makes happen rejects that input
             log.exception("round %d: shard %s could not be judged", r, shard)
             return self.reject(r, shard, f"could not be judged: {type(exc).__name__}: {exc}")
+
+    def _inspector(self, r: int):
+        """The local-steps mode's screens of a shard's values as validation reads them (never
+        recomputed before CLOSE): its sketch, for the direction screen."""
+        if self.run.config.algorithm != "diloco":
+            return None
+        fmt = self.run.grad_format
+
+        def inspect(entry: Entry, arrays) -> None:
+            entry._sketch = direction.sketch(fmt, arrays, direction.sampled(fmt.n_chunks, r))
+        return inspect
 
     @staticmethod
     def logged(r: int, rejected: list[Rejection]) -> list[Rejection]:

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from ..storage import codec, vector
 from ..storage.layout import LAYOUT_VERSION, PEER_ID
 from ..trust import identity
-from . import direction
 
 if TYPE_CHECKING:  # at run time a shard needs no model: writers stay light (no torch)
     from .run import Run
@@ -66,6 +65,8 @@ class Manifest(BaseModel):
     samples: int = Field(gt=0)
     loss: float
     stale_samples: int = Field(0, ge=0, description="computed on the state before this round's")
+    inner_steps: list[int] | None = Field(None, description="diloco: the samples of each inner step, in order")
+    precision: Literal["fp32", "bf16"] = "fp32"  # diloco: the volunteer's weights and inner steps
     data: DataRef
     checksums: dict[str, list[str]]
     state_hash: str = Field(pattern=r"^[0-9a-f]{64}$", description="commit_hash of COMMIT round")
@@ -89,6 +90,8 @@ class Entry(BaseModel):
     samples: int
     loss: float
     stale_samples: int
+    inner_steps: list[int] | None = None  # diloco: what the validator replays (recompute.py)
+    precision: Literal["fp32", "bf16"] = "fp32"
     checksums: dict[str, list[str]]
     data: DataRef
     norm: float
@@ -109,7 +112,8 @@ def commit_hash(commit: dict) -> str:
 
 def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, loss: float,
            data: DataRef, stale_samples: int = 0, signer: identity.Ed25519PrivateKey | None = None,
-           abandoned: Callable[[], bool] = lambda: False, state_hash: str | None = None) -> str | None:
+           abandoned: Callable[[], bool] = lambda: False, state_hash: str | None = None,
+           inner_steps: list[int] | None = None, precision: str = "fp32") -> str | None:
     """Write a shard: chunks first, then the manifest (signed if given a key). Returns its key;
     None if ``abandoned()`` said so once the chunks were written (no manifest: no shard).
     ``state_hash``: commit_hash of COMMIT r, read here if not given."""
@@ -120,7 +124,8 @@ def upload(run: Run, r: int, peer: str, part: str, arrays: dict, samples: int, l
     fmt = run.grad_format
     m = Manifest(layout_version=LAYOUT_VERSION, run=run.name, round=r, peer=peer, part=part,
                  codec=fmt.codec, n=fmt.n, chunk_size=fmt.chunk_size, block=fmt.block,
-                 samples=samples, loss=loss, stale_samples=stale_samples, data=data, checksums=sums,
+                 samples=samples, loss=loss, stale_samples=stale_samples, inner_steps=inner_steps,
+                 precision=precision, data=data, checksums=sums,
                  state_hash=state_hash or commit_hash(run.commit_of(r)), created_at=run.clock.time())
     if signer is not None:
         m.signature = identity.sign(signer, m.payload())
@@ -160,12 +165,15 @@ def max_claim(run: Run) -> int:
 
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
              stored: dict[str, int] | None = None, state_hash: str | None = None,
-             stream_end: int | None = None) -> Entry:
+             stream_end: int | None = None,
+             inspect: Callable[[Entry, dict[str, np.ndarray]], None] | None = None) -> Entry:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
     that needs only the manifest and the shard's stored objects (``stored``: their sizes by
     name under the shard, from a listing the caller made of many shards at once; listed here
     if not given). ``stream_end``: where the peer's stream was counted to as of state r (its
-    streams record; read here if not given)."""
+    streams record; read here if not given). ``inspect(entry, arrays)``: what the caller
+    measures of the shard's values (the local-steps mode's screens), on the arrays read here,
+    so it costs no request; it may raise Rejected."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:
@@ -186,13 +194,13 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     if m.data.stream != m.peer:
         raise Rejected(f"data of stream {m.data.stream!r}: a volunteer counts only its own stream")
     try:
-        return _admit(run, r, key, raw, m, stored, state_hash, stream_end)
+        return _admit(run, r, key, raw, m, stored, state_hash, stream_end, inspect)
     except Rejected as exc:  # the manifest is its peer's own: its samples are spent either way
         raise Rejected(str(exc), data=m.data) from exc
 
 
 def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str, int] | None,
-           state_hash: str | None, stream_end: int | None) -> Entry:
+           state_hash: str | None, stream_end: int | None, inspect) -> Entry:
     fmt = run.grad_format
     if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
         raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
@@ -200,6 +208,7 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
         raise Rejected(f"impossible loss {m.loss}")
     if sum(c for _, c in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
+    _check_inner_steps(run, m)
     if m.samples > max_claim(run):
         raise Rejected(f"claims {m.samples} samples, more than a shard can hold ({max_claim(run)})")
     if stream_end is None:
@@ -224,10 +233,11 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     if norm > run.config.max_grad_norm:
         raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
     entry = Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
-                  stale_samples=m.stale_samples, checksums=m.checksums, data=m.data, norm=norm,
+                  stale_samples=m.stale_samples, inner_steps=m.inner_steps, precision=m.precision,
+                  checksums=m.checksums, data=m.data, norm=norm,
                   manifest_sha=hashlib.sha256(raw).hexdigest())
-    if run.config.algorithm == "diloco":  # never recomputed: screened by its direction instead
-        entry._sketch = direction.sketch(fmt, arrays, direction.sampled(fmt.n_chunks, r))
+    if inspect is not None:
+        inspect(entry, arrays)
     return entry
 
 
@@ -242,6 +252,21 @@ def freeze(run: Run, key: str) -> str:
         except FileNotFoundError as exc:
             raise Rejected(f"{name} vanished while the shard was judged") from exc
     return frozen
+
+
+def _check_inner_steps(run: Run, m: Manifest) -> None:
+    """A diloco shard whose inner optimizer starts fresh (``inner_state: shard``) says how many
+    samples each of its inner steps took, so the validator can replay them: positive counts that
+    add up to its samples. Other shards say nothing of inner steps."""
+    if run.config.algorithm != "diloco" or run.config.inner_state != "shard":
+        if m.inner_steps is not None or m.precision != "fp32":
+            raise Rejected("inner steps or a precision claimed outside diloco's inner_state: shard")
+        return
+    if m.inner_steps is None or not m.inner_steps:
+        raise Rejected("no inner steps listed: the validator could not replay the shard")
+    if min(m.inner_steps) < 1 or sum(m.inner_steps) != m.samples:
+        raise Rejected(f"inner steps of {sum(m.inner_steps)} samples in all (each at least one), for a shard "
+                       f"of {m.samples}")
 
 
 def _check_contiguous(data: DataRef, end: int, window: int) -> None:

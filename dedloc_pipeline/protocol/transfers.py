@@ -57,15 +57,17 @@ class Transfers:
         return self._pool.submit(fn, *args)
 
     def upload(self, update, r: int, samples: int, loss: float, data: shard.DataRef, stale: int,
-               state_hash: str) -> Sent:
-        """Send ``update`` (a copy: the caller's gradients go on) as a shard of round r."""
+               state_hash: str, **claims) -> Sent:
+        """Send ``update`` (a copy: the caller's gradients go on) as a shard of round r;
+        ``claims``: the manifest's other fields (diloco's inner steps and precision)."""
         sent = Sent(r, samples, started=self.clock.time(), state_hash=state_hash)
         self.sent.append(sent)
-        sent.job = self.submit(self._send, update, r, samples, loss, data, stale, sent)
+        sent.job = self.submit(self._send, update, r, samples, loss, data, stale, sent, claims)
         self.sending.append(sent)
         return sent
 
-    def _send(self, update, r: int, samples: int, loss: float, data: shard.DataRef, stale: int, sent: Sent) -> str:
+    def _send(self, update, r: int, samples: int, loss: float, data: shard.DataRef, stale: int, sent: Sent,
+              claims: dict) -> str:
         """On the transfer thread: encode (the error feedback is this thread's alone, in
         upload order) and upload, chunks first and the manifest last."""
         if self.mean:
@@ -73,7 +75,7 @@ class Transfers:
         arrays = self.feedback.encode(update)
         key = shard.upload(self.run, r, self.peer, part.name(self.clock.time()), arrays, samples, loss, data,
                            stale_samples=stale, signer=self.signer, abandoned=self._abandon.is_set,
-                           state_hash=sent.state_hash)
+                           state_hash=sent.state_hash, **claims)
         sent.at = self.clock.time()
         return key
 

@@ -111,6 +111,7 @@ class Worker:
             raise ValueError("bf16 is for diloco runs: the default algorithm sums a whole round's gradients, "
                              "which bfloat16 would round away")
         model = run.build_model().to(self.device, torch.bfloat16 if precision == "bf16" else torch.float32)
+        self.precision = precision
         self.local = Accumulation(model, cfg)
         self.source = make_source(run)
         self.transfers = Transfers(run, self.peer, self.clock, signer, mean=self.local.inner is None)
@@ -273,8 +274,11 @@ class Worker:
         update = self.local.update(self.state)  # acc.round is self.state
         self.parts.sent(acc.round)
         data = shard.DataRef(stream=self.peer, ranges=[tuple(x) for x in acc.ranges])
+        cfg = self.run.config
+        claims = dict(inner_steps=acc.steps, precision=self.precision) if (
+            cfg.algorithm == "diloco" and cfg.inner_state == "shard") else {}
         sent = self.transfers.upload(update, acc.round, acc.samples, acc.loss_sum / acc.samples, data,
-                                     acc.stale_samples, self.follower.state_hash)
+                                     acc.stale_samples, self.follower.state_hash, **claims)
         f = self.follower
         if f.view is not None:  # the view in hand counts it until the next read does
             f.view = replace(f.view, manifest_samples=f.view.manifest_samples + sent.samples)

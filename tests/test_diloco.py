@@ -5,8 +5,8 @@ Two references, each knowing nothing of shards, chunks, parts or codecs:
   algorithm with SGD: the one-process replay of test_equivalence must land on the same
   parameters, with delayed updates too (a carried shard's inner steps move with the state);
 - with several inner AdamW steps per shard, a textbook DiLoCo: every volunteer's own AdamW
-  (kept across rounds) steps through its shard's samples from state r, the pseudo-gradients'
-  sample-weighted mean takes a Nesterov step.
+  (fresh with each shard, or with ``inner_state: kept`` kept across rounds) steps through its
+  shard's samples from state r, the pseudo-gradients' sample-weighted mean takes a Nesterov step.
 """
 
 from __future__ import annotations
@@ -66,12 +66,14 @@ def kept_manifests(monkeypatch) -> dict[str, bytes]:
     return seen
 
 
-def diloco_reference(run, rounds: int, micro: dict[str, int], manifests: dict[str, bytes]) -> list[np.ndarray]:
-    """DiLoCo in one process: in each round every shard a volunteer made (accepted or late: all
-    of them moved its inner optimizer) starts at state r and takes an AdamW step (the
-    volunteer's own, kept across rounds; the round's learning rate) whenever the micro-batches
-    since the last reach ``inner_batch``, and one on the rest; Nesterov SGD on the accepted
-    shards' sample-weighted mean of (state - local)."""
+def diloco_reference(run, rounds: int, micro: dict[str, int], manifests: dict[str, bytes],
+                     inner_state: str | None = None) -> list[np.ndarray]:
+    """DiLoCo in one process: in each round every shard a volunteer made starts at state r and
+    takes an AdamW step (the round's learning rate) whenever the micro-batches since the last
+    reach ``inner_batch``, and one on the rest; Nesterov SGD on the accepted shards'
+    sample-weighted mean of (state - local). The AdamW is fresh with each shard, or with
+    ``inner_state: kept`` the volunteer's own across rounds (late shards, which no CLOSE lists,
+    moved it too); ``inner_state``: default the run's."""
     cfg, oc = run.config, run.config.optimizer
     model = run.build_model()
     source = make_source(run)
@@ -109,6 +111,8 @@ def diloco_reference(run, rounds: int, micro: dict[str, int], manifests: dict[st
             mine = [k for k in manifests if run.keys.of_round([k], r, "manifest") and run.keys.writer(k) == peer]
             for mkey in sorted(mine):  # in the order made
                 manifest = shard.Manifest.model_validate_json(manifests[mkey])
+                if (inner_state or cfg.inner_state) == "shard":
+                    inner[peer].state.clear()
                 lf.set(thetas[r])
                 idx = [i for a, c in manifest.data.ranges for i in range(a, a + c)]
                 pending: list[int] = []
@@ -129,17 +133,21 @@ def diloco_reference(run, rounds: int, micro: dict[str, int], manifests: dict[st
     return thetas
 
 
+@pytest.mark.parametrize("inner_state", ["shard", "kept"])
 @pytest.mark.slow
-def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run, monkeypatch):
+def test_inner_adamw_steps_and_an_outer_nesterov_step_are_diloco(make_run, monkeypatch, inner_state):
     rounds = 3
     run = make_run(run="diloco", codec="none", optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
-                   algorithm="diloco", inner_batch=8, target_batch_size=48)
+                   algorithm="diloco", inner_batch=8, target_batch_size=48, inner_state=inner_state)
     manifests = kept_manifests(monkeypatch)
     collaborate(run, PEERS, rounds)
     thetas = diloco_reference(run, rounds, dict(PEERS), manifests)
     for r in range(1, rounds + 1):
         got = run.load_params(r)
         assert np.abs(got - thetas[r]).max() <= 1e-5, f"state {r}: max |diff| {np.abs(got - thetas[r]).max():.3g}"
+    # the control: the other way of keeping the inner optimizer is another trajectory
+    other = diloco_reference(run, rounds, dict(PEERS), manifests, {"shard": "kept", "kept": "shard"}[inner_state])
+    assert np.abs(run.load_params(rounds) - other[rounds]).max() > 1e-3
     # the outer momentum is kept by the aggregators, beside the parameters
     momentum = vector.read_vector(run.bucket, run.keys.optim(rounds, "momentum_buffer"), run.dense_format)
     assert np.abs(momentum).max() > 0

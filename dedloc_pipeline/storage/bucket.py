@@ -9,7 +9,8 @@ Every request, the Bucket's own and its zarr stores' chunk I/O, goes through one
 a request that fails or times out is tried again, and since a reply can be lost after the
 request took effect, every write is safe to repeat (``create`` included: finding its own bytes
 already there counts as created). Which errors are retried is ``retry``'s; the S3 requests that
-replace s3fs's generic calls are ``s3``'s; what the traffic was, ``stats``'.
+replace s3fs's generic calls are ``s3``'s, a disk's whole writes and walks ``local``'s; what the
+traffic was, ``stats``'.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import uuid
+from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ import fsspec
 import zarr
 from tenacity import AsyncRetrying, Retrying
 
-from . import s3
+from . import local, s3
 from .retry import RetryPolicy, transient
 from .stats import IOStats
 
@@ -68,6 +69,32 @@ def _retried(fn):
     return wrapper
 
 
+def _routed(fn):
+    """A write, by the bucket that writes its key (``confine_writes``), with that one's retries."""
+
+    @functools.wraps(fn)
+    def wrapper(self, key, *a, **kw):
+        writer = self._writer
+        return fn(writer[1] if writer is not None and key.startswith(writer[0]) else self, key, *a, **kw)
+
+    return wrapper
+
+
+def _per_folder(n: int) -> Callable[[str], str | None]:
+    """A listing's bound of ``n`` keys, and one more (which says it has more), of each folder
+    just below its prefix: given each key it lists, in key order and less the prefix, the key to
+    go on after once that key's folder is full: FOLDER0, which every key of the folder sorts
+    before ('/' < '0'), so one folder full of objects costs no more than its share."""
+    seen: Counter[str] = Counter()
+
+    def after(rest: str) -> str | None:
+        folder = rest.split("/", 1)[0]
+        seen[folder] += 1
+        return f"{folder}0" if seen[folder] > n else None
+
+    return after
+
+
 @dataclass(frozen=True)
 class Fetched:
     """A conditional read: the object's bytes and version tag, or ``changed=False`` (bytes None)
@@ -76,17 +103,6 @@ class Fetched:
     data: bytes | None
     tag: str | None
     changed: bool = True
-
-
-def _tag(info: dict) -> str | None:
-    """An object's version tag from its listing or stat: the ETag on S3; on a local disk the
-    inode, mtime and size (every write is a rename into place, so a new inode); None where
-    the store has nothing that changes with every write (memory://: always read again)."""
-    if "ETag" in info:
-        return str(info["ETag"])
-    if "ino" in info and "mtime" in info:
-        return f"{info['ino']:x}-{info['mtime']!r}-{info.get('size', 0):x}"
-    return None
 
 
 class _BucketStore(zarr.storage.WrapperStore):
@@ -167,12 +183,6 @@ class Bucket:
         writer = Bucket(self.url, *self._args[:1], storage_options, self._args[1], self.retry, self.stats)
         self._writer = (prefix.rstrip("/") + "/", writer)
 
-    def _for(self, key: str) -> "Bucket | None":
-        """The bucket that writes ``key``, where it is not this one."""
-        if self._writer is not None and key.startswith(self._writer[0]):
-            return self._writer[1]
-        return None
-
     # reads
     @_retried
     def read_bytes(self, key: str) -> bytes | None:
@@ -192,20 +202,11 @@ class Bucket:
         reads as ``Fetched(None, None)``. ``limit``: at most that many bytes are fetched (a
         ranged GET), so an object larger than the caller accepts costs no more than that."""
         self.stats.add("get")
-        if self.protocol == "s3":
-            got = Fetched(*s3.get_if_changed(self.fs, self.path(key), tag, limit))
-            if got.data is not None:
-                self.stats.add("get", read=len(got.data), n=0)
-            return got
-        try:
-            now = _tag(self.fs.info(self.path(key)))
-            if tag is not None and now == tag:
-                return Fetched(None, tag, changed=False)
-            data = self.fs.cat_file(self.path(key), end=limit)
-        except FileNotFoundError:
-            return Fetched(None, None)
-        self.stats.add("get", read=len(data), n=0)
-        return Fetched(data, now)
+        fetch = s3.get_if_changed if self.protocol == "s3" else local.get_if_changed
+        got = Fetched(*fetch(self.fs, self.path(key), tag, limit))
+        if got.data is not None:
+            self.stats.add("get", read=len(got.data), n=0)
+        return got
 
     def read_json(self, key: str) -> Any:
         """Parsed JSON or None if missing; malformed JSON raises ``Damaged``, naming the key."""
@@ -267,42 +268,23 @@ class Bucket:
         """Every key below ``prefix`` with its size and version tag (``Fetched.tag``): S3 lists
         the ETag with each key, so a reader can skip the objects it has read already.
         ``per_folder``: at most that many keys, and one more, of each folder just below
-        ``prefix`` (``s3.objects``), in key order."""
-        n = len(self.root) + 1
+        ``prefix`` (``_per_folder``), in key order."""
+        path, after = self.path(prefix), None if per_folder is None else _per_folder(per_folder)
         if self.protocol == "s3":
-            return {p[n:]: info for p, info in s3.objects(self.fs, self.path(prefix) + "/", per_folder).items()}
-        try:
-            found = {p[n:]: (int(info.get("size") or 0), _tag(info))
-                     for p, info in sorted(self.fs.find(self.path(prefix), detail=True).items())}
-        except FileNotFoundError:
-            found = {}
-        self.stats.add("list", n=1 + len(found) // 1000)
-        if per_folder is None:
-            return found
-        seen: dict[str, int] = {}
-        kept = {}
-        for k, info in found.items():
-            folder = k[len(prefix) + 1:].split("/", 1)[0]
-            seen[folder] = seen.get(folder, 0) + 1
-            if seen[folder] <= per_folder + 1:
-                kept[k] = info
-        return kept
+            found = s3.objects(self.fs, path + "/", after)
+        else:
+            found = local.objects(self.fs, path, self.stats, after)
+        return {p[len(self.root) + 1:]: info for p, info in found.items()}
 
     # writes
+    @_routed
     @_retried
     def write_bytes(self, key: str, data: bytes) -> None:
-        if (other := self._for(key)) is not None:
-            return other.write_bytes(key, data)
-        path = self.path(key)
         self.stats.add("put", written=len(data))
-        if not self.local:
-            self.fs.pipe_file(path, data)
-            return
-        tmp = self._local_tmp(path, data)
-        try:
-            self.fs.mv(tmp, path)
-        finally:
-            self._discard(tmp)
+        if self.local:
+            local.write(self.fs, self.path(key), data)
+        else:
+            self.fs.pipe_file(self.path(key), data)
 
     def write_json(self, key: str, obj: Any) -> None:
         self.write_bytes(key, _dumps(obj))
@@ -315,32 +297,21 @@ class Bucket:
         self.stats.add("put")
         if self.protocol == "s3":
             s3.copy(self.fs, self.path(src), self.path(dst))
-            return
-        if not self.local:
+        elif self.local:
+            local.write(self.fs, self.path(dst), self.fs.cat_file(self.path(src)))
+        else:
             self.fs.copy(self.path(src), self.path(dst))
-            return
-        data = self.fs.cat_file(self.path(src))
-        tmp = self._local_tmp(self.path(dst), data)
-        try:
-            self.fs.mv(tmp, self.path(dst))
-        finally:
-            self._discard(tmp)
 
+    @_routed
     @_retried
     def create(self, key: str, data: bytes) -> bool:
         """Write ``key`` only if it does not exist yet. True if this call created it, or an
         earlier attempt of it did (the same bytes are there: its reply was lost)."""
-        if (other := self._for(key)) is not None:
-            return other.create(key, data)
         path = self.path(key)
         self.stats.add("put", written=len(data))
         try:
             if self.local:
-                tmp = self._local_tmp(path, data)
-                try:
-                    self.fs.link(tmp, path)
-                finally:
-                    self._discard(tmp)
+                local.create(self.fs, path, data)
             elif self.protocol == "memory":
                 if self.fs.exists(path):
                     raise FileExistsError(path)
@@ -355,13 +326,12 @@ class Bucket:
     def create_json(self, key: str, obj: Any) -> bool:
         return self.create(key, _dumps(obj))
 
+    @_routed
     @_retried
     def delete(self, prefix: str, keep: Collection[str] = (), only: Callable[[str], bool] | None = None) -> None:
         """Delete the object ``prefix`` and everything below it but the keys ``keep`` and what
         lies below them, and with ``only``, but the keys it says False of: one listing, however
-        many folders (on S3 in batches: ``s3.delete``)."""
-        if (other := self._for(prefix)) is not None:
-            return other.delete(prefix, keep, only)
+        many folders (on S3 in batches: ``s3.delete``; elsewhere ``local.delete``)."""
         self.stats.add("delete")
         tops, n = tuple(self.path(k) for k in keep), len(self.root) + 1
 
@@ -370,55 +340,14 @@ class Bucket:
 
         if self.protocol == "s3":
             s3.delete(self.fs, self.path(prefix), kept)
-            return
-        try:
-            if not tops and only is None:
-                self.fs.rm(self.path(prefix), recursive=True)
-                return
-            found = self.fs.find(self.path(prefix), withdirs=True, detail=True)
-        except FileNotFoundError:
-            return
-        once = Retrying(**self.retry.tenacity())  # each removal retried alone: a long prune gets through
-        for p, info in found.items():
-            if info["type"] != "directory" and not kept(p):
-                once(self._remove, p)
-        # folders left empty go too (where folders are real): a pruned prefix lists as absent, as on S3
-        for p in sorted((p for p, info in found.items() if info["type"] == "directory"), key=len, reverse=True):
-            once(self._remove, p, True)
-
-    def _remove(self, path: str, folder: bool = False) -> None:
-        """A file, or a folder if it is empty; gone already is removed (a retried removal)."""
-        try:
-            if not folder:
-                self.fs.rm_file(path)
-            elif self.fs.isdir(path) and not self.fs.ls(path):
-                self.fs.rmdir(path)
-        except FileNotFoundError:
-            pass
-
-    def _local_tmp(self, path: str, data: bytes) -> str:
-        """A whole copy beside ``path``, under a hidden name, to be renamed or linked into place."""
-        head, name = path.rsplit("/", 1)
-        self.fs.makedirs(head, exist_ok=True)
-        tmp = f"{head}/.{uuid.uuid4().hex[:8]}.{name}"
-        try:
-            self.fs.pipe_file(tmp, data)
-        except BaseException:
-            self._discard(tmp)
-            raise
-        return tmp
-
-    def _discard(self, tmp: str) -> None:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        else:
+            local.delete(self.fs, self.path(prefix), kept if tops or only is not None else None,
+                         Retrying(**self.retry.tenacity()))
 
     # arrays
+    @_routed
     def zarr_store(self, key: str):
         """A zarr store rooted at ``key``, retried and counted."""
-        if (other := self._for(key)) is not None:
-            return other.zarr_store(key)
         return _BucketStore(self._store(key), self)
 
     def _store(self, key: str):

@@ -69,26 +69,22 @@ def copy(fs, src: str, dst: str) -> None:
     sync(fs.loop, fs._copy_basic, src, dst)
 
 
-def objects(fs, path: str, per_folder: int | None = None) -> dict[str, tuple[int, str]]:
+def objects(fs, path: str, after: Callable[[str], str | None] | None = None) -> dict[str, tuple[int, str]]:
     """Every object whose path starts with ``path``, with size and ETag: one LIST a 1000
-    keys (s3fs's ``find`` adds a HEAD and a second LIST when there are none). ``per_folder``: of
-    each folder just below ``path`` (which ends in '/'), at most that many keys and one more,
-    which tells the caller it has more: the listing goes on after that folder (``StartAfter``),
-    so one folder full of objects costs no more than its share."""
+    keys (s3fs's ``find`` adds a HEAD and a second LIST when there are none). ``after``: given
+    each key listed, less ``path`` (which ends in '/'), None, or a key (less ``path``) to go on
+    after (``StartAfter``): a listing skips what its reader does not need."""
     bucket, name, _ = fs.split_path(path)
-    found, token, start, counts = {}, None, None, {}
+    found, token, start = {}, None, None
     while True:
         more = {"ContinuationToken": token} if token else {"StartAfter": start} if start else {}
         resp = sync(fs.loop, fs._call_s3, "list_objects_v2", Bucket=bucket, Prefix=name, **more)
         start = None
         for o in resp.get("Contents", []):
             found[f"{bucket}/{o['Key']}"] = (int(o["Size"]), str(o["ETag"]))
-            if per_folder is not None:
-                folder = o["Key"][len(name):].split("/", 1)[0]
-                counts[folder] = counts.get(folder, 0) + 1
-                if counts[folder] > per_folder:  # every key of the folder sorts before FOLDER0 ('/' < '0')
-                    start = f"{name}{folder}0"
-                    break
+            if after is not None and (skip := after(o["Key"][len(name):])) is not None:
+                start = name + skip
+                break
         token = resp.get("NextContinuationToken")
         if start is not None:
             token = None

@@ -14,8 +14,15 @@
 3. Cost. Recompute seconds per sample against the workers' compute seconds per sample
    (``Worker.compute_s``, forward and backward only), and the share of a round's compute the
    validator spends at the default fraction.
+4. The local-steps mode (``algorithm: diloco``, ``inner_state: shard``). Per codec and
+   precision, one real collaboration per attack: three honest volunteers and mallory, who
+   cheats in every shard (``cheat``), delayed updates (stale shards, the workers' error
+   feedback). Every shard each volunteer wrote, accepted by the scheduler's screens or not, is
+   replayed by ``Recomputer`` with another micro-batch than the worker's and judged against
+   ``recompute.tolerance``: the worst honest errors, the share of mallory's shards caught, and
+   replay seconds per sample against the volunteers' (inner steps included).
 
-``python -m benchmarks.verify [--rounds 4] [--trials 20]`` prints a JSON object.
+``python -m benchmarks.verify [--rounds 4] [--trials 20] [--diloco-rounds 6]`` prints a JSON object.
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ import numpy as np
 from dedloc_pipeline.protocol import recompute, verify
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import init_run
-from dedloc_pipeline.protocol.shard import DataRef, Entry
+from dedloc_pipeline.protocol.shard import DataRef, Entry, Manifest
+from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import volunteer_of
-from dedloc_pipeline.testing import TINY, collaborate, small_config
+from dedloc_pipeline.testing import TINY, LockStep, collaborate, small_config
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 
@@ -141,10 +149,122 @@ def draw_probability(n_shards: int, fraction: float = verify.FRACTION, samples: 
     return hits / samples
 
 
+DILOCO_CASES = (("none", "fp32"), ("int8", "fp32"), ("int8", "bf16"), ("sparse", "fp32"))
+ATTACKS = ("honest", "reversed", "scaled", "noise", "copied", "poisoned")
+POISON_OFFSET = 50_000  # poisoned: trains on its stream's samples this far past those it claims
+
+
+def cheat(w: Worker, attack: str, victim: Worker) -> None:
+    """Volunteer ``w`` cheats in every shard as ``attack`` says: its pseudo-gradient reversed,
+    scaled x8, replaced by gaussian noise of its norm or by ``victim``'s latest one (copied);
+    or its inner steps trained on other samples of its stream than it claims (poisoned)."""
+    honest = w.local.update
+    if attack == "poisoned":
+        train = w.train
+        w.train = lambda cursor, n: train(cursor + POISON_OFFSET, n)
+    elif attack == "copied":
+        theirs, latest = victim.local.update, {}
+
+        def victims(state: int) -> np.ndarray:
+            latest["p"] = theirs(state)
+            return latest["p"].copy()  # its own upload's error feedback works on its copy
+
+        def copied(state: int) -> np.ndarray:
+            own = honest(state)  # its own inner steps, thrown away
+            return latest["p"].copy() if latest else own
+        victim.local.update, w.local.update = victims, copied
+    elif attack != "honest":
+        rng = np.random.default_rng(0)
+        w.local.update = {
+            "reversed": lambda state: -honest(state),
+            "scaled": lambda state: 8 * honest(state),
+            "noise": lambda state: _noise(honest(state), rng),
+        }[attack]
+
+
+def _noise(p: np.ndarray, rng) -> np.ndarray:
+    return (rng.normal(0, 1, p.size) * (np.linalg.norm(p) / np.sqrt(p.size))).astype(np.float32)
+
+
+def diloco_run(codec_name: str, precision: str, attack: str, rounds: int, size: dict = TINY, bucket=None,
+               **config) -> tuple[object, dict[str, Worker], list[Entry]]:
+    """A lock-step local-steps collaboration of the ``size`` model (the tests': ``{}``, micro) in
+    which ``mallory`` cheats as ``attack`` says, to state ``rounds``: its run, its workers and
+    every shard they wrote, as the validator judges one. A target of 40 samples makes steps
+    shorter than ``inner_batch`` and steps across the stale boundary."""
+    cfg = small_config("bench", **{**size, "codec": codec_name, "delayed_updates": True, "keep_states": 100,
+                                   "algorithm": "diloco", "inner_batch": 8, "target_batch_size": 40,
+                                   "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2}, **config})
+    run = init_run(bucket or Bucket(tempfile.mkdtemp(prefix="verify-bench-")), cfg)
+    peers = PEERS + [("mallory", 4)]
+    manifests: dict[str, bytes] = {}
+    with LockStep(run) as c:
+        for name, mb in peers:
+            c.workers[name] = Worker(run, name, micro_batch=mb, threads=1, poll_s=0, precision=precision)
+        cheat(c.workers["mallory"], attack, c.workers[peers[0][0]])
+        while run.latest() < rounds:
+            c.tick()  # read as they land: a commit prunes the volunteers' manifests of closed rounds
+            manifests.update({k: run.bucket.read_bytes(run.keys.manifest(k))
+                              for w in c.workers.values() for _, k, _ in w.uploads if k not in manifests})
+    return run, c.workers, [entry_of(k, raw) for k, raw in manifests.items()]
+
+
+def entry_of(key: str, raw: bytes) -> Entry:
+    """A shard's manifest as the validator reads its CLOSE entry (its frozen copy, checksums and
+    claims), whether the scheduler accepted it or not."""
+    m = Manifest.model_validate_json(raw)
+    return Entry(key=key, norm=0.0, manifest_sha="", **m.model_dump(
+        include={"peer", "part", "round", "samples", "loss", "stale_samples", "inner_steps", "precision",
+                 "checksums", "data"}))
+
+
+def diloco(rounds: int) -> dict:
+    """Per case (codec/precision): the worst honest shards, and per attack the share of
+    mallory's shards caught and their median comparison; the replay's cost."""
+    out = {}
+    for codec_name, precision in DILOCO_CASES:
+        honest, attacks, replay_s, replay_n, worker_s, worker_n = [], {}, 0.0, 0, 0.0, 0
+        for attack in ATTACKS:
+            run, workers, entries = diloco_run(codec_name, precision, attack, rounds)
+            rec = recompute.Recomputer(run, "cpu", micro_batch=7)
+            tol = recompute.tolerance(run.config, precision)
+            mine = []
+            for e in entries:
+                try:
+                    sent = recompute.read_shard(run, e)
+                except recompute.Unverifiable:  # never judged (late, or refused before its copy was made)
+                    continue
+                t0 = time.perf_counter()
+                replayed = rec.gradient(e)
+                replay_s, replay_n = replay_s + time.perf_counter() - t0, replay_n + e.samples
+                c = tol.compare(sent, replayed)
+                (mine if e.peer == "mallory" and attack != "honest" else honest).append(c)
+            worker_s += sum(w.compute_s for w in workers.values())
+            worker_n += sum(w.computed_samples for w in workers.values())
+            if attack != "honest":
+                attacks[attack] = {"shards": len(mine), "detected": float(np.mean([not c.matches(tol) for c in mine])),
+                                   "median_cosine": float(np.median([c.cosine for c in mine])),
+                                   "max_cosine": float(max(c.cosine for c in mine)),
+                                   "median_norm_ratio": float(np.median([c.norm_ratio for c in mine]))}
+        out[f"{codec_name}/{precision}"] = {
+            "tolerance": {"1_minus_cosine": 1 - tol.min_cosine, "norm_error": tol.max_norm_error,
+                          "kept_only": tol.kept_only},
+            "honest": {"shards": len(honest), "worst_1_minus_cosine": max(1 - c.cosine for c in honest),
+                       "worst_norm_error": max(abs(c.norm_ratio - 1) for c in honest),
+                       "min_cosine": min(c.cosine for c in honest),
+                       "norm_ratios": [min(c.norm_ratio for c in honest), max(c.norm_ratio for c in honest)],
+                       "false_flags": sum(not c.matches(tol) for c in honest)},
+            "attacks": attacks,
+            "cost": {"replay_s_per_sample": replay_s / replay_n, "worker_s_per_sample": worker_s / worker_n,
+                     "replay_over_worker": (replay_s / replay_n) / (worker_s / worker_n)}}
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--diloco-rounds", type=int, default=6)
     a = p.parse_args()
     t0 = time.time()
     tol, run, cost = tolerances(a.rounds)
@@ -158,7 +278,7 @@ def main() -> None:
     print(json.dumps({"tolerances": tol, "detection": det, "p_drawn": {str(k): v for k, v in draw.items()},
                       "rounds_until_flagged": rounds_to_flag,
                       "cost": dict(cost, recompute_over_worker=ratio, validator_share_of_round=share),
-                      "seconds": time.time() - t0}, indent=1))
+                      "diloco": diloco(a.diloco_rounds), "seconds": time.time() - t0}, indent=1))
 
 
 if __name__ == "__main__":

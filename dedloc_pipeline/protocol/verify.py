@@ -10,8 +10,9 @@ the right to write its records) follows the committed rounds and, for each:
   (``chosen``). A volunteer cannot know whether its shard will be checked, so a cheater is
   caught, in expectation, after ``1 / (fraction * detection)`` of its shards;
 - recomputes each chosen shard's mean gradient on the samples it names (its first
-  ``stale_samples`` on state r-1, the rest on state r, as the worker computed them) and compares
-  cosine and norm ratio with the decoded shard (``recompute.py``: ``Recomputer``, ``compare``);
+  ``stale_samples`` on state r-1, the rest on state r, as the worker computed them), or in the
+  local-steps mode replays its inner steps to its pseudo-gradient, and compares cosine and norm
+  ratio with the decoded shard (``recompute.py``: ``Recomputer``, ``tolerance``);
 - screens every pair of accepted shards of different volunteers for near-identical gradients
   (``similarities``: dot products chunk by chunk, memory bounded) and recomputes both of a
   suspicious pair: the copy is the one whose claimed data does not give its gradient. Time stamps
@@ -40,14 +41,13 @@ from ..trust import identity
 from .close import Close
 from .recompute import (
     COPY_COSINE,
-    TOLERANCES,
     Recomputer,
     Tolerance,
     Unverifiable,
-    compare,
     copy_suspects,
     read_shard,
     similarities,
+    tolerance,
 )
 from .run import Run
 from .shard import Entry, commit_hash
@@ -83,13 +83,13 @@ class Verifier:
                  tolerance: Tolerance | None = None, copy_cosine: float = COPY_COSINE):
         """``revoke``: also revoke a flagged volunteer's key at once, with the run's organizer
         key (without it, flags only: the scheduler rejects a flagged volunteer's later shards).
-        In a signed run the verdicts and flags are signed with that key. ``tolerance``: default
-        the run's codec's (TOLERANCES)."""
+        In a signed run the verdicts and flags are signed with that key. ``tolerance``: for every
+        shard; default each shard's own (``recompute.tolerance``: the run's codec's, and in the
+        local-steps mode the volunteer's precision's)."""
         if not 0 <= fraction <= 1:
             raise ValueError(f"fraction {fraction} is not in [0, 1]")
         self.run, self.fraction, self.at_least, self.poll_s = run, fraction, at_least, poll_s
-        # diloco shards (the sparse codec's only use) are not recomputed: no tolerance to apply
-        self.tolerance = tolerance or TOLERANCES.get(run.config.codec, Tolerance(0.0, 1.0))
+        self.tolerance = tolerance
         self.copy_cosine = copy_cosine
         self.revoke = revoke
         self.recompute = Recomputer(run, device, micro_batch)
@@ -126,7 +126,7 @@ class Verifier:
         screen = self._screen(accepted, verdicts, picks)
         record = {"round": r, "state_hash": state_hash, "fraction": self.fraction, "at_least": self.at_least,
                   "accepted": len(accepted), "codec": self.run.config.codec, "copy_cosine": self.copy_cosine,
-                  "tolerance": asdict(self.tolerance),
+                  "tolerance": asdict(self.tolerance or tolerance(self.run.config)),
                   "copy_screen": screen, "shards": [dict(verdicts[k], why=picks[k]) for k in sorted(verdicts)],
                   "seconds": time.perf_counter() - t0, "verified_at": self.run.clock.time()}
         for v in record["shards"]:
@@ -147,12 +147,15 @@ class Verifier:
                "norm_ratio": None, "flag": False}
         try:
             recomputed = self.recompute.gradient(entry)
-            c = compare(read_shard(self.run, entry), recomputed)
-            tol = self.tolerance
+            tol = self.tolerance or tolerance(self.run.config, entry.precision)
+            c = tol.compare(read_shard(self.run, entry), recomputed)
             ok = c.matches(tol)
+            what = "pseudo-gradient replayed" if self.run.config.algorithm == "diloco" else "gradient recomputed"
+            bound = "not checked" if tol.max_norm_error is None else f"1 +- {tol.max_norm_error}"
             out.update(cosine=c.cosine, norm_ratio=c.norm_ratio, verdict="ok" if ok else "mismatch", flag=not ok,
-                       reason="" if ok else f"the gradient recomputed on its data differs: cosine {c.cosine:.6f} "
-                       f"(at least {tol.min_cosine}), norm ratio {c.norm_ratio:.4f} (1 +- {tol.max_norm_error})")
+                       reason="" if ok else f"the {what} on its data differs: cosine {c.cosine:.6f} "
+                       f"(at least {tol.min_cosine}{', on its kept entries' if tol.kept_only else ''}), "
+                       f"norm ratio {c.norm_ratio:.4f} ({bound})")
         except Unverifiable as exc:
             out.update(verdict="mismatch" if exc.fault else "skipped" if exc.pruned else "unverified", flag=exc.fault,
                        reason=f"skipped: {exc}" if exc.pruned and not exc.fault else f"could not be verified: {exc}")

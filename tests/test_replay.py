@@ -1,0 +1,153 @@
+"""Verified work in the local-steps mode: the validator replays a diloco shard's inner steps.
+
+Real lock-step workers of the micro model (``benchmarks.verify.diloco_run``: three honest
+volunteers and mallory, delayed updates, a target of 40 so that shards carry stale samples,
+steps across the stale boundary and final steps shorter than ``inner_batch``) make the shards;
+``Recomputer.replay`` makes each again with a fresh AdamW, the claimed inner steps, the rebase
+onto state r and the lr of each step's state. Measured here (1 - cosine, |norm ratio - 1|): fp32
+and codec none 1e-12 / 1e-7, int8 1e-5 / 1e-4, bf16 volunteers replayed in bf16 on this CPU
+1.5e-4; docs/verification.md has the benchmark's figures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.verify import diloco_run
+from dedloc_pipeline.protocol import recompute, verify
+from dedloc_pipeline.protocol.close import Close
+from dedloc_pipeline.testing import collaborate
+
+MICRO = {}  # small_config's own model: micro
+
+
+def judged(run, entries):
+    """Each shard the scheduler froze (judged it), with its comparison against its replay."""
+    rec, out = recompute.Recomputer(run, "cpu", micro_batch=7), []  # another micro-batch than the workers'
+    for e in entries:
+        try:
+            sent = recompute.read_shard(run, e)
+        except recompute.Unverifiable:  # late: never judged
+            continue
+        out.append((e, recompute.tolerance(run.config, e.precision).compare(sent, rec.gradient(e))))
+    return out
+
+
+@pytest.mark.parametrize("codec_name,precision", [("none", "fp32"), ("int8", "fp32"), ("int8", "bf16")])
+def test_honest_diloco_shards_replay_to_what_was_sent(bucket, codec_name, precision):
+    """Every shard of four honest volunteers matches its replay, stale ones and those whose steps
+    cross the stale boundary or end short included. Controls: the same shard replayed as if it had
+    no stale samples, or as one inner step, is a mismatch."""
+    run, _, entries = diloco_run(codec_name, precision, "honest", rounds=3, size=MICRO, bucket=bucket)
+    got = judged(run, entries)
+    assert len(got) >= 10 and all(e.precision == precision for e, _ in got)
+    tol = recompute.tolerance(run.config, precision)
+    assert all(c.matches(tol) for _, c in got), [(e.key, c) for e, c in got if not c.matches(tol)]
+    worst = max(1 - c.cosine for _, c in got)
+    assert worst < {"none": 1e-9, "int8": 1e-4, "bf16": 1e-3}["bf16" if precision == "bf16" else codec_name]
+    crossing = [e for e, _ in got if e.stale_samples and any(
+        a < e.stale_samples < b for a, b in zip(np.cumsum([0] + e.inner_steps), np.cumsum(e.inner_steps)))]
+    short = [e for e, _ in got if e.inner_steps[-1] < run.config.inner_batch]
+    assert crossing and short, "no step across the stale boundary, or no short last step"
+    e = crossing[0]
+    rec, sent = recompute.Recomputer(run, "cpu"), recompute.read_shard(run, e)
+    for wrong in ({"stale_samples": 0}, {"inner_steps": [e.samples]}):
+        assert not tol.compare(sent, rec.gradient(e.model_copy(update=wrong))).matches(tol), wrong
+
+
+def test_a_shard_all_stale_takes_its_last_short_step_on_the_state_that_arrived(make_run):
+    """A worker computes 12 samples on state 0 for round 1 (a step after 8), state 1 arrives, and
+    the shard is sent at once: its last step, of 4, is taken at the upload, on state 1 (its lr
+    and its weight decay). The replay takes it there too. Control: taken before state 1 arrived,
+    the pseudo-gradient would be another one, which the replay does not give."""
+    from dedloc_pipeline.protocol.shard import DataRef, Entry
+    from dedloc_pipeline.protocol.worker import Worker
+
+    run = make_run(algorithm="diloco", inner_batch=8, keep_states=10,
+                   optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2})
+    collaborate(run, [("a", 4), ("b", 4)], rounds=1)
+    sent = {}
+    for when in ("at the upload", "before state 1"):
+        w = Worker(run, "z", micro_batch=4, threads=1, delayed=True, poll_s=0)
+        w.sync(0)
+        for _ in range(3):
+            w._compute(1)  # stale: for round 1, on state 0
+        if when == "before state 1":
+            w.local.inner_step(0)
+        w.sync(1)
+        sent[when] = w.local.update(1)
+        assert w.acc.steps == [8, 4] and w.acc.stale_samples == 12
+        ranges = [tuple(x) for x in w.acc.ranges]
+    entry = Entry.model_construct(round=1, samples=12, stale_samples=12, inner_steps=[8, 4], precision="fp32",
+                                  data=DataRef(stream="z", ranges=ranges))
+    replayed = recompute.Recomputer(run, "cpu").gradient(entry)
+    tol = recompute.tolerance(run.config)
+    assert recompute.compare(sent["at the upload"], replayed).matches(tol)
+    assert not recompute.compare(sent["before state 1"], replayed).matches(tol)
+
+
+@pytest.mark.parametrize("attack", ["reversed", "scaled", "noise", "copied", "poisoned", "honest"])
+def test_an_attacked_pseudo_gradient_does_not_match_its_replay(bucket, attack):
+    """mallory cheats in every shard (``benchmarks.verify.cheat``): reversed, scaled x8, gaussian
+    noise of its norm, alice's pseudo-gradient copied, or inner steps trained on samples 50,000
+    past those it claims. Every one of its shards is a mismatch, whether the scheduler's screens
+    took it or not; the others' match. Control: mallory honest."""
+    run, _, entries = diloco_run("int8", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    got = judged(run, entries)
+    tol = recompute.tolerance(run.config)
+    mallory = [c for e, c in got if e.peer == "mallory"]
+    assert mallory and all(c.matches(tol) for e, c in got if e.peer != "mallory")
+    assert all(c.matches(tol) != (attack != "honest") for c in mallory), mallory
+    if attack == "scaled":
+        assert all(c.norm_ratio == pytest.approx(8, rel=0.01) and c.cosine > 0.999 for c in mallory)
+
+
+@pytest.mark.parametrize("attack", ["poisoned", "honest"])
+def test_the_validator_flags_a_volunteer_whose_inner_steps_trained_on_other_samples(bucket, attack):
+    """Poisoned work looks honest to every screen before CLOSE (its pseudo-gradient is a real
+    one, of other samples of mallory's stream), so its shards are accepted; the validator
+    replays every accepted shard and flags mallory, and only mallory. Control: mallory honest,
+    nobody flagged."""
+    run, _, _ = diloco_run("int8", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    assert any(e.peer == "mallory" for r in range(2) for e in Close.read(run, r).accepted)
+    assert verify.Verifier(run, fraction=1.0, device="cpu").serve(until_round=1) == 2
+    shards = [s for r in range(2) for s in run.bucket.read_json(run.keys.verdicts(r))["shards"]]
+    assert all(s["verdict"] == "ok" for s in shards if s["peer"] != "mallory")
+    assert any(s["stale_samples"] for s in shards)
+    mine = [s for s in shards if s["peer"] == "mallory"]
+    if attack == "honest":
+        assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
+        return
+    assert all(s["verdict"] == "mismatch" and s["flag"] for s in mine), mine
+    assert "pseudo-gradient replayed on its data differs" in mine[0]["reason"]
+    assert list(verify.flagged(run)) == ["mallory"]
+
+
+@pytest.mark.parametrize("attack", ["reversed", "noise", "honest"])
+def test_sparse_shards_are_compared_on_the_entries_they_kept(bucket, attack):
+    """A sparse shard keeps 1/64 of its pseudo-gradient plus the volunteer's error feedback
+    (never uploaded), so only its kept entries are compared, by direction: reversed and noise
+    are mismatches, honest shards match. Control: compared whole, an honest sparse shard would
+    not match (cosine about 0.16)."""
+    run, _, entries = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    got = judged(run, entries)
+    tol = recompute.tolerance(run.config)
+    assert tol.kept_only and tol.max_norm_error is None
+    assert all(c.matches(tol) == (e.peer != "mallory" or attack == "honest") for e, c in got), got
+    e, _ = next((e, c) for e, c in got if e.peer != "mallory")
+    whole = recompute.compare(recompute.read_shard(run, e), recompute.Recomputer(run, "cpu").gradient(e))
+    assert whole.cosine < tol.min_cosine
+
+
+@pytest.mark.parametrize("inner_state", ["kept", "shard"])
+def test_shards_of_a_kept_inner_optimizer_are_unverified(make_run, inner_state):
+    """inner_state kept: a shard depends on the volunteer's inner optimizer state, which never
+    leaves it, so it is unverified, held against nobody. Control: inner_state shard, verified."""
+    run = make_run(algorithm="diloco", inner_batch=8, inner_state=inner_state, keep_states=10)
+    collaborate(run, [("a", 4), ("b", 3)], rounds=1)
+    shards = verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0)["shards"]
+    want = "unverified" if inner_state == "kept" else "ok"
+    assert shards and all(s["verdict"] == want and not s["flag"] for s in shards), shards
+    assert ("inner_state kept" in shards[0]["reason"]) == (inner_state == "kept")
+    assert verify.flagged(run) == {}

@@ -223,7 +223,7 @@ def diloco(rounds: int) -> dict:
     mallory's shards caught and their median comparison; the replay's cost."""
     out = {}
     for codec_name, precision in DILOCO_CASES:
-        honest, attacks, replay_s, replay_n, worker_s, worker_n = [], {}, 0.0, 0, 0.0, 0
+        honest, attacks, replay_s, replay_n, worker_s, worker_n, shards = [], {}, 0.0, 0, 0.0, 0, 0
         for attack in ATTACKS:
             run, workers, entries = diloco_run(codec_name, precision, attack, rounds)
             rec = recompute.Recomputer(run, "cpu", micro_batch=7)
@@ -236,7 +236,7 @@ def diloco(rounds: int) -> dict:
                     continue
                 t0 = time.perf_counter()
                 replayed = rec.gradient(e)
-                replay_s, replay_n = replay_s + time.perf_counter() - t0, replay_n + e.samples
+                replay_s, replay_n, shards = replay_s + time.perf_counter() - t0, replay_n + e.samples, shards + 1
                 c = tol.compare(sent, replayed)
                 (mine if e.peer == "mallory" and attack != "honest" else honest).append(c)
             worker_s += sum(w.compute_s for w in workers.values())
@@ -255,7 +255,9 @@ def diloco(rounds: int) -> dict:
                        "norm_ratios": [min(c.norm_ratio for c in honest), max(c.norm_ratio for c in honest)],
                        "false_flags": sum(not c.matches(tol) for c in honest)},
             "attacks": attacks,
-            "cost": {"replay_s_per_sample": replay_s / replay_n, "worker_s_per_sample": worker_s / worker_n,
+            "cost": {"replay_s_per_shard": replay_s / shards, "samples_per_shard": replay_n / shards,
+                     "volunteer_s_per_shard": worker_s / worker_n * replay_n / shards,
+                     "replay_s_per_sample": replay_s / replay_n, "worker_s_per_sample": worker_s / worker_n,
                      "replay_over_worker": (replay_s / replay_n) / (worker_s / worker_n)}}
     return out
 

@@ -4,9 +4,10 @@ Real lock-step workers of the micro model (``benchmarks.verify.diloco_run``: thr
 volunteers and mallory, delayed updates, a target of 40 so that shards carry stale samples,
 steps across the stale boundary and final steps shorter than ``inner_batch``) make the shards;
 ``Recomputer.replay`` makes each again with a fresh AdamW, the claimed inner steps, the rebase
-onto state r and the lr of each step's state. Measured here (1 - cosine, |norm ratio - 1|): fp32
-and codec none 1e-12 / 1e-7, int8 1e-5 / 1e-4, bf16 volunteers replayed in bf16 on this CPU
-1.5e-4; docs/verification.md has the benchmark's figures.
+onto state r and the lr of each step's state. Worst of the 11 honest shards below (1 - cosine,
+|norm ratio - 1|), replayed in micro-batches of 7: codec none 5e-12 / 8e-8, int8 8e-6 / 1.1e-4,
+int8 from bf16 volunteers replayed in bf16 on this CPU 1.9e-4 / 2.9e-4; docs/verification.md
+has the benchmark's figures (the tiny model).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def test_honest_diloco_shards_replay_to_what_was_sent(bucket, codec_name, precis
     tol = recompute.tolerance(run.config, precision)
     assert all(c.matches(tol) for _, c in got), [(e.key, c) for e, c in got if not c.matches(tol)]
     worst = max(1 - c.cosine for _, c in got)
-    assert worst < {"none": 1e-9, "int8": 1e-4, "bf16": 1e-3}["bf16" if precision == "bf16" else codec_name]
+    assert worst < {"none": 1e-9, "int8": 1e-4, "bf16": 5e-3}["bf16" if precision == "bf16" else codec_name]
     crossing = [e for e, _ in got if e.stale_samples and any(
         a < e.stale_samples < b for a, b in zip(np.cumsum([0] + e.inner_steps), np.cumsum(e.inner_steps)))]
     short = [e for e, _ in got if e.inner_steps[-1] < run.config.inner_batch]

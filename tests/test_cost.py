@@ -171,12 +171,13 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     counted("poll", lambda: sched.wait_close(0, deadline=time.monotonic() - 1))
     counted("view", lambda: view.read(bucket, keys))
     rng, opened = np.random.default_rng(0), shard.commit_hash(run.commit_of(0))
+    inner = [4] if config.algorithm == "diloco" else None  # one inner step of its 4 samples
     for i, p in enumerate(peers):
         arrays = codec.encode(rng.standard_normal(run.grad_format.n).astype(np.float32), config.codec,
                               config.block_size)
         counted(f"upload {p}", lambda: shard.upload(run, 0, p, f"part{i}", arrays, 4, 1.0,
                                                     shard.DataRef(stream=p, ranges=[(0, 4)]),
-                                                    state_hash=opened))  # as a worker has it
+                                                    state_hash=opened, inner_steps=inner))  # as a worker has it
     assert counted("closing", lambda: sched.try_close(0)) is not None
     with ThreadPoolExecutor(2) as pool:
         counted("finish", lambda: sched.finish(0, pool))

@@ -148,12 +148,13 @@ def test_a_shard_rewritten_after_validation_changes_nothing(make_run, when):
 
 @pytest.mark.parametrize("attack", ["reversed_x8", "reversed"])
 def test_in_the_local_steps_mode_a_shard_pointing_away_from_the_median_volunteer_is_rejected(make_run, attack):
-    """A diloco shard is never recomputed, and at 8x the median norm a reversed one passes the
-    norm screen (10x). Sketched as it is validated, it is compared with the median volunteer and
+    """A diloco shard is not recomputed before CLOSE, and at 8x the median norm a reversed one
+    passes the norm screen (10x). Sketched as it is validated, it is compared with the median volunteer and
     rejected; the three honest volunteers, whose pseudo-gradients share a direction through their
     noise, are not. Control: counted, the mean would point the attacker's way (and with the
     default algorithm, shards carry no sketch: the validator recomputes them instead)."""
-    run = make_run(algorithm="diloco", codec="int8", target_batch_size=24, max_grad_norm=1e12)
+    run = make_run(algorithm="diloco", codec="int8", target_batch_size=24, max_grad_norm=1e12,
+                   close={"probe_samples": None})  # shards of noise: the direction screen alone
     base = _noise(run, 0)
     honest = [base + _noise(run, 1 + i, 2e-3) for i in range(3)]  # cosine about 0.45 with base
     for p, g in zip("abc", honest):
@@ -177,25 +178,33 @@ def test_in_the_local_steps_mode_a_shard_pointing_away_from_the_median_volunteer
     assert Scheduler(plain, 1, 0).judge.verdicts(0)[0][0]._sketch is None
 
 
-def test_real_local_steps_volunteers_agree_and_a_reversed_one_is_rejected_every_round(make_run):
+SCREENS = {"direction": ({"probe_samples": None}, "points away"),
+           "loss": ({"min_agreement": None}, "does not descend the loss of the samples it claims")}
+
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_real_local_steps_volunteers_agree_and_a_reversed_one_is_rejected_every_round(make_run, screen):
     """Four volunteers of the ``micro`` model taking real inner AdamW steps (in one process, lock
     step): the honest three are never rejected, and mallory, sending its pseudo-gradient reversed
-    at 8x (inside the norm screen), is rejected in every round it sends. Control: with the screen
-    off, the same collaboration counts mallory's shards."""
+    at 8x (inside the norm screen), is rejected in every round it sends, by each screen alone: the
+    direction screen (her sketch against the median volunteer's) and the loss screen (her shard
+    points up the loss of the samples she claims, at state r). Control: with both
+    screens off, the same collaboration counts mallory's shards."""
     peers = [("a", 4), ("b", 3), ("c", 5), ("mallory", 4)]
-    for screen in (0.0, None):
-        run = make_run(run=f"screen-{screen}", algorithm="diloco", codec="int8", inner_batch=8, target_batch_size=96,
-                       optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2}, max_grad_norm=1e12,
-                       close={"min_agreement": screen})
+    only, reason = SCREENS[screen]
+    for rule in (only, {"probe_samples": None, "min_agreement": None}):
+        run = make_run(run=f"screen-{len(rule)}", algorithm="diloco", codec="int8", inner_batch=8,
+                       target_batch_size=96, optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+                       max_grad_norm=1e12, close=rule)
         collaborate(run, peers, 3, tamper={"mallory": lambda g: -8 * g})
         closes = [run.bucket.read_json(run.keys.close(r)) for r in range(3)]
         counted = {s["peer"] for c in closes for s in c["accepted"]}
-        if screen is None:
+        if rule is not only:
             assert "mallory" in counted  # the control
             continue
         assert counted == {"a", "b", "c"}
         for close in closes:
-            turned = [x for x in close["rejected"] if "points away" in x["reason"]]
+            turned = [x for x in close["rejected"] if reason in x["reason"]]
             assert turned and all("/mallory/" in x["key"] for x in close["rejected"]), close["rejected"]
 
 
@@ -206,7 +215,7 @@ def test_a_late_local_steps_shard_is_sketched_again_on_the_round_it_is_folded_in
     orthogonal to round 1's median, so the screen could not have judged it."""
     monkeypatch.setattr(direction, "sampled", lambda n, r: [2 * (r % 2), 2 * (r % 2) + 1])
     run = make_run(algorithm="diloco", codec="int8", target_batch_size=24, max_grad_norm=1e12,
-                   chunk_size=65536, close={"late_shards": "fold"})
+                   chunk_size=65536, close={"late_shards": "fold", "probe_samples": None})  # shards of noise
     assert run.grad_format.n_chunks >= 4
     base = _noise(run, 0)
     for i, p in enumerate("abc"):

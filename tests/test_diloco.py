@@ -36,7 +36,8 @@ def test_one_inner_sgd_step_is_the_default_algorithm_with_sgd(make_run, delayed)
     rounds = 3
     sgd = {"name": "sgd", "lr": 0.5, "warmup_steps": 2}
     run = make_run(run="diloco", codec="none", optimizer=sgd, delayed_updates=delayed, algorithm="diloco",
-                   inner_batch=10_000, outer={"lr": 1.0, "momentum": 0.0})  # one inner step: at the upload
+                   inner_batch=10_000, outer={"lr": 1.0, "momentum": 0.0},  # one inner step: at the upload
+                   close={"probe_samples": None})  # SGD at lr 0.5 overshoots alone: this is about the sums
     assert run.n_parts >= 2
     collaborate(run, PEERS, rounds)
     thetas = reference(run, rounds)  # the same samples, one SGD step per round in one process

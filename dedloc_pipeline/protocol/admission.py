@@ -83,7 +83,7 @@ def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], li
 def agree(accepted: list[Entry], min_agreement: float | None) -> tuple[list[Entry], list[Rejection]]:
     """The direction screen (``direction.py``): the shards of a volunteer whose sketch (its
     shards', by samples) points away from the median volunteer's, cosine below ``min_agreement``,
-    rejected. Only shards with a sketch (the local-steps mode's, never recomputed) are judged;
+    rejected. Only shards with a sketch (the local-steps mode's, not recomputed before CLOSE) are judged;
     off (None) or with fewer than three volunteers, nothing is."""
     if min_agreement is None:
         return accepted, []

@@ -71,9 +71,15 @@ class CloseRule(BaseModel):
     max_share: float = Field(0.1, gt=0, le=1, description="one volunteer's samples count for at most "
                              "twice its fair share of the target (2/V of it, V the active volunteers), and never "
                              "less than this share, in the close rule and the mean's weights")
-    min_agreement: float | None = Field(0.0, ge=-1, lt=1, description="local-steps mode (never recomputed): "
+    min_agreement: float | None = Field(0.0, ge=-1, lt=1, description="local-steps mode: "
                                         "reject the shards of a volunteer whose sketched direction has a cosine "
                                         "below this with the median volunteer's (3 or more); None: off")
+    probe_samples: int | None = Field(16, gt=0, description="local-steps mode: of each shard's claimed samples, "
+                                      "how many (drawn in secret) the scheduler takes the loss gradient of at state "
+                                      "r, for the loss screen, before CLOSE; None: off")
+    min_descent: float = Field(4.0, description="local-steps mode: reject a shard whose cosine with the descent "
+                               "direction of those samples' loss is below this many times a random direction's "
+                               "spread (1/sqrt of its entries): an honest one is tens of them above 0")
 
 
 class Cadence(BaseModel):

@@ -15,12 +15,13 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..storage import vector
+from ..storage import codec, vector
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import admission, direction, verify
 from .close import Close, Rejection
+from .probe import LossProbe
 from .run import Run, RunError
 from .shard import DataRef, Entry, Rejected, commit_hash, manifest_limit, validate
 
@@ -48,6 +49,8 @@ class Judge:
         self._flags: dict[str, dict] = {}  # volunteer -> the validator's flag (verify.flagged)
         self._closes: dict[int, Close] = {}  # previous rounds' CLOSEs, which never change
         self._resketched: dict[tuple[str, int], object] = {}  # late diloco shards' sketches on round r's chunks
+        probe = run.config.close.probe_samples
+        self.probe = LossProbe(run, probe) if run.config.algorithm == "diloco" and probe else None
 
     def roster(self) -> identity.Roster | None:
         """The newest valid roster (runs with an organizer key). A forged one, or an older
@@ -182,13 +185,20 @@ class Judge:
 
     def _inspector(self, r: int):
         """The local-steps mode's screens of a shard's values as validation reads them (never
-        recomputed before CLOSE): its sketch, for the direction screen."""
+        recomputed before CLOSE): its sketch, for the direction screen, and whether it
+        descends the loss of its own samples (``probe.py``)."""
         if self.run.config.algorithm != "diloco":
             return None
-        fmt = self.run.grad_format
+        fmt, least = self.run.grad_format, self.run.config.close.min_descent
 
         def inspect(entry: Entry, arrays) -> None:
             entry._sketch = direction.sketch(fmt, arrays, direction.sampled(fmt.n_chunks, r))
+            if self.probe is not None:
+                z = self.probe.descent(entry, codec.decode(arrays, fmt.codec, fmt.block, fmt.n))
+                if not z >= least:
+                    raise Rejected(f"does not descend the loss of the samples it claims: its cosine with their "
+                                   f"gradient is {z:.3g} times a random direction's spread, below "
+                                   f"close.min_descent={least:g}")
         return inspect
 
     @staticmethod

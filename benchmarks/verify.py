@@ -20,7 +20,10 @@
    feedback). Every shard each volunteer wrote, accepted by the scheduler's screens or not, is
    replayed by ``Recomputer`` with another micro-batch than the worker's and judged against
    ``recompute.tolerance``: the worst honest errors, the share of mallory's shards caught, and
-   replay seconds per sample against the volunteers' (inner steps included).
+   replay seconds per sample against the volunteers' (inner steps included). And scored by the
+   loss screen before CLOSE (``probe.LossProbe``, ``close.probe_samples`` of its samples): the
+   honest shards' lowest score, each attack's share under ``close.min_descent`` and its median
+   score, and the screen's seconds per shard.
 
 ``python -m benchmarks.verify [--rounds 4] [--trials 20] [--diloco-rounds 6]`` prints a JSON object.
 """
@@ -37,6 +40,7 @@ import numpy as np
 
 from dedloc_pipeline.protocol import recompute, verify
 from dedloc_pipeline.protocol.close import Close
+from dedloc_pipeline.protocol.probe import LossProbe
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.shard import DataRef, Entry, Manifest
 from dedloc_pipeline.protocol.worker import Worker
@@ -218,17 +222,19 @@ def entry_of(key: str, raw: bytes) -> Entry:
                  "checksums", "data"}))
 
 
-def diloco(rounds: int) -> dict:
+def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
     """Per case (codec/precision): the worst honest shards, and per attack the share of
     mallory's shards caught and their median comparison; the replay's cost."""
     out = {}
-    for codec_name, precision in DILOCO_CASES:
+    for codec_name, precision in cases:
         honest, attacks, replay_s, replay_n, worker_s, worker_n, shards = [], {}, 0.0, 0, 0.0, 0, 0
+        honest_z, probe_s, probe_n = [], 0.0, 0
         for attack in ATTACKS:
             run, workers, entries = diloco_run(codec_name, precision, attack, rounds)
             rec = recompute.Recomputer(run, "cpu", micro_batch=7)
             tol = recompute.tolerance(run.config, precision)
-            mine = []
+            probe, least = LossProbe(run, run.config.close.probe_samples), run.config.close.min_descent
+            mine, scores = [], []
             for e in entries:
                 try:
                     sent = recompute.read_shard(run, e)
@@ -238,14 +244,24 @@ def diloco(rounds: int) -> dict:
                 replayed = rec.gradient(e)
                 replay_s, replay_n, shards = replay_s + time.perf_counter() - t0, replay_n + e.samples, shards + 1
                 c = tol.compare(sent, replayed)
-                (mine if e.peer == "mallory" and attack != "honest" else honest).append(c)
+                t0 = time.perf_counter()
+                z = probe.descent(e, sent)
+                probe_s, probe_n = probe_s + time.perf_counter() - t0, probe_n + 1
+                if e.peer == "mallory" and attack != "honest":
+                    mine.append(c)
+                    scores.append(z)
+                else:
+                    honest.append(c)
+                    honest_z.append(z)
             worker_s += sum(w.compute_s for w in workers.values())
             worker_n += sum(w.computed_samples for w in workers.values())
             if attack != "honest":
                 attacks[attack] = {"shards": len(mine), "detected": float(np.mean([not c.matches(tol) for c in mine])),
                                    "median_cosine": float(np.median([c.cosine for c in mine])),
                                    "max_cosine": float(max(c.cosine for c in mine)),
-                                   "median_norm_ratio": float(np.median([c.norm_ratio for c in mine]))}
+                                   "median_norm_ratio": float(np.median([c.norm_ratio for c in mine])),
+                                   "loss_screen_refused": float(np.mean([z < least for z in scores])),
+                                   "loss_screen_median": float(np.median(scores))}
         out[f"{codec_name}/{precision}"] = {
             "tolerance": {"1_minus_cosine": 1 - tol.min_cosine, "norm_error": tol.max_norm_error,
                           "kept_only": tol.kept_only},
@@ -253,12 +269,14 @@ def diloco(rounds: int) -> dict:
                        "worst_norm_error": max(abs(c.norm_ratio - 1) for c in honest),
                        "min_cosine": min(c.cosine for c in honest),
                        "norm_ratios": [min(c.norm_ratio for c in honest), max(c.norm_ratio for c in honest)],
-                       "false_flags": sum(not c.matches(tol) for c in honest)},
+                       "false_flags": sum(not c.matches(tol) for c in honest),
+                       "loss_screen_min": min(honest_z), "loss_screen_refused": sum(z < least for z in honest_z)},
             "attacks": attacks,
             "cost": {"replay_s_per_shard": replay_s / shards, "samples_per_shard": replay_n / shards,
                      "volunteer_s_per_shard": worker_s / worker_n * replay_n / shards,
                      "replay_s_per_sample": replay_s / replay_n, "worker_s_per_sample": worker_s / worker_n,
-                     "replay_over_worker": (replay_s / replay_n) / (worker_s / worker_n)}}
+                     "replay_over_worker": (replay_s / replay_n) / (worker_s / worker_n),
+                     "loss_screen_s_per_shard": probe_s / probe_n}}
     return out
 
 

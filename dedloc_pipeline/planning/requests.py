@@ -139,9 +139,14 @@ class Traffic:
         """What closing adds to its poll: each new shard frozen (a server-side copy of each of its
         objects, billed as a PUT) and validated there (every chunk read and checksummed; its
         objects' sizes came with the listing), the roster (signed runs) and the validator's
-        flags read again, and CLOSE created and read back."""
-        signed = int(self.config.organizer_key is not None)
-        return (Requests(list=1, get=shards * _reads(self.grad) + signed, put=shards * _objects(self.grad))
+        flags read again, and CLOSE created and read back. In the local-steps mode the loss
+        screen (``protocol/probe.py``) reads the round's state once, its COMMIT and snapshot (the
+        state before is still in memory from the previous round), plus the data blocks holding its drawn samples
+        (none for the embedded data; a data set's blocks are cached, 8 of them)."""
+        cfg = self.config
+        signed = int(cfg.organizer_key is not None)
+        probe = 1 + _reads(self.dense) if cfg.algorithm == "diloco" and cfg.close.probe_samples else 0
+        return (Requests(list=1, get=shards * _reads(self.grad) + signed + probe, put=shards * _objects(self.grad))
                 + Requests(put=1, get=1))
 
     def lease_renewal(self) -> Requests:

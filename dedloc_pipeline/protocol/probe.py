@@ -27,7 +27,7 @@ import threading
 
 import numpy as np
 
-from ..model.data import make_source
+from .recompute import Recomputer
 from .run import Run
 from .shard import Entry, Rejected
 
@@ -35,13 +35,13 @@ _SECRET = os.urandom(16)  # which claimed samples are scored is nobody else's to
 
 
 class LossProbe:
-    """The run's model in the scheduler's process and the states of the round being judged and
-    the one before (one shard at a time: validation runs in threads)."""
+    """The run's model in the scheduler's process (on its GPU if it has one) and the states of the
+    round being judged and the one before, as the validator holds them (``Recomputer``); one
+    shard at a time: validation runs in threads."""
 
     def __init__(self, run: Run, samples: int) -> None:
         self.run, self.samples = run, samples
-        self._model = self._flat = self._source = None
-        self._states: dict[int, np.ndarray] = {}  # the params of the states scored on
+        self._recomputer: Recomputer | None = None  # the validator's model and states, made at first use
         self._lock = threading.Lock()
 
     def drawn(self, entry: Entry) -> list[int]:
@@ -70,28 +70,9 @@ class LossProbe:
         drawn = self.drawn(entry)
         parts = [(r - 1, [claimed[j] for j in drawn if j < stale]), (r, [claimed[j] for j in drawn if j >= stale])]
         with self._lock:
-            grad = sum(self._gradient(s, entry.data.stream, idx)[carried] for s, idx in parts if idx)
+            if self._recomputer is None:
+                self._recomputer = Recomputer(self.run)
+            grad = self._recomputer.summed(entry.data.stream, parts)[carried].astype(np.float64)
         u = update[carried].astype(np.float64)
         norms = float(np.linalg.norm(grad) * np.linalg.norm(u))
         return float(grad @ u) / norms * math.sqrt(carried.size) if norms > 0 else 0.0
-
-    def _gradient(self, state: int, stream: str, indices: list[int]) -> np.ndarray:
-        from ..model.families import loss_sum
-        from ..model.flat import FlatLayout
-
-        if self._model is None:
-            self._model = self.run.build_model().eval()
-            self._flat, self._source = FlatLayout(self._model), make_source(self.run)
-        if state not in self._states:
-            self._states = {s: p for s, p in self._states.items() if s >= state - 1}  # a round's two states
-            self._states[state] = self.run.load_params(state)
-        self._flat.set(self._states[state])
-        self._model.zero_grad(set_to_none=False)
-        loss_sum(self._model, self._batch(stream, indices)).backward()
-        return self._flat.grad().astype(np.float64)
-
-    def _batch(self, stream: str, indices: list[int]) -> dict:
-        import torch
-
-        rows = [self._source.batch(stream, i, 1) for i in indices]
-        return {k: torch.cat([b[k] for b in rows]) for k in rows[0]}

@@ -153,8 +153,14 @@ class Recomputer:
         self.check_claim(entry)
         r, stream, stale = entry.round, entry.data.stream, entry.stale_samples
         indices = [i for start, count in entry.data.ranges for i in range(start, start + count)]
-        parts = [(r - 1, indices[:stale]), (r, indices[stale:])]
-        states = {s: self.params(s) for s, idx in parts if idx}  # both loaded before any compute
+        grad = self.summed(stream, [(r - 1, indices[:stale]), (r, indices[stale:])])
+        grad /= entry.samples
+        return grad
+
+    def summed(self, stream: str, parts: list[tuple[int, list[int]]]) -> np.ndarray:
+        """The loss gradient of samples of ``stream``, each part's ``(state, indices)`` on its
+        state, summed over all of them (as a worker sums micro-batches)."""
+        states = {s: self.params(s) for s, idx in parts if idx}  # all loaded before any compute
         self.model.zero_grad(set_to_none=False)
         for s, idx in parts:
             if not idx:
@@ -163,9 +169,7 @@ class Recomputer:
             for lo in range(0, len(idx), self.micro_batch):
                 for a, n in _runs(idx[lo:lo + self.micro_batch]):
                     self._backward(self.model, stream, a, n)
-        grad = self.flat.grad()
-        grad /= entry.samples
-        return grad
+        return self.flat.grad()
 
     def replay(self, entry: Entry) -> np.ndarray:
         """A diloco shard's pseudo-gradient, made again as its worker made it, with the worker's

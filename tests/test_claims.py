@@ -117,6 +117,30 @@ def test_the_round_loss_is_the_median_volunteers(make_run):
     assert sum(e.weight * e.loss for e in close.accepted) / close.samples > 3e29  # the control
 
 
+def test_a_refused_volunteers_heartbeat_stops_counting_in_that_round(make_run):
+    """Pending samples are a claim too: once a shard of mallory's round is refused, her heartbeat
+    no longer counts toward the round (nor her as present), so it cannot make the others upload
+    early for a round her shards will not fill. Control: before her shard lands it counts."""
+    import time
+
+    run = make_run(target_batch_size=48)
+    sched, now = Scheduler(run, 1, 0), time.time()
+
+    def beat(peer, samples):
+        run.bucket.write_json(run.keys.progress(0, peer), {"peer": peer, "round": 0, "samples": samples,
+                                                           "sending": 0, "samples_per_s": 0.0, "time": now})
+
+    beat("a", 4)
+    beat("mallory", 40)
+    assert sched.try_close(0, now=now) is None
+    assert view.read(run.bucket, run.keys).pending_samples == 44  # the control
+    _shard(run, 0, "mallory", _noise(run, 0), 8, loss=-1.0)
+    beat("mallory", 40)
+    assert sched.try_close(0, now=now) is None
+    v = view.read(run.bucket, run.keys)
+    assert v.pending_samples == 4 and v.rejected == 1, v
+
+
 @pytest.mark.parametrize("when", ["before_close", "after_close"])
 def test_a_shard_rewritten_after_validation_changes_nothing(make_run, when):
     """The scheduler copies each shard into a prefix only the organizer writes (``frozen/``)

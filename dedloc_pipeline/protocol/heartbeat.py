@@ -187,10 +187,12 @@ class Heartbeats:
 
     def pending(self, bucket: Bucket, keys: RunLayout, r: int, listed: dict[str, tuple[int, str | None]],
                 now: float, timeout: float, target: int, ahead_s: float = 0.0,
-                landed: dict[str, int] | None = None) -> Pending:
+                landed: dict[str, int] | None = None, refused: frozenset[str] = frozenset()) -> Pending:
         """Round r's live heartbeats at ``now``, from ``listed`` (the volunteers' listing);
         ``landed``: the samples of each peer's manifests in it (what their heartbeats'
-        projections lose as their shards land)."""
+        projections lose as their shards land). A peer in ``refused`` (a shard of its in round
+        r was rejected) counts for nothing: its pending work would be judged the same way, and
+        counted it would make the others upload early and then fill the round again."""
         beats = {k: listed[k] for k in keys.of_round(listed, r, "progress")}
         small = {k: tag for k, (n, tag) in beats.items() if n <= MAX_HEARTBEAT_BYTES}
         known = {k: v for k, v in self._raw.items() if k in small}  # other rounds', and deleted ones, go
@@ -201,6 +203,8 @@ class Heartbeats:
         samples, speed, peers, horizon, names = 0, 0.0, 0, 0.0, set()
         for k, (_, raw) in known.items():
             peer = keys.peer_of_progress(k)
+            if peer in refused:
+                continue
             got = counted(parse(raw), r, now, timeout, target, ahead_s, (landed or {}).get(peer, 0))
             if got is not None:
                 samples, speed, peers = samples + got.samples, speed + got.samples_per_s, peers + 1

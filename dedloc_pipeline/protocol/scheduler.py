@@ -112,8 +112,9 @@ class Scheduler:
         self.judge.forget_before(r - 1)
         self._started = {k: v for k, v in self._started.items() if k >= r - 1}
         accepted, rejected = self.judge.verdicts(r, listed)
+        refused = frozenset(keys.shard_parts(x.key)[1] for x in rejected)
         pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
-                                      cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected))
+                                      cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected), refused)
         accepted, extra = admission.bound_parts(accepted + self.judge.late(r, listed), rule.max_parts)
         accepted, screened = admission.screen(accepted, cfg.norm_screen)
         accepted, turned = admission.agree(accepted, rule.min_agreement)

@@ -77,9 +77,10 @@ class CloseRule(BaseModel):
     probe_samples: int | None = Field(16, gt=0, description="local-steps mode: of each shard's claimed samples, "
                                       "how many (drawn in secret) the scheduler takes the loss gradient of at state "
                                       "r, for the loss screen, before CLOSE; None: off")
-    min_descent: float = Field(4.0, description="local-steps mode: reject a shard whose cosine with the descent "
+    min_descent: float = Field(2.0, description="local-steps mode: reject a shard whose cosine with the descent "
                                "direction of those samples' loss is below this many times a random direction's "
-                               "spread (1/sqrt of its entries): an honest one is tens of them above 0")
+                               "spread (1/sqrt of its entries): noise scores about N(0, 1), honest shards 3 to "
+                               "hundreds, reversed ones as far below 0")
 
 
 class Cadence(BaseModel):

@@ -10,7 +10,8 @@ samples, drawn with a secret of this process (a volunteer cannot know which to t
 its cosine with the shard over the entries the shard carries (all, or a sparse shard's kept
 ones). A random direction's cosine spreads as 1/sqrt(entries), so the cosine is read in those
 units (``descent``), and a shard below ``close.min_descent`` is rejected: reversed shards score
-far below zero, noise within a few units of it, honest shards tens above (docs/verification.md).
+far below zero, noise within a few units of it, honest shards 3 to hundreds above
+(docs/diloco.md, docs/verification.md).
 The first-order change, on the shard's own samples, not the loss after the step or on held-out
 samples: applied alone, an honest shard may overshoot (in a ``tiny`` run every volunteer's shard
 of one round raised the held-out loss by 0.4 to 0.5), but it never points away from the samples

@@ -5,7 +5,7 @@ them; mallory runs the real worker with its pseudo-gradient reversed at 8x (insi
 screen's 10x), with the default aggregation (the mean) and screens. The loss screen
 (``protocol/probe.py``) refuses each of mallory's shards by itself, whatever the other shards of
 its round, so the run ends no more than 3% above the held-out loss of the same four processes
-with mallory honest. Measured here: honest 4.95 to 5.08, attacked 4.90 to 4.97 (start 7.56). The
+with mallory honest. Measured here: honest 4.90 to 5.08, attacked 4.87 to 4.97 (start 7.56). The
 attacked run tends lower: mallory's heartbeat counts until her shard is refused, so the others
 upload early and then fill the round with a second part, and its rounds hold more samples.
 Against a run without mallory's process the comparison would measure this machine's two cores:

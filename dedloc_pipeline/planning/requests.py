@@ -140,9 +140,10 @@ class Traffic:
         objects, billed as a PUT) and validated there (every chunk read and checksummed; its
         objects' sizes came with the listing), the roster (signed runs) and the validator's
         flags read again, and CLOSE created and read back. In the local-steps mode the loss
-        screen (``protocol/probe.py``) reads the round's state once, its COMMIT and snapshot (the
-        state before is still in memory from the previous round), plus the data blocks holding its drawn samples
-        (none for the embedded data; a data set's blocks are cached, 8 of them)."""
+        screen (``protocol/probe.py``) reads the round's state once, its COMMIT and snapshot
+        (the state before is still in memory from the previous round), plus the data blocks
+        holding its drawn samples (none for the embedded data; a data set's blocks are cached,
+        8 of them)."""
         cfg = self.config
         signed = int(cfg.organizer_key is not None)
         probe = 1 + _reads(self.dense) if cfg.algorithm == "diloco" and cfg.close.probe_samples else 0

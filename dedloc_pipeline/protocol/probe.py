@@ -67,7 +67,7 @@ class LossProbe:
         r, stale = entry.round, entry.stale_samples
         if stale and r == 0:
             raise Rejected("claims stale samples in round 0: there is no earlier state")
-        claimed = [i for start, count in entry.data.ranges for i in range(start, start + count)]
+        claimed = entry.data.indices()
         drawn = self.drawn(entry)
         parts = [(r - 1, [claimed[j] for j in drawn if j < stale]), (r, [claimed[j] for j in drawn if j >= stale])]
         with self._lock:

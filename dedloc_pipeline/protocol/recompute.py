@@ -152,7 +152,7 @@ class Recomputer:
             return self.replay(entry)
         self.check_claim(entry)
         r, stream, stale = entry.round, entry.data.stream, entry.stale_samples
-        indices = [i for start, count in entry.data.ranges for i in range(start, start + count)]
+        indices = entry.data.indices()
         grad = self.summed(stream, [(r - 1, indices[:stale]), (r, indices[stale:])])
         grad /= entry.samples
         return grad
@@ -192,7 +192,7 @@ class Recomputer:
         local = self._local(entry.precision)
         local.drop(states[min(states)])
         on = min(states)  # the state the worker was on
-        indices = [i for start, count in entry.data.ranges for i in range(start, start + count)]
+        indices = entry.data.indices()
 
         train = functools.partial(self._backward, local.model, stream)
 

@@ -49,6 +49,10 @@ class DataRef(BaseModel):
     def end(self) -> int:
         return max(a + c for a, c in self.ranges) if self.ranges else 0
 
+    def indices(self) -> list[int]:
+        """Every sample named, in the order claimed."""
+        return [i for start, count in self.ranges for i in range(start, start + count)]
+
 
 class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid")

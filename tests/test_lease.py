@@ -84,6 +84,24 @@ def test_a_standby_scheduler_waits_for_the_lease_and_then_serves(make_run):
     assert run.clock.monotonic() > LEASE_S
 
 
+@pytest.mark.parametrize("standby", [False, True])
+def test_a_scheduler_stopped_before_its_first_poll_releases_the_lease(make_run, monkeypatch, standby):
+    """SIGTERM (KeyboardInterrupt) can land between taking the lease and the first poll: the
+    lease is still released at once (found by the real-process case below, where the standby was
+    stopped just after taking over). Control: a held lease is seen as held."""
+    run = make_run()
+    sched = Scheduler(run, 1, 0)
+
+    def interrupted():
+        sched.lease.hold()
+        assert not lease_module.newest(run.bucket, run.keys)[1].released  # the control: held
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sched, "poll", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sched.serve(standby=standby)
+    assert lease_module.newest(run.bucket, run.keys)[1].released
+
+
 def test_the_same_holder_continues_its_lease_and_a_dead_process_here_frees_it_at_once(make_run):
     """Schedulers of one process (the Prefect flow makes one per task) share their lease; the
     lease of a process of this host that no longer exists is free without waiting."""

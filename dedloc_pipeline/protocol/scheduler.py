@@ -288,10 +288,10 @@ class Scheduler:
         round already closed is still committed), or forever; a round that does not fill
         within ``max_wait_s`` raises TimeoutError. ``standby``: wait for the lease while
         another scheduler holds it, instead of LeaseHeld."""
-        if standby:
-            self.lease.wait()
         snap = None
         try:
+            if standby:
+                self.lease.wait()
             with ThreadPoolExecutor(self.parallel) as pool:
                 while (reason := stop_reason(snap := self.poll(), until_round)) is None:
                     wait = None if max_wait_s is None else self.clock.monotonic() + max_wait_s
@@ -303,6 +303,8 @@ class Scheduler:
         except BaseException as exc:  # Ctrl-C, or a failure the loop cannot go on from
             if snap is not None:
                 self.end(snap.state, f"the scheduler exited ({type(exc).__name__}: {str(exc)[:120]})")
+            else:  # before its first poll: no round to speak of, but the lease goes at once
+                self._release()
             raise
         self.end(snap.state, reason)
         if reason == "STOP marker":
@@ -324,6 +326,9 @@ class Scheduler:
             listed, close = {}, None
         self._published = None  # an ending is always said
         self._publish(state, self.clock.time(), listed, close=close, ended=ENDED.get(reason, reason))
+        self._release()
+
+    def _release(self) -> None:
         try:
             self.lease.release()
         except Exception as exc:  # it expires on its own

@@ -73,7 +73,7 @@ def tolerances(rounds: int) -> tuple[dict, object, dict]:
                 seconds += time.perf_counter() - t0
                 samples += e.samples
                 errors.append((1 - c.cosine, abs(c.norm_ratio - 1)))
-            cos = recompute.similarities(run, entries)
+            cos = recompute.similarities(run, entries).cosine
             pairs += [float(cos[i, j]) for i, j in _cross(entries)]
         tol = recompute.TOLERANCES[name]
         out[name] = {"shards": len(errors), "worst_1_minus_cosine": max(e[0] for e in errors),
@@ -154,16 +154,34 @@ def draw_probability(n_shards: int, fraction: float = verify.FRACTION, samples: 
 
 
 DILOCO_CASES = (("none", "fp32"), ("int8", "fp32"), ("int8", "bf16"), ("sparse", "fp32"))
-ATTACKS = ("honest", "reversed", "scaled", "noise", "copied", "poisoned")
+ATTACKS = ("honest", "reversed", "scaled", "noise", "copied", "disguised", "poisoned")
 POISON_OFFSET = 50_000  # poisoned: trains on its stream's samples this far past those it claims
 
 
 def cheat(w: Worker, attack: str, victim: Worker) -> None:
     """Volunteer ``w`` cheats in every shard as ``attack`` says: its pseudo-gradient reversed,
     scaled x8, replaced by gaussian noise of its norm or by ``victim``'s latest one (copied);
-    or its inner steps trained on other samples of its stream than it claims (poisoned)."""
+    its upload replaced by ``victim``'s latest, each block scaled by its own random factor in
+    [1/e, e] (disguised: other values, the same positions); or its inner steps trained on other
+    samples of its stream than it claims (poisoned)."""
     honest = w.local.update
-    if attack == "poisoned":
+    if attack == "disguised":
+        theirs, mine, latest = victim.transfers.feedback, w.transfers.feedback, {}
+        encode, own, rng = theirs.encode, mine.encode, np.random.default_rng(0)
+
+        def victims(update: np.ndarray):
+            latest["arrays"] = encode(update)
+            return latest["arrays"]
+
+        def disguised(update: np.ndarray):
+            if not latest:
+                return own(update)
+            cfg = w.run.config
+            x = codec.decode(latest["arrays"], cfg.codec, cfg.block_size, update.size)
+            x *= np.repeat(np.exp(rng.uniform(-1, 1, -(-x.size // cfg.block_size))), cfg.block_size)[: x.size]
+            return codec.encode(x.astype(np.float32), cfg.codec, cfg.block_size)
+        theirs.encode, mine.encode = victims, disguised
+    elif attack == "poisoned":
         train = w.train
         w.train = lambda cursor, n: train(cursor + POISON_OFFSET, n)
     elif attack == "copied":

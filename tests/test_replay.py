@@ -12,6 +12,8 @@ has the benchmark's figures (the tiny model).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -152,3 +154,40 @@ def test_shards_of_a_kept_inner_optimizer_are_unverified(make_run, inner_state):
     assert shards and all(s["verdict"] == want and not s["flag"] for s in shards), shards
     assert ("inner_state kept" in shards[0]["reason"]) == (inner_state == "kept")
     assert verify.flagged(run) == {}
+
+
+@pytest.mark.parametrize("attack,without", [("disguised", None), ("disguised", "overlap"), ("copied", None),
+                                            ("copied", "pair bound"), ("honest", None)])
+def test_a_sparse_copy_is_found_by_the_positions_it_kept(bucket, attack, without):
+    """mallory uploads volunteer a's sparse shard as its own: copied whole, or disguised (each
+    block scaled by its own random factor: other values, the same positions). Nothing is drawn
+    (fraction 0): the copy screen pairs the disguised copy with a by the overlap of their kept
+    positions (1.0; honest pairs under 0.1), the whole copy by its cosine, and calls mallory's
+    the copy, its kept entries' cosine with its replay being below a's and the pair's bound,
+    though above the sparse tolerance (0.5). Controls: without the overlap screen the disguised
+    copy (cosine about 0.87) is never paired; without the pair's bound the whole copy is paired
+    and passes; mallory honest, nobody is paired."""
+    run, _, _ = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    tol = recompute.tolerance(run.config)
+    verifier = verify.Verifier(run, fraction=0.0, at_least=0, device="cpu",
+                               copy_overlap=None if without == "overlap" else recompute.COPY_OVERLAP,
+                               tolerance=replace(tol, pair_cosine=None) if without == "pair bound" else None)
+    assert verifier.serve(until_round=1) == 2
+    records = [run.bucket.read_json(run.keys.verdicts(r)) for r in range(2)]
+    screens = [rec["copy_screen"] for rec in records]
+    shards = [s for rec in records for s in rec["shards"]]
+    mine = [s for s in shards if s["peer"] == "mallory"]
+    assert all(s["max_cosine"] < 0.95 for s in screens) == (attack != "copied")
+    assert all((s["max_overlap"] == 1.0) == (attack != "honest") for s in screens), screens
+    if attack == "honest" or without == "overlap":
+        assert shards == [] and all(s["pairs"] == [] for s in screens) and verify.flagged(run) == {}
+        assert attack != "honest" or all(s["max_overlap"] < 0.2 for s in screens)
+        return
+    assert all(len(s["pairs"]) == 1 for s in screens), screens
+    assert len(mine) == 2 and all(tol.min_cosine < s["cosine"] < tol.pair_cosine for s in mine), mine
+    assert all(s["verdict"] == "ok" and s["peer"] == "a" for s in shards if s["peer"] != "mallory")
+    if without == "pair bound":
+        assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
+        return
+    assert all(s["verdict"] == "copy" for s in mine) and list(verify.flagged(run)) == ["mallory"]
+    assert "kept positions overlap 1.000" in mine[0]["reason"] and "below its pair's" in mine[0]["reason"]

@@ -4,7 +4,8 @@ how far an honest shard may be from it.
 A shard's gradient depends on its state, its samples and the machine; ``Recomputer`` redoes the
 worker's computation (its first ``stale_samples`` on state r-1, the rest on state r),
 ``compare`` measures the distance (cosine, norm ratio) against the codec's ``Tolerance``, and
-``similarities`` finds near-identical shards of different volunteers (copies) chunk by chunk.
+``similarities`` compares every pair of a round's shards chunk by chunk (``Pairs``: cosines, and
+for sparse shards the overlap of the positions they kept), to find copies.
 The tolerances and the detection rates behind them are measured by ``benchmarks/verify.py``
 (docs/verification.md).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -25,6 +26,9 @@ from .run import Run, RunError
 from .shard import Entry
 
 COPY_COSINE = 0.99  # a pair above it is recomputed; honest pairs measured up to 0.82
+# sparse shards: a pair keeping this share of the same positions (Jaccard) is recomputed too;
+# honest pairs measured up to 0.086, a copy 1.0 however its values are disguised
+COPY_OVERLAP = 0.5
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,10 @@ class Tolerance:
     min_cosine: float
     max_norm_error: float | None  # |(|shard| / |recomputed|) - 1|; None: not checked
     kept_only: bool = False  # on the entries the shard kept only (a sparse shard's: below)
+    # in a suspect pair (``Pairs.suspects``), where both pass ``min_cosine``, the shard of the
+    # two whose cosine is lower and below this is the copy (sparse: the loose bound above lets
+    # a copy pass, its kept entries' cosine 0.63 to 0.86; honest at least 0.966)
+    pair_cosine: float | None = None
 
     def compare(self, shard: np.ndarray, recomputed: np.ndarray) -> Comparison:
         """``compare``, on the entries the shard kept if ``kept_only``."""
@@ -56,7 +64,8 @@ TOLERANCES = {"none": Tolerance(0.99999, 0.001), "fp16": Tolerance(0.9999, 0.005
 # AdamW's steps are of even size), bf16 volunteers 7.3e-3 / 8e-4 (another micro-batch rounds
 # bfloat16 sums otherwise). A sparse shard is its top 1/64 plus the volunteer's error feedback,
 # never uploaded: only the direction of its kept entries is checked (honest at least 0.978).
-REPLAY_TOLERANCES = {"int8": Tolerance(0.999, 0.01), "sparse": Tolerance(0.5, None, kept_only=True)}
+REPLAY_TOLERANCES = {"int8": Tolerance(0.999, 0.01),
+                     "sparse": Tolerance(0.5, None, kept_only=True, pair_cosine=0.95)}
 BF16 = Tolerance(0.97, 0.01)
 
 
@@ -69,7 +78,7 @@ def tolerance(config: RunConfig, precision: str = "fp32") -> Tolerance:
     tol = REPLAY_TOLERANCES.get(config.codec) or TOLERANCES[config.codec]
     if precision == "bf16":
         norm = None if tol.max_norm_error is None else max(tol.max_norm_error, BF16.max_norm_error)
-        tol = Tolerance(min(tol.min_cosine, BF16.min_cosine), norm, tol.kept_only)
+        tol = replace(tol, min_cosine=min(tol.min_cosine, BF16.min_cosine), max_norm_error=norm)
     return tol
 
 
@@ -265,12 +274,37 @@ def read_shard(run: Run, entry: Entry) -> np.ndarray:
     return codec.decode(arrays, fmt.codec, fmt.block, fmt.n)
 
 
-def similarities(run: Run, entries: list[Entry]) -> np.ndarray:
-    """The cosine of every pair of shards, from dot products summed chunk by chunk: one chunk of
-    every shard in memory at a time, never all shards whole. A shard that cannot be read (pruned,
-    damaged) has NaN for every cosine: it screens nobody, and the others are still screened."""
+@dataclass(frozen=True)
+class Pairs:
+    """Every pair of a round's shards: the cosine of their gradients, and for sparse shards the
+    overlap of the positions they kept (Jaccard: shared over either's), NaN where a shard could
+    not be read. A copy disguised by other values at the same positions keeps its overlap."""
+
+    cosine: np.ndarray
+    overlap: np.ndarray | None  # None: a dense codec, every shard keeps every position
+
+    def suspects(self, entries: list[Entry], copy_cosine: float = COPY_COSINE,
+                 copy_overlap: float | None = COPY_OVERLAP) -> list[tuple[int, int]]:
+        """Pairs (i, j) of shards of different volunteers whose gradients are nearly identical,
+        or (``copy_overlap``, None: not screened) whose kept positions nearly are."""
+        out = []
+        for i in range(len(entries)):
+            for j in range(i + 1, len(entries)):
+                if volunteer_of(entries[i].peer) == volunteer_of(entries[j].peer):
+                    continue
+                if self.cosine[i, j] >= copy_cosine or (copy_overlap is not None and self.overlap is not None
+                                                        and self.overlap[i, j] >= copy_overlap):
+                    out.append((i, j))
+        return out
+
+
+def similarities(run: Run, entries: list[Entry]) -> Pairs:
+    """Every pair of shards compared (``Pairs``), from sums chunk by chunk: one chunk of every
+    shard in memory at a time, never all shards whole. A shard that cannot be read (pruned,
+    damaged) has NaN for every pair: it screens nobody, and the others are still screened."""
     fmt, k = run.grad_format, len(entries)
-    gram = np.zeros((k, k))
+    sparse = fmt.codec == "sparse"
+    gram, shared = np.zeros((k, k)), np.zeros((k, k))
     unreadable = np.zeros(k, bool)
     for c in range(fmt.n_chunks):
         found = vector.read_vectors(run.bucket, [run.keys.frozen(e.key) for e in entries], fmt, range(c, c + 1),
@@ -280,17 +314,15 @@ def similarities(run: Run, entries: list[Entry]) -> np.ndarray:
                       codec.decode(a, fmt.codec, fmt.block, fmt.elements(range(c, c + 1)))
                       for i, a in enumerate(found)]).astype(np.float64)
         gram += x @ x.T
+        if sparse:
+            kept = (x != 0).astype(np.float64)
+            shared += kept @ kept.T
     norms = np.sqrt(np.clip(np.diag(gram), 1e-300, None))
     cos = gram / np.outer(norms, norms)
     cos[unreadable, :] = cos[:, unreadable] = np.nan
-    return cos
-
-
-def copy_suspects(entries: list[Entry], cosines: np.ndarray, threshold: float = COPY_COSINE) -> list[tuple[int, int]]:
-    """Pairs (i, j) of shards of different volunteers whose gradients are nearly identical."""
-    out = []
-    for i in range(len(entries)):
-        for j in range(i + 1, len(entries)):
-            if volunteer_of(entries[i].peer) != volunteer_of(entries[j].peer) and cosines[i, j] >= threshold:
-                out.append((i, j))
-    return out
+    if not sparse:
+        return Pairs(cos, None)
+    either = np.add.outer(np.diag(shared), np.diag(shared)) - shared
+    overlap = shared / np.clip(either, 1, None)
+    overlap[unreadable, :] = overlap[:, unreadable] = np.nan
+    return Pairs(cos, overlap)

@@ -13,9 +13,11 @@ the right to write its records) follows the committed rounds and, for each:
   ``stale_samples`` on state r-1, the rest on state r, as the worker computed them), or in the
   local-steps mode replays its inner steps to its pseudo-gradient, and compares cosine and norm
   ratio with the decoded shard (``recompute.py``: ``Recomputer``, ``tolerance``);
-- screens every pair of accepted shards of different volunteers for near-identical gradients
-  (``similarities``: dot products chunk by chunk, memory bounded) and recomputes both of a
-  suspicious pair: the copy is the one whose claimed data does not give its gradient. Time stamps
+- screens every pair of accepted shards of different volunteers for near-identical gradients,
+  and sparse shards also for near-identical kept positions (``similarities``: sums chunk by
+  chunk, memory bounded), and recomputes both of a suspicious pair: the copy is the one whose
+  claimed data does not give its gradient (where both pass their tolerance, as a sparse copy can,
+  the one further from its replay, below the tolerance's ``pair_cosine``). Time stamps
   would not do: ``created_at`` is the volunteer's own claim, and a copier could back-date it to
   have the original flagged;
 - writes one record per round (``records.round``) and a flag per volunteer caught
@@ -41,10 +43,10 @@ from ..trust import identity
 from .close import Close
 from .recompute import (
     COPY_COSINE,
+    COPY_OVERLAP,
     Recomputer,
     Tolerance,
     Unverifiable,
-    copy_suspects,
     read_shard,
     similarities,
     tolerance,
@@ -80,17 +82,19 @@ class Verifier:
 
     def __init__(self, run: Run, fraction: float = FRACTION, at_least: int = AT_LEAST, device: str | None = None,
                  micro_batch: int | None = None, poll_s: float = 5.0, revoke: bool = False,
-                 tolerance: Tolerance | None = None, copy_cosine: float = COPY_COSINE):
+                 tolerance: Tolerance | None = None, copy_cosine: float = COPY_COSINE,
+                 copy_overlap: float | None = COPY_OVERLAP):
         """``revoke``: also revoke a flagged volunteer's key at once, with the run's organizer
         key (without it, flags only: the scheduler rejects a flagged volunteer's later shards).
         In a signed run the verdicts and flags are signed with that key. ``tolerance``: for every
         shard; default each shard's own (``recompute.tolerance``: the run's codec's, and in the
-        local-steps mode the volunteer's precision's)."""
+        local-steps mode the volunteer's precision's). ``copy_overlap``: the sparse shards' overlap
+        of kept positions above which a pair is recomputed (None: not screened)."""
         if not 0 <= fraction <= 1:
             raise ValueError(f"fraction {fraction} is not in [0, 1]")
         self.run, self.fraction, self.at_least, self.poll_s = run, fraction, at_least, poll_s
         self.tolerance = tolerance
-        self.copy_cosine = copy_cosine
+        self.copy_cosine, self.copy_overlap = copy_cosine, copy_overlap
         self.revoke = revoke
         self.recompute = Recomputer(run, device, micro_batch)
         self.tally: Counter[str] = Counter()  # what this process's rounds counted (``counts``), for its summary
@@ -126,6 +130,7 @@ class Verifier:
         screen = self._screen(accepted, verdicts, picks)
         record = {"round": r, "state_hash": state_hash, "fraction": self.fraction, "at_least": self.at_least,
                   "accepted": len(accepted), "codec": self.run.config.codec, "copy_cosine": self.copy_cosine,
+                  "copy_overlap": self.copy_overlap,
                   "tolerance": asdict(self.tolerance or tolerance(self.run.config)),
                   "copy_screen": screen, "shards": [dict(verdicts[k], why=picks[k]) for k in sorted(verdicts)],
                   "seconds": time.perf_counter() - t0, "verified_at": self.run.clock.time()}
@@ -168,31 +173,57 @@ class Verifier:
         return out
 
     def _screen(self, accepted: list[Entry], verdicts: dict[str, dict], picks: dict[str, str]) -> dict:
-        """Pairwise cosines of the round's shards (different volunteers); both shards of a
+        """Every pair of the round's shards (different volunteers) compared; both shards of a
         near-identical pair are recomputed, and the one whose data does not give its gradient is
         the copy."""
         if len({volunteer_of(s.peer) for s in accepted}) < 2:
             return {"pairs": [], "max_cosine": None}
         t0 = time.perf_counter()
-        cos = similarities(self.run, accepted)
-        unreadable = [e.key for i, e in enumerate(accepted) if np.isnan(cos[i, i])]
-        cross = [cos[i, j] for i in range(len(accepted)) for j in range(i + 1, len(accepted))
-                 if volunteer_of(accepted[i].peer) != volunteer_of(accepted[j].peer) and not np.isnan(cos[i, j])]
-        pairs = []
-        for i, j in copy_suspects(accepted, cos, self.copy_cosine):
+        pairs = similarities(self.run, accepted)
+        unreadable = [e.key for i, e in enumerate(accepted) if np.isnan(pairs.cosine[i, i])]
+        cross = [(i, j) for i in range(len(accepted)) for j in range(i + 1, len(accepted))
+                 if volunteer_of(accepted[i].peer) != volunteer_of(accepted[j].peer)
+                 and not np.isnan(pairs.cosine[i, j])]
+        found = []
+        for i, j in pairs.suspects(accepted, self.copy_cosine, self.copy_overlap):
             a, b = accepted[i], accepted[j]
             for e in (a, b):
                 if e.key not in verdicts:
                     picks[e.key] = "copy screen"
                     verdicts[e.key] = self._judge(e)
-            pairs.append({"shards": [a.key, b.key], "cosine": float(cos[i, j])})
-            for e, other in ((a, b), (b, a)):
+            seen = f"cosine {pairs.cosine[i, j]:.4f}"
+            if pairs.overlap is not None:
+                seen += f", kept positions overlap {pairs.overlap[i, j]:.3f}"
+            found.append({"shards": [a.key, b.key], "cosine": float(pairs.cosine[i, j]),
+                          **({} if pairs.overlap is None else {"overlap": float(pairs.overlap[i, j])})})
+            for e, other in self._copies(a, b, verdicts):
                 v = verdicts[e.key]
-                if v["verdict"] == "mismatch":
-                    v.update(verdict="copy", flag=True, copy_of=other.key,
-                             reason=f"copy of {other.key} (cosine {cos[i, j]:.4f}); {v['reason']}")
-        out = {"pairs": pairs, "max_cosine": float(max(cross)) if cross else None, "seconds": time.perf_counter() - t0}
+                v.update(verdict="copy", flag=True, copy_of=other.key,
+                         reason=f"copy of {other.key} ({seen}); {v['reason']}")
+        out = {"pairs": found, "max_cosine": max((float(pairs.cosine[i, j]) for i, j in cross), default=None),
+               "seconds": time.perf_counter() - t0}
+        if pairs.overlap is not None:
+            out["max_overlap"] = max((float(pairs.overlap[i, j]) for i, j in cross), default=None)
         return {**out, "unreadable": unreadable} if unreadable else out
+
+    def _copies(self, a: Entry, b: Entry, verdicts: dict[str, dict]) -> list[tuple[Entry, Entry]]:
+        """(copy, original) of a suspect pair: each that does not match its replay; if both do
+        (a sparse copy can: its tolerance is loose), the one further from it, if below its
+        tolerance's ``pair_cosine``. A shard already called a copy in another pair stays one."""
+        if any(verdicts[e.key]["verdict"] == "copy" for e in (a, b)):
+            return []
+        mismatched = [(e, o) for e, o in ((a, b), (b, a)) if verdicts[e.key]["verdict"] == "mismatch"]
+        if mismatched or any(verdicts[e.key]["cosine"] is None for e in (a, b)):
+            return mismatched
+        ca, cb = verdicts[a.key]["cosine"], verdicts[b.key]["cosine"]
+        e, o = (a, b) if ca < cb else (b, a)
+        tol = self.tolerance or tolerance(self.run.config, e.precision)
+        v, theirs = verdicts[e.key], verdicts[o.key]["cosine"]
+        if tol.pair_cosine is None or ca == cb or v["cosine"] >= tol.pair_cosine:
+            return []
+        v["reason"] = (f"its replay's cosine{' on its kept entries' if tol.kept_only else ''} {v['cosine']:.4f} "
+                       f"is below its pair's {theirs:.4f} and {tol.pair_cosine}")
+        return [(e, o)]
 
     def _flag(self, r: int, v: dict) -> None:
         """The volunteer's flag (its first caught shard is kept), then its key revoked if the

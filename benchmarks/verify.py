@@ -20,10 +20,14 @@
    feedback). Every shard each volunteer wrote, accepted by the scheduler's screens or not, is
    replayed by ``Recomputer`` with another micro-batch than the worker's and judged against
    ``recompute.tolerance``: the worst honest errors, the share of mallory's shards caught, and
-   replay seconds per sample against the volunteers' (inner steps included). And scored by the
+   replay seconds per sample against the volunteers' (inner steps included); with a
+   tolerance's ``pair_cosine`` (sparse), also the share below it where an honest shard of the
+   round is above it (``Verifier._short_of``, the one the validator replays beside it). And scored by the
    loss screen before CLOSE (``probe.LossProbe``, ``close.probe_samples`` of its samples): the
    honest shards' lowest score, each attack's share under ``close.min_descent`` and its median
-   score, and the screen's seconds per shard.
+   score, and the screen's seconds per shard. And the validator's copy screen alone (nothing
+   drawn): the share of mallory's accepted shards it calls copies, honest shards it does, and
+   (sparse) the overlap of kept positions between honest volunteers' shards.
 
 ``python -m benchmarks.verify [--rounds 4] [--trials 20] [--diloco-rounds 6]`` prints a JSON object.
 """
@@ -246,13 +250,13 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
     out = {}
     for codec_name, precision in cases:
         honest, attacks, replay_s, replay_n, worker_s, worker_n, shards = [], {}, 0.0, 0, 0.0, 0, 0
-        honest_z, probe_s, probe_n = [], 0.0, 0
+        honest_z, probe_s, probe_n, honest_copies, overlaps = [], 0.0, 0, 0, []
         for attack in ATTACKS:
             run, workers, entries = diloco_run(codec_name, precision, attack, rounds)
             rec = recompute.Recomputer(run, "cpu", micro_batch=7)
             tol = recompute.tolerance(run.config, precision)
             probe, least = LossProbe(run, run.config.close.probe_samples), run.config.close.min_descent
-            mine, scores = [], []
+            mine, scores, best = [], [], {}  # best: per round, the honest shards' highest cosine
             for e in entries:
                 try:
                     sent = recompute.read_shard(run, e)
@@ -266,20 +270,29 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                 z = probe.descent(e, sent)
                 probe_s, probe_n = probe_s + time.perf_counter() - t0, probe_n + 1
                 if e.peer == "mallory" and attack != "honest":
-                    mine.append(c)
+                    mine.append((e.round, c))
                     scores.append(z)
                 else:
                     honest.append(c)
                     honest_z.append(z)
+                    best[e.round] = max(best.get(e.round, -1.0), c.cosine)
+            screened = _copy_screen(run, rounds)
+            honest_copies += sum(s["verdict"] == "copy" for s in screened["shards"] if s["peer"] != "mallory")
+            overlaps += screened["honest_overlaps"] if attack == "honest" else []
             worker_s += sum(w.compute_s for w in workers.values())
             worker_n += sum(w.computed_samples for w in workers.values())
             if attack != "honest":
-                attacks[attack] = {"shards": len(mine), "detected": float(np.mean([not c.matches(tol) for c in mine])),
-                                   "median_cosine": float(np.median([c.cosine for c in mine])),
-                                   "max_cosine": float(max(c.cosine for c in mine)),
-                                   "median_norm_ratio": float(np.median([c.norm_ratio for c in mine])),
+                paired = [not c.matches(tol) or tol.pair_cosine is not None
+                          and c.cosine < tol.pair_cosine <= best.get(r, -1.0) for r, c in mine]
+                attacks[attack] = {"shards": len(mine),
+                                   "detected": float(np.mean([not c.matches(tol) for _, c in mine])),
+                                   "detected_beside_reference": float(np.mean(paired)),
+                                   "median_cosine": float(np.median([c.cosine for _, c in mine])),
+                                   "max_cosine": float(max(c.cosine for _, c in mine)),
+                                   "median_norm_ratio": float(np.median([c.norm_ratio for _, c in mine])),
                                    "loss_screen_refused": float(np.mean([z < least for z in scores])),
-                                   "loss_screen_median": float(np.median(scores))}
+                                   "loss_screen_median": float(np.median(scores)),
+                                   "copy_screen_flagged": screened["mallory_copies"]}
         out[f"{codec_name}/{precision}"] = {
             "tolerance": {"1_minus_cosine": 1 - tol.min_cosine, "norm_error": tol.max_norm_error,
                           "kept_only": tol.kept_only},
@@ -288,7 +301,12 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                        "min_cosine": min(c.cosine for c in honest),
                        "norm_ratios": [min(c.norm_ratio for c in honest), max(c.norm_ratio for c in honest)],
                        "false_flags": sum(not c.matches(tol) for c in honest),
-                       "loss_screen_min": min(honest_z), "loss_screen_refused": sum(z < least for z in honest_z)},
+                       "below_pair_cosine": None if tol.pair_cosine is None else
+                           sum(c.cosine < tol.pair_cosine for c in honest),
+                       "loss_screen_min": min(honest_z), "loss_screen_refused": sum(z < least for z in honest_z),
+                       "copy_screen_flagged": honest_copies,
+                       "max_pair_overlap": max(overlaps, default=None), "median_pair_overlap":
+                           float(np.median(overlaps)) if overlaps else None},
             "attacks": attacks,
             "cost": {"replay_s_per_shard": replay_s / shards, "samples_per_shard": replay_n / shards,
                      "volunteer_s_per_shard": worker_s / worker_n * replay_n / shards,
@@ -296,6 +314,25 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                      "replay_over_worker": (replay_s / replay_n) / (worker_s / worker_n),
                      "loss_screen_s_per_shard": probe_s / probe_n}}
     return out
+
+
+def _copy_screen(run, rounds: int) -> dict:
+    """The validator's copy screen alone (nothing drawn) over every round: the share of
+    mallory's accepted shards it calls copies, every verdict it gave, and the kept-position
+    overlaps of honest pairs (sparse: from the honest run)."""
+    verify.Verifier(run, fraction=0.0, at_least=0, device="cpu").serve(until_round=rounds - 1)
+    shards, mine, overlaps = [], 0, []
+    for r in range(rounds):
+        record = run.bucket.read_json(run.keys.verdicts(r))
+        shards += record["shards"]
+        entries = Close.read(run, r).accepted
+        mine += sum(e.peer == "mallory" for e in entries)
+        pairs = recompute.similarities(run, entries)
+        if pairs.overlap is not None:
+            overlaps += [float(pairs.overlap[i, j]) for i, j in _cross(entries)
+                         if "mallory" not in (entries[i].peer, entries[j].peer)]
+    copies = sum(s["verdict"] == "copy" for s in shards if s["peer"] == "mallory")
+    return {"shards": shards, "mallory_copies": copies / mine if mine else None, "honest_overlaps": overlaps}
 
 
 def main() -> None:

@@ -190,4 +190,34 @@ def test_a_sparse_copy_is_found_by_the_positions_it_kept(bucket, attack, without
         assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
         return
     assert all(s["verdict"] == "copy" for s in mine) and list(verify.flagged(run)) == ["mallory"]
-    assert "kept positions overlap 1.000" in mine[0]["reason"] and "below its pair's" in mine[0]["reason"]
+    a = next(s["key"] for s in shards if s["peer"] == "a")
+    assert "kept positions overlap 1.000" in mine[0]["reason"] and f"where that of {a}" in mine[0]["reason"]
+
+
+@pytest.mark.parametrize("attack,drawn", [("poisoned", "all"), ("poisoned", "mallory"), ("poisoned", "no pair bound"),
+                                          ("honest", "mallory")])
+def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(bucket, monkeypatch, attack, drawn):
+    """mallory's inner steps train on other samples than it claims (poisoned). Its sparse
+    shards pass the sparse tolerance (kept entries' cosine about 0.7, bound 0.5) but not its
+    pair bound (0.95), where the honest volunteers' replays of the same rounds are at 0.999: so
+    they are mismatches, with every shard drawn or with mallory's alone (then one honest shard a
+    round is replayed as its reference). Controls: without the pair bound mallory passes;
+    mallory honest and drawn alone, no reference is replayed."""
+    run, _, _ = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    if drawn == "mallory":
+        monkeypatch.setattr(verify, "chosen", lambda accepted, *_: [e for e in accepted if e.peer == "mallory"])
+    tol = recompute.tolerance(run.config)
+    verifier = verify.Verifier(run, fraction=1.0, device="cpu",
+                               tolerance=replace(tol, pair_cosine=None) if drawn == "no pair bound" else None)
+    assert verifier.serve(until_round=1) == 2
+    shards = [s for r in range(2) for s in run.bucket.read_json(run.keys.verdicts(r))["shards"]]
+    mine = [s for s in shards if s["peer"] == "mallory"]
+    assert len(mine) == 2 and all(s["verdict"] == "ok" for s in shards if s["peer"] != "mallory"), shards
+    references = [s for s in shards if s["why"] == "reference"]
+    assert len(references) == (2 if (attack, drawn) == ("poisoned", "mallory") else 0), references
+    if attack == "honest" or drawn == "no pair bound":
+        assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
+        assert attack == "honest" or all(tol.min_cosine < s["cosine"] < tol.pair_cosine for s in mine)
+        return
+    assert all(s["verdict"] == "mismatch" and s["flag"] and s["cosine"] < tol.pair_cosine for s in mine), mine
+    assert "of another volunteer" in mine[0]["reason"] and list(verify.flagged(run)) == ["mallory"]

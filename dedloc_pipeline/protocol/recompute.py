@@ -40,9 +40,10 @@ class Tolerance:
     min_cosine: float
     max_norm_error: float | None  # |(|shard| / |recomputed|) - 1|; None: not checked
     kept_only: bool = False  # on the entries the shard kept only (a sparse shard's: below)
-    # in a suspect pair (``Pairs.suspects``), where both pass ``min_cosine``, the shard of the
-    # two whose cosine is lower and below this is the copy (sparse: the loose bound above lets
-    # a copy pass, its kept entries' cosine 0.63 to 0.86; honest at least 0.966)
+    # a shard that passes ``min_cosine`` but is below this, where one of another volunteer of
+    # its round (its copy pair, or a reference: ``Verifier._short_of``) is at or above it, does
+    # not match (sparse: the loose bound above lets copies and work on other samples pass, kept
+    # entries' cosines 0.63 to 0.88; honest at least 0.966)
     pair_cosine: float | None = None
 
     def compare(self, shard: np.ndarray, recomputed: np.ndarray) -> Comparison:

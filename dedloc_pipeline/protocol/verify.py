@@ -17,9 +17,13 @@ the right to write its records) follows the committed rounds and, for each:
   and sparse shards also for near-identical kept positions (``similarities``: sums chunk by
   chunk, memory bounded), and recomputes both of a suspicious pair: the copy is the one whose
   claimed data does not give its gradient (where both pass their tolerance, as a sparse copy can,
-  the one further from its replay, below the tolerance's ``pair_cosine``). Time stamps
+  the one below the tolerance's ``pair_cosine`` while the other is above it). Time stamps
   would not do: ``created_at`` is the volunteer's own claim, and a copier could back-date it to
   have the original flagged;
+- holds a shard that passes its tolerance but not its ``pair_cosine`` against one shard of
+  another volunteer of its round (``_refer``): a sparse shard's tolerance must be loose (its
+  volunteer's error feedback never leaves it), and next to an honest shard's replay, which sees
+  the same round, work on other samples stands out;
 - writes one record per round (``records.round``) and a flag per volunteer caught
   (``records.flag``), which ``flagged`` reads for the scheduler, and optionally revokes the
   volunteer's key (``revoke``).
@@ -128,6 +132,7 @@ class Verifier:
             if entry.key in picks:
                 verdicts[entry.key] = self._judge(entry)
         screen = self._screen(accepted, verdicts, picks)
+        self._refer(accepted, verdicts, picks, state_hash)
         record = {"round": r, "state_hash": state_hash, "fraction": self.fraction, "at_least": self.at_least,
                   "accepted": len(accepted), "codec": self.run.config.codec, "copy_cosine": self.copy_cosine,
                   "copy_overlap": self.copy_overlap,
@@ -208,22 +213,52 @@ class Verifier:
 
     def _copies(self, a: Entry, b: Entry, verdicts: dict[str, dict]) -> list[tuple[Entry, Entry]]:
         """(copy, original) of a suspect pair: each that does not match its replay; if both do
-        (a sparse copy can: its tolerance is loose), the one further from it, if below its
-        tolerance's ``pair_cosine``. A shard already called a copy in another pair stays one."""
+        (a sparse copy can: its tolerance is loose), the one ``_short_of`` the other. A shard
+        already called a copy in another pair stays one."""
         if any(verdicts[e.key]["verdict"] == "copy" for e in (a, b)):
             return []
         mismatched = [(e, o) for e, o in ((a, b), (b, a)) if verdicts[e.key]["verdict"] == "mismatch"]
-        if mismatched or any(verdicts[e.key]["cosine"] is None for e in (a, b)):
+        if mismatched:
             return mismatched
-        ca, cb = verdicts[a.key]["cosine"], verdicts[b.key]["cosine"]
-        e, o = (a, b) if ca < cb else (b, a)
+        for e, o in ((a, b), (b, a)):
+            why = self._short_of(e, verdicts[e.key], verdicts[o.key])
+            if why:
+                verdicts[e.key]["reason"] = why
+                return [(e, o)]
+        return []
+
+    def _refer(self, accepted: list[Entry], verdicts: dict[str, dict], picks: dict[str, str], state_hash: str) -> None:
+        """Each judged shard that passes its tolerance but not its ``pair_cosine`` (sparse: a
+        copy's or poisoned work's) is held against one shard of another volunteer of its round:
+        one judged already, or else the next one drawn (one more replay at most)."""
+        ranked = sorted(accepted, key=lambda s: draw(state_hash, s.key))
+        for e in [s for s in ranked if s.key in verdicts]:
+            v, bound = verdicts[e.key], (self.tolerance or tolerance(self.run.config, e.precision)).pair_cosine
+            if v["verdict"] != "ok" or bound is None or v["cosine"] >= bound:
+                continue
+            others = [s for s in ranked if volunteer_of(s.peer) != volunteer_of(e.peer)]
+            ref = next((s for s in others if s.key in verdicts and self._short_of(e, v, verdicts[s.key])), None)
+            if ref is None:
+                ref = next((s for s in others if s.key not in verdicts), None)
+                if ref is None:
+                    continue
+                picks[ref.key], verdicts[ref.key] = "reference", self._judge(ref)
+            why = self._short_of(e, v, verdicts[ref.key])
+            if why:
+                v.update(verdict="mismatch", flag=True, reason=why)
+
+    def _short_of(self, e: Entry, v: dict, ref: dict) -> str | None:
+        """Why shard ``e`` (verdict ``v``, ok by its tolerance) does not match beside ``ref``, a
+        shard of another volunteer of its round: its cosine is below its tolerance's
+        ``pair_cosine`` where ``ref``'s is at or above it. Both replays see the same round, so
+        where honest shards drift below the bound (late in a long run), the reference does too
+        and nobody is flagged; None: it matches."""
         tol = self.tolerance or tolerance(self.run.config, e.precision)
-        v, theirs = verdicts[e.key], verdicts[o.key]["cosine"]
-        if tol.pair_cosine is None or ca == cb or v["cosine"] >= tol.pair_cosine:
-            return []
-        v["reason"] = (f"its replay's cosine{' on its kept entries' if tol.kept_only else ''} {v['cosine']:.4f} "
-                       f"is below its pair's {theirs:.4f} and {tol.pair_cosine}")
-        return [(e, o)]
+        bound = tol.pair_cosine
+        if bound is None or v["verdict"] != "ok" or ref["verdict"] != "ok" or not v["cosine"] < bound <= ref["cosine"]:
+            return None
+        return (f"its replay's cosine{' on its kept entries' if tol.kept_only else ''} {v['cosine']:.4f} is below "
+                f"{bound}, where that of {ref['key']}, of another volunteer, is {ref['cosine']:.4f}")
 
     def _flag(self, r: int, v: dict) -> None:
         """The volunteer's flag (its first caught shard is kept), then its key revoked if the

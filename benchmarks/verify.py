@@ -21,8 +21,9 @@
    replayed by ``Recomputer`` with another micro-batch than the worker's and judged against
    ``recompute.tolerance``: the worst honest errors, the share of mallory's shards caught, and
    replay seconds per sample against the volunteers' (inner steps included); with a
-   tolerance's ``pair_cosine`` (sparse), also the share below it where an honest shard of the
-   round is above it (``Verifier._short_of``, the one the validator replays beside it). And scored by the
+   tolerance's ``pair_cosine`` (sparse), also the share ``Tolerance.short_of`` the round's
+   least matching honest shard (the reference least in the attacker's disfavour), and the
+   rounds whose least matching honest shard is short of the best one. And scored by the
    loss screen before CLOSE (``probe.LossProbe``, ``close.probe_samples`` of its samples): the
    honest shards' lowest score, each attack's share under ``close.min_descent`` and its median
    score, and the screen's seconds per shard. And the validator's copy screen alone (nothing
@@ -250,13 +251,13 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
     out = {}
     for codec_name, precision in cases:
         honest, attacks, replay_s, replay_n, worker_s, worker_n, shards = [], {}, 0.0, 0, 0.0, 0, 0
-        honest_z, probe_s, probe_n, honest_copies, overlaps = [], 0.0, 0, 0, []
+        honest_z, probe_s, probe_n, honest_copies, overlaps, spread = [], 0.0, 0, 0, [], 0
         for attack in ATTACKS:
             run, workers, entries = diloco_run(codec_name, precision, attack, rounds)
             rec = recompute.Recomputer(run, "cpu", micro_batch=7)
             tol = recompute.tolerance(run.config, precision)
             probe, least = LossProbe(run, run.config.close.probe_samples), run.config.close.min_descent
-            mine, scores, best = [], [], {}  # best: per round, the honest shards' highest cosine
+            mine, scores, rounds_honest = [], [], {}  # per round, the honest shards' cosines
             for e in entries:
                 try:
                     sent = recompute.read_shard(run, e)
@@ -275,15 +276,16 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                 else:
                     honest.append(c)
                     honest_z.append(z)
-                    best[e.round] = max(best.get(e.round, -1.0), c.cosine)
+                    rounds_honest.setdefault(e.round, []).append(c.cosine)
+            worst = {r: min(cs) for r, cs in rounds_honest.items()}
+            spread += sum(tol.short_of(min(cs), max(cs)) for cs in rounds_honest.values())
             screened = _copy_screen(run, rounds)
             honest_copies += sum(s["verdict"] == "copy" for s in screened["shards"] if s["peer"] != "mallory")
             overlaps += screened["honest_overlaps"] if attack == "honest" else []
             worker_s += sum(w.compute_s for w in workers.values())
             worker_n += sum(w.computed_samples for w in workers.values())
             if attack != "honest":
-                paired = [not c.matches(tol) or tol.pair_cosine is not None
-                          and c.cosine < tol.pair_cosine <= best.get(r, -1.0) for r, c in mine]
+                paired = [not c.matches(tol) or tol.short_of(c.cosine, worst[r]) for r, c in mine if r in worst]
                 attacks[attack] = {"shards": len(mine),
                                    "detected": float(np.mean([not c.matches(tol) for _, c in mine])),
                                    "detected_beside_reference": float(np.mean(paired)),
@@ -301,8 +303,7 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                        "min_cosine": min(c.cosine for c in honest),
                        "norm_ratios": [min(c.norm_ratio for c in honest), max(c.norm_ratio for c in honest)],
                        "false_flags": sum(not c.matches(tol) for c in honest),
-                       "below_pair_cosine": None if tol.pair_cosine is None else
-                           sum(c.cosine < tol.pair_cosine for c in honest),
+                       "rounds_short_of_another": spread,
                        "loss_screen_min": min(honest_z), "loss_screen_refused": sum(z < least for z in honest_z),
                        "copy_screen_flagged": honest_copies,
                        "max_pair_overlap": max(overlaps, default=None), "median_pair_overlap":

@@ -163,8 +163,8 @@ def test_a_sparse_copy_is_found_by_the_positions_it_kept(bucket, attack, without
     block scaled by its own random factor: other values, the same positions). Nothing is drawn
     (fraction 0): the copy screen pairs the disguised copy with a by the overlap of their kept
     positions (1.0; honest pairs under 0.1), the whole copy by its cosine, and calls mallory's
-    the copy, its kept entries' cosine with its replay being below a's and the pair's bound,
-    though above the sparse tolerance (0.5). Controls: without the overlap screen the disguised
+    the copy, its kept entries' cosine with its replay (about 0.7) short of a's (0.999), though
+    above the sparse tolerance (0.5). Controls: without the overlap screen the disguised
     copy (cosine about 0.87) is never paired; without the pair's bound the whole copy is paired
     and passes; mallory honest, nobody is paired."""
     run, _, _ = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
@@ -191,16 +191,16 @@ def test_a_sparse_copy_is_found_by_the_positions_it_kept(bucket, attack, without
         return
     assert all(s["verdict"] == "copy" for s in mine) and list(verify.flagged(run)) == ["mallory"]
     a = next(s["key"] for s in shards if s["peer"] == "a")
-    assert "kept positions overlap 1.000" in mine[0]["reason"] and f"where that of {a}" in mine[0]["reason"]
+    assert "kept positions overlap 1.000" in mine[0]["reason"] and f"as far from 1 as that of {a}" in mine[0]["reason"]
 
 
 @pytest.mark.parametrize("attack,drawn", [("poisoned", "all"), ("poisoned", "mallory"), ("poisoned", "no pair bound"),
                                           ("honest", "mallory")])
 def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(bucket, monkeypatch, attack, drawn):
     """mallory's inner steps train on other samples than it claims (poisoned). Its sparse
-    shards pass the sparse tolerance (kept entries' cosine about 0.7, bound 0.5) but not its
-    pair bound (0.95), where the honest volunteers' replays of the same rounds are at 0.999: so
-    they are mismatches, with every shard drawn or with mallory's alone (then one honest shard a
+    shards pass the sparse tolerance (kept entries' cosine about 0.7, bound 0.5) but are short of
+    the honest volunteers' replays of the same rounds (0.999: ``Tolerance.short_of``), so they
+    are mismatches, with every shard drawn or with mallory's alone (then one honest shard a
     round is replayed as its reference). Controls: without the pair bound mallory passes;
     mallory honest and drawn alone, no reference is replayed."""
     run, _, _ = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
@@ -221,3 +221,17 @@ def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(b
         return
     assert all(s["verdict"] == "mismatch" and s["flag"] and s["cosine"] < tol.pair_cosine for s in mine), mine
     assert "of another volunteer" in mine[0]["reason"] and list(verify.flagged(run)) == ["mallory"]
+
+
+def test_the_pair_rule_holds_honest_shards_drifting_together_and_not_other_samples():
+    """Kept entries' cosines measured in one 20-round tiny run (honest a and c, poisoned mallory,
+    each with an honest reference of its round): honest shards drift together from 1.0 to 0.944
+    and stay within 1.25 times each other's distance from 1, so neither is short of the other;
+    the poisoned ones are short of an honest one until round 9. Control: a fixed bound (0.95)
+    would have flagged honest a in round 17."""
+    tol = recompute.REPLAY_TOLERANCES["sparse"]
+    honest = [(0.9998, 0.9999), (0.9909, 0.9927), (0.9811, 0.9801), (0.9436, 0.9509), (0.9463, 0.9447)]
+    assert not any(tol.short_of(x, y) or tol.short_of(y, x) for x, y in honest)
+    poisoned = [(0.6229, 1.0), (0.7841, 0.9992), (0.8252, 0.9801), (0.9269, 0.9769)]
+    assert all(tol.short_of(x, ref) for x, ref in poisoned)
+    assert 0.9436 < 0.95 <= 0.9509

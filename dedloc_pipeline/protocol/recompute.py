@@ -40,11 +40,22 @@ class Tolerance:
     min_cosine: float
     max_norm_error: float | None  # |(|shard| / |recomputed|) - 1|; None: not checked
     kept_only: bool = False  # on the entries the shard kept only (a sparse shard's: below)
-    # a shard that passes ``min_cosine`` but is below this, where one of another volunteer of
-    # its round (its copy pair, or a reference: ``Verifier._short_of``) is at or above it, does
-    # not match (sparse: the loose bound above lets copies and work on other samples pass, kept
-    # entries' cosines 0.63 to 0.88; honest at least 0.966)
+    # a shard that passes ``min_cosine`` but not ``pair_cosine`` is held against a shard of
+    # another volunteer of its round (its copy pair, or a reference): ``short_of``. For sparse
+    # shards, whose loose bound lets copies and work on other samples pass (kept entries'
+    # cosines 0.63 to 0.88 early in a run)
     pair_cosine: float | None = None
+    pair_spread: float = 2.0
+
+    def short_of(self, cosine: float, reference: float) -> bool:
+        """A shard's cosine with its replay is too far from that of a shard of another volunteer
+        of its round (both replays see the same round and its volunteers' error feedback): below
+        ``pair_cosine``, and ``pair_spread`` times as far from 1. Honest shards of one round
+        stayed within 1.25 times each other's distance in 20 rounds, as all drifted from 1.0
+        to 0.944 (so no fixed bound holds); poisoned ones 1.5 to 1900 times (the tiny model,
+        docs/verification.md)."""
+        return self.pair_cosine is not None and cosine < self.pair_cosine and \
+            1 - cosine >= self.pair_spread * (1 - reference)
 
     def compare(self, shard: np.ndarray, recomputed: np.ndarray) -> Comparison:
         """``compare``, on the entries the shard kept if ``kept_only``."""
@@ -66,7 +77,7 @@ TOLERANCES = {"none": Tolerance(0.99999, 0.001), "fp16": Tolerance(0.9999, 0.005
 # bfloat16 sums otherwise). A sparse shard is its top 1/64 plus the volunteer's error feedback,
 # never uploaded: only the direction of its kept entries is checked (honest at least 0.978).
 REPLAY_TOLERANCES = {"int8": Tolerance(0.999, 0.01),
-                     "sparse": Tolerance(0.5, None, kept_only=True, pair_cosine=0.95)}
+                     "sparse": Tolerance(0.5, None, kept_only=True, pair_cosine=0.99)}
 BF16 = Tolerance(0.97, 0.01)
 
 

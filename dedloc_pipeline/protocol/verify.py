@@ -17,7 +17,7 @@ the right to write its records) follows the committed rounds and, for each:
   and sparse shards also for near-identical kept positions (``similarities``: sums chunk by
   chunk, memory bounded), and recomputes both of a suspicious pair: the copy is the one whose
   claimed data does not give its gradient (where both pass their tolerance, as a sparse copy can,
-  the one below the tolerance's ``pair_cosine`` while the other is above it). Time stamps
+  the one ``Tolerance.short_of`` the other). Time stamps
   would not do: ``created_at`` is the volunteer's own claim, and a copier could back-date it to
   have the original flagged;
 - holds a shard that passes its tolerance but not its ``pair_cosine`` against one shard of
@@ -249,16 +249,13 @@ class Verifier:
 
     def _short_of(self, e: Entry, v: dict, ref: dict) -> str | None:
         """Why shard ``e`` (verdict ``v``, ok by its tolerance) does not match beside ``ref``, a
-        shard of another volunteer of its round: its cosine is below its tolerance's
-        ``pair_cosine`` where ``ref``'s is at or above it. Both replays see the same round, so
-        where honest shards drift below the bound (late in a long run), the reference does too
-        and nobody is flagged; None: it matches."""
+        shard of another volunteer of its round (``Tolerance.short_of``); None: it matches."""
         tol = self.tolerance or tolerance(self.run.config, e.precision)
-        bound = tol.pair_cosine
-        if bound is None or v["verdict"] != "ok" or ref["verdict"] != "ok" or not v["cosine"] < bound <= ref["cosine"]:
+        if v["verdict"] != "ok" or ref["verdict"] != "ok" or not tol.short_of(v["cosine"], ref["cosine"]):
             return None
         return (f"its replay's cosine{' on its kept entries' if tol.kept_only else ''} {v['cosine']:.4f} is below "
-                f"{bound}, where that of {ref['key']}, of another volunteer, is {ref['cosine']:.4f}")
+                f"{tol.pair_cosine} and {tol.pair_spread:g}x as far from 1 as that of {ref['key']}, of another "
+                f"volunteer, {ref['cosine']:.4f}")
 
     def _flag(self, r: int, v: dict) -> None:
         """The volunteer's flag (its first caught shard is kept), then its key revoked if the

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..storage import codec, vector
 from ..storage.layout import volunteer_of
+from ..storage.vector import VectorFormat
 from . import optim, robust
 from .close import closed
 from .run import Run, RunError
@@ -25,12 +26,11 @@ log = logging.getLogger(__name__)
 READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, memory stays bounded
 
 
-def reduce_part(run: Run, r: int, part: int) -> str:
-    """Mean gradient of round r over this part's chunks, plus the optimizer's partial sums."""
+def mean_gradient(run: Run, r: int, part: int) -> np.ndarray:
+    """Round r's mean gradient over this part's chunks (or its robust estimate), from the frozen
+    copies of CLOSE's accepted shards, in CLOSE's order: a fixed summation order, so the same
+    bytes on any machine (``optim``)."""
     keys, bucket = run.keys, run.bucket
-    marker = keys.reduced_marker(r, part)
-    if bucket.exists(marker):
-        return marker
     accepted = closed(run, r).accepted
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
@@ -56,15 +56,23 @@ def reduce_part(run: Run, r: int, part: int) -> str:
             else:
                 codec.accumulate(total, arrays, fmt.codec, fmt.block, shard.weight)
     if robust_mode:
-        grad = robust.aggregate(stacked, weights.tolist(), run.config)
-    else:
-        grad = (total / weights.sum()).astype(np.float32)
-    vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, chunks)
+        return robust.aggregate(stacked, weights.tolist(), run.config)
+    return (total / float(np.add.reduce(weights))).astype(np.float32)
+
+
+def reduce_part(run: Run, r: int, part: int) -> str:
+    """Mean gradient of round r over this part's chunks, plus the optimizer's partial sums."""
+    keys, bucket = run.keys, run.bucket
+    marker = keys.reduced_marker(r, part)
+    if bucket.exists(marker):
+        return marker
+    grad = mean_gradient(run, r, part)
+    vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, run.part_chunks(part))
     partials = {}
     opt = run.config.aggregator_optimizer
     if opt.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
         p, state, _ = _read_state(run, r, part, residual=False)
-        partials = optim.partials(opt, run.flat, lo, p, state, grad, step=r + 1)
+        partials = optim.partials(opt, run.flat, run.part_bounds(part)[0], p, state, grad, step=r + 1)
     bucket.write_json(marker, {"part": part, "partials": partials})
     return marker
 
@@ -79,6 +87,29 @@ def _read_state(run: Run, r: int, part: int, residual: bool = True):
     return p, state, res
 
 
+def next_part(run: Run, r: int, part: int, grad: np.ndarray, norms: dict | None = None) -> dict[str, dict]:
+    """The optimizer step on this part of state r: state r+1's vectors over the part's chunks,
+    by name (``params``, ``delta`` and each optimizer slot, ``residual`` with a lossy delta), as
+    arrays of their formats (``next_formats``), not yet written anywhere."""
+    lo, _ = run.part_bounds(part)
+    p_old, state, residual = _read_state(run, r, part)
+    p = p_old.copy()
+    optim.apply(run.config.aggregator_optimizer, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
+    # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.
+    cfg = run.config
+    q, p_new, residual = codec.delta_encode(p_old, p, cfg.param_codec, cfg.block_size, residual)
+    out = {"params": {"values": p_new}, "delta": q, **{n: {"values": a} for n, a in state.items()}}
+    if residual is not None:
+        out["residual"] = {"values": residual}
+    return out
+
+
+def next_formats(run: Run) -> dict[str, VectorFormat]:
+    """The format of each of a state's vectors, by the names ``next_part`` gives them."""
+    return {"params": run.dense_format, "delta": run.delta_format,
+            **{n: run.dense_format for n in (*run.config.aggregator_optimizer.slots, "residual")}}
+
+
 def apply_part(run: Run, r: int, part: int) -> str:
     """Optimizer step for this range: writes state r+1's params, delta and optimizer state."""
     keys, bucket = run.keys, run.bucket
@@ -86,26 +117,18 @@ def apply_part(run: Run, r: int, part: int) -> str:
     if bucket.exists(marker):
         return marker
     chunks = run.part_chunks(part)
-    lo, _ = run.part_bounds(part)
     grad = vector.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
-    norms, opt = None, run.config.aggregator_optimizer
-    if opt.name == "lamb":
+    norms = None
+    if run.config.aggregator_optimizer.name == "lamb":
         found = bucket.read_many([keys.reduced_marker(r, k) for k in range(run.n_parts)])
         if any(v is None for v in found.values()):
             raise RunError(f"round {r}: LAMB needs every part reduced first")
         norms = optim.merge_partials([json.loads(v)["partials"] for v in found.values()])
-    p_old, state, residual = _read_state(run, r, part)
-    p = p_old.copy()
-    optim.apply(opt, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
-    # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.
-    cfg = run.config
-    q, p_new, residual = codec.delta_encode(p_old, p, cfg.param_codec, cfg.block_size, residual)
-    fmt = run.dense_format
-    sums = {"params": vector.write_vector(bucket, keys.params(r + 1), fmt, {"values": p_new}, chunks)["values"],
-            "delta": vector.write_vector(bucket, keys.delta(r + 1), run.delta_format, q, chunks)}
-    if residual is not None:
-        state["residual"] = residual
-    for name, arr in state.items():
-        vector.write_vector(bucket, keys.optim(r + 1, name), fmt, {"values": arr}, chunks)
-    bucket.write_json(marker, {"part": part, "checksums": sums})
+    formats = next_formats(run)
+    places = {"params": keys.params(r + 1), "delta": keys.delta(r + 1)}
+    sums = {name: vector.write_vector(bucket, places.get(name) or keys.optim(r + 1, name), formats[name], arrays,
+                                      chunks)
+            for name, arrays in next_part(run, r, part, grad, norms).items()}
+    bucket.write_json(marker, {"part": part, "checksums": {"params": sums["params"]["values"],
+                                                           "delta": sums["delta"]}})
     return marker

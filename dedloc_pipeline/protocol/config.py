@@ -204,8 +204,9 @@ class RunConfig(BaseModel):
         if self.codec == "sparse" and self.algorithm != "diloco":
             raise ValueError("the sparse codec is for diloco's pseudo-gradients (--algorithm diloco); the "
                              "default algorithm's validator has no tolerance for it")
-        if "sparse" in (self.codec, self.download_codec) and self.block_size % 256:  # 1/64 kept, 4 codes a byte
-            raise ValueError("the sparse codec needs a block size that is a multiple of 256")
+        if "sparse" in (self.codec, self.download_codec) and (self.block_size % 256 or self.block_size > 1 << 16):
+            # 1/64 kept, 4 codes a byte; a position in its block is 16 bits
+            raise ValueError("the sparse codec needs a block size that is a multiple of 256, at most 65536")
         if self.unigram_bias and family(self.preset) == "causal":
             raise ValueError("unigram_bias starts an ALBERT's masked-LM output bias; a causal decoder has none")
         if self.algorithm == "diloco" and self.optimizer.name == "lamb":

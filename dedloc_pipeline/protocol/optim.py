@@ -1,9 +1,18 @@
 """Optimizer steps on a range of the flat vector, with that range's slice of optimizer state.
 
 An aggregator owns chunks, not tensors, so a range may cut a tensor in two. AdamW and SGD are
-elementwise and run on each tensor piece as it is (through ``torch.optim`` itself). LAMB scales each
-tensor by a trust ratio ||p|| / ||u|| over the *whole* tensor, so it takes two passes: every range
-first reports per-tensor partial sums of squares (``partials``), then ``apply`` combines them.
+elementwise and run on each tensor piece as it is. LAMB scales each tensor by a trust ratio
+||p|| / ||u|| over the *whole* tensor, so it takes two passes: every range first reports
+per-tensor partial sums of squares (``partials``), then ``apply`` combines them.
+
+The step is bitwise reproducible: the same inputs give the same bytes on any machine that runs
+this code, whatever its threads or vector units, so two aggregators' answers can be compared bit
+for bit (docs/design.md, "Checked aggregation"). So it is written here in numpy, one IEEE float32
+operation at a time (each correctly rounded, none fused: ``torch.optim``'s kernels use fused
+multiply-adds where the CPU has them, and gave other bits than these on 11% of AdamW's first
+moments here), with torch's formulas and order. Sums of squares are exact in float64 for float32
+values and added in numpy's fixed pairwise order. The volunteers' inner steps (diloco) keep
+``torch.optim``: they run on their GPUs and are replayed within a tolerance, not bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from ..model.flat import FlatLayout
 from .config import OptimizerConfig
 
 STATE = OptimizerConfig().slots  # AdamW's (and LAMB's) moments, per element
+F = np.float32  # every scalar of a step is rounded to float32 first, as torch does
 
 
 def lr_at(cfg: OptimizerConfig, step: int) -> float:
@@ -29,18 +39,45 @@ def lr_at(cfg: OptimizerConfig, step: int) -> float:
     return cfg.lr
 
 
-def _t(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(a)
+def sum_squares(x: np.ndarray) -> float:
+    """Σ x², the same on every machine: float32 squares are exact in float64, and numpy adds
+    them in its fixed pairwise order (no BLAS, whose order follows threads and CPU)."""
+    return float(np.add.reduce(np.square(x, dtype=np.float64)))
 
 
-def _lamb_direction(cfg: OptimizerConfig, p, m, v, g, step: int, decay: bool):
+def _adamw(cfg: OptimizerConfig, p, m, v, g, step: int, lr: float, decay: bool) -> None:
+    """torch's AdamW (single tensor), in place: decoupled decay, moments, the bias-corrected step."""
+    b1, b2 = cfg.betas
+    if decay and cfg.weight_decay:
+        p *= F(1 - lr * cfg.weight_decay)
+    m += (g - m) * F(1 - b1)  # torch's lerp_
+    v *= F(b2)
+    v += g * g * F(1 - b2)
+    denom = np.sqrt(v) / F(math.sqrt(1 - b2 ** step))
+    denom += F(cfg.eps)
+    p += m / denom * F(-lr / (1 - b1 ** step))
+
+
+def _sgd(cfg: OptimizerConfig, p, buf, g, lr: float, decay: bool) -> None:
+    """torch's SGD, in place: L2 decay, momentum (a zero buffer starts as the gradient), Nesterov."""
+    d = g + p * F(cfg.weight_decay) if decay and cfg.weight_decay else g
+    if cfg.momentum:
+        buf *= F(cfg.momentum)
+        buf += d
+        d = d + buf * F(cfg.momentum) if cfg.nesterov else buf
+    p -= d * F(lr)
+
+
+def _lamb_direction(cfg: OptimizerConfig, p, m, v, g, step: int, decay: bool) -> np.ndarray:
     """Updates m, v in place; returns LAMB's direction u (before the trust ratio)."""
     b1, b2 = cfg.betas
-    m.mul_(b1).add_(g, alpha=1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    u = (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + cfg.eps)
+    m *= F(b1)
+    m += g * F(1 - b1)
+    v *= F(b2)
+    v += g * g * F(1 - b2)
+    u = (m / F(1 - b1 ** step)) / (np.sqrt(v / F(1 - b2 ** step)) + F(cfg.eps))
     if decay and cfg.weight_decay:
-        u = u + cfg.weight_decay * p
+        u += p * F(cfg.weight_decay)
     return u
 
 
@@ -50,41 +87,29 @@ def partials(cfg: OptimizerConfig, layout: FlatLayout, lo: int, p: np.ndarray, s
     out: dict[str, list[float]] = {}
     for t, a, b in layout.pieces(lo, lo + len(p)):
         s = slice(a - lo, b - lo)
-        pp = _t(p[s])
-        u = _lamb_direction(cfg, pp, _t(state["exp_avg"][s]).clone(),
-                            _t(state["exp_avg_sq"][s]).clone(), _t(g[s]), step, t.decay)
+        u = _lamb_direction(cfg, p[s], state["exp_avg"][s].copy(), state["exp_avg_sq"][s].copy(), g[s], step,
+                            t.decay)
         acc = out.setdefault(t.name, [0.0, 0.0])
-        acc[0] += float(pp.double().square().sum())
-        acc[1] += float(u.double().square().sum())
+        acc[0] += sum_squares(p[s])
+        acc[1] += sum_squares(u)
     return out
 
 
 def apply(cfg: OptimizerConfig, layout: FlatLayout, lo: int, p: np.ndarray, state: dict,
           g: np.ndarray, step: int, norms: dict[str, list[float]] | None = None) -> None:
-    """One optimizer step on p[lo:lo+len(p)], in place on ``p`` and ``state``."""
+    """One optimizer step on p[lo:lo+len(p)], in place on ``p`` and ``state`` (float32 arrays)."""
     lr = lr_at(cfg, step)
-    pieces = [(t, slice(a - lo, b - lo)) for t, a, b in layout.pieces(lo, lo + len(p))]
-    if cfg.name in ("adamw", "sgd"):
-        groups = {True: [], False: []}
-        tstate = {}
-        for t, s in pieces:
-            w = torch.nn.Parameter(_t(p[s]))
-            w.grad = _t(g[s])
-            groups[t.decay].append(w)
-            tstate[w] = {name: _t(state[name][s]) for name in cfg.slots}
-            if cfg.name == "adamw":
-                tstate[w]["step"] = torch.tensor(float(step - 1))
-        opt = torch_optimizer(cfg, groups[True], groups[False], lr)
-        opt.state.update(tstate)
-        opt.step()
-        return
-    for t, s in pieces:
-        pp = _t(p[s])
-        u = _lamb_direction(cfg, pp, _t(state["exp_avg"][s]), _t(state["exp_avg_sq"][s]),
-                            _t(g[s]), step, t.decay)
-        p_sq, u_sq = norms[t.name]
-        trust = math.sqrt(p_sq) / math.sqrt(u_sq) if p_sq > 0 and u_sq > 0 else 1.0
-        pp.sub_(u, alpha=lr * min(trust, cfg.clamp))
+    for t, a, b in layout.pieces(lo, lo + len(p)):
+        s = slice(a - lo, b - lo)
+        if cfg.name == "adamw":
+            _adamw(cfg, p[s], state["exp_avg"][s], state["exp_avg_sq"][s], g[s], step, lr, t.decay)
+        elif cfg.name == "sgd":
+            _sgd(cfg, p[s], state["momentum_buffer"][s], g[s], lr, t.decay)
+        else:
+            u = _lamb_direction(cfg, p[s], state["exp_avg"][s], state["exp_avg_sq"][s], g[s], step, t.decay)
+            p_sq, u_sq = norms[t.name]
+            trust = math.sqrt(p_sq) / math.sqrt(u_sq) if p_sq > 0 and u_sq > 0 else 1.0
+            p[s] -= u * F(lr * min(trust, cfg.clamp))
 
 
 def merge_partials(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:

@@ -32,12 +32,18 @@ def trimmed_mean(x: np.ndarray, w: np.ndarray, trim: float) -> np.ndarray:
     return ((kept * kw).sum(axis=0) / kw.sum(axis=0)).astype(np.float32)
 
 
+def _norms(d: np.ndarray) -> np.ndarray:
+    """Each row's L2 norm in numpy's fixed pairwise order (BLAS's follows threads and CPU): the
+    same bits on every machine, as checked aggregation needs (``optim``)."""
+    return np.sqrt(np.add.reduce(np.square(d), axis=1))
+
+
 def centered_clip(x: np.ndarray, w: np.ndarray, iters: int) -> np.ndarray:
     v = np.median(x, axis=0).astype(np.float64)
-    tau = float(np.median(np.linalg.norm(x - v, axis=1)))
+    tau = float(np.median(_norms(x - v)))
     for _ in range(iters):
         diff = x - v
-        dist = np.linalg.norm(diff, axis=1)
+        dist = _norms(diff)
         c = np.minimum(1.0, tau / np.maximum(dist, 1e-30)) * w
         v = v + (c[:, None] * diff).sum(axis=0) / w.sum()
     return v.astype(np.float32)

@@ -159,9 +159,14 @@ class Sparse(Codec):
 
     def _encode(self, x, block):
         k, nb = block // SPARSE_KEEP, -(-len(x) // block)
-        mag = np.full(nb * block, -1.0, np.float32)  # the padding of a short last block is kept last
-        mag[: len(x)] = np.abs(x)
-        idx = np.sort(np.argpartition(mag.reshape(nb, block), block - k, axis=1)[:, block - k:], axis=1)
+        # Which entries are kept must not depend on the machine: numpy's selection breaks ties
+        # (zeros, say) differently with other vector units, so every key is made unique: a
+        # magnitude's bits (a float >= 0 orders as its bits), then the earlier position; 0 for the
+        # padding of a short last block, kept last.
+        key = np.zeros(nb * block, np.uint64)
+        key[: len(x)] = (np.abs(x).view(np.uint32).astype(np.uint64) + 1) << 16 | \
+            (block - 1 - np.arange(len(x), dtype=np.uint64) % block)
+        idx = np.sort(np.argpartition(key.reshape(nb, block), block - k, axis=1)[:, block - k:], axis=1)
         padded = np.zeros(nb * block, np.float32)
         padded[: len(x)] = x
         vals = np.take_along_axis(padded.reshape(nb, block), idx, axis=1)

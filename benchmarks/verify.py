@@ -43,7 +43,7 @@ import time
 
 import numpy as np
 
-from dedloc_pipeline.protocol import recompute, verify
+from dedloc_pipeline.protocol import admission, recompute, verify
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.probe import LossProbe
 from dedloc_pipeline.protocol.run import init_run
@@ -252,12 +252,15 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
     for codec_name, precision in cases:
         honest, attacks, replay_s, replay_n, worker_s, worker_n, shards = [], {}, 0.0, 0, 0.0, 0, 0
         honest_z, probe_s, probe_n, honest_copies, overlaps, spread = [], 0.0, 0, 0, [], 0
+        honest_over = []  # a shard's norm over its round's median volunteer's, as the norm screen compares them
+        apart = []  # per round, how many times as far from 1 its least matching honest shard is as its best
         for attack in ATTACKS:
             run, workers, entries = diloco_run(codec_name, precision, attack, rounds)
             rec = recompute.Recomputer(run, "cpu", micro_batch=7)
             tol = recompute.tolerance(run.config, precision)
             probe, least = LossProbe(run, run.config.close.probe_samples), run.config.close.min_descent
             mine, scores, rounds_honest = [], [], {}  # per round, the honest shards' cosines
+            norms: dict[int, list[Entry]] = {}  # per round, every shard with its norm
             for e in entries:
                 try:
                     sent = recompute.read_shard(run, e)
@@ -267,6 +270,7 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                 replayed = rec.gradient(e)
                 replay_s, replay_n, shards = replay_s + time.perf_counter() - t0, replay_n + e.samples, shards + 1
                 c = tol.compare(sent, replayed)
+                norms.setdefault(e.round, []).append(e.model_copy(update={"norm": float(np.linalg.norm(sent))}))
                 t0 = time.perf_counter()
                 z = probe.descent(e, sent)
                 probe_s, probe_n = probe_s + time.perf_counter() - t0, probe_n + 1
@@ -278,7 +282,14 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                     honest_z.append(z)
                     rounds_honest.setdefault(e.round, []).append(c.cosine)
             worst = {r: min(cs) for r, cs in rounds_honest.items()}
+            over = []  # (mallory's?, its screened norm over the median volunteer's), rounds of 3 volunteers or more
+            for es in norms.values():
+                scaled, median = admission.screened_norms(es)
+                over += [(e.peer == "mallory", scaled[e.key] / median) for e in es if e.key in scaled]
+            honest_over += [x for m, x in over if not m or attack == "honest"]
             spread += sum(tol.short_of(min(cs), max(cs)) for cs in rounds_honest.values())
+            apart += [(1 - min(cs)) / max(1 - max(cs), 1e-12) for cs in rounds_honest.values()
+                      if tol.pair_cosine is not None and min(cs) < tol.pair_cosine]  # where short_of may apply
             screened = _copy_screen(run, rounds)
             honest_copies += sum(s["verdict"] == "copy" for s in screened["shards"] if s["peer"] != "mallory")
             overlaps += screened["honest_overlaps"] if attack == "honest" else []
@@ -294,7 +305,10 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                                    "median_norm_ratio": float(np.median([c.norm_ratio for _, c in mine])),
                                    "loss_screen_refused": float(np.mean([z < least for z in scores])),
                                    "loss_screen_median": float(np.median(scores)),
-                                   "copy_screen_flagged": screened["mallory_copies"]}
+                                   "copy_screen_flagged": screened["mallory_copies"],
+                                   "median_norm_over_round": float(np.median([x for m, x in over if m])),
+                                   "least_times_as_far": min((1 - c.cosine) / max(1 - worst[r], 1e-12)
+                                                             for r, c in mine if r in worst)}
         out[f"{codec_name}/{precision}"] = {
             "tolerance": {"1_minus_cosine": 1 - tol.min_cosine, "norm_error": tol.max_norm_error,
                           "kept_only": tol.kept_only},
@@ -303,9 +317,10 @@ def diloco(rounds: int, cases: tuple = DILOCO_CASES) -> dict:
                        "min_cosine": min(c.cosine for c in honest),
                        "norm_ratios": [min(c.norm_ratio for c in honest), max(c.norm_ratio for c in honest)],
                        "false_flags": sum(not c.matches(tol) for c in honest),
-                       "rounds_short_of_another": spread,
+                       "rounds_short_of_another": spread, "most_times_as_far": max(apart, default=None),
                        "loss_screen_min": min(honest_z), "loss_screen_refused": sum(z < least for z in honest_z),
                        "copy_screen_flagged": honest_copies,
+                       "max_norm_over_round": max(honest_over, default=None),
                        "max_pair_overlap": max(overlaps, default=None), "median_pair_overlap":
                            float(np.median(overlaps)) if overlaps else None},
             "attacks": attacks,

@@ -143,6 +143,23 @@ def test_sparse_shards_are_compared_on_the_entries_they_kept(bucket, attack):
     assert whole.cosine < tol.min_cosine
 
 
+@pytest.mark.parametrize("screen", ["sparse runs' 3x", "the default 10x"])
+def test_a_scaled_sparse_shard_is_refused_by_the_norm_screen(bucket, screen):
+    """A sparse shard's scale is its volunteer's error feedback, which its replay cannot check:
+    scaled x8, its kept entries still point the replay's way and match. A sparse run's norm
+    screen (3x the round's median volunteer; honest shards within 1.29x in benchmark 4, x8 ones
+    at 7.9) refuses it before CLOSE. Control: at the default algorithm's 10x, mallory counts."""
+    extra = {} if screen == "sparse runs' 3x" else {"norm_screen": 10.0}
+    run, _, _ = diloco_run("sparse", "fp32", "scaled", rounds=2, size=MICRO, bucket=bucket, **extra)
+    closes = [Close.read(run, r) for r in range(2)]
+    counted = [e for c in closes for e in c.accepted if e.peer == "mallory"]
+    refused = [x for c in closes for x in c.rejected if "/mallory/" in x.key and "gradient norm" in x.reason]
+    if screen == "sparse runs' 3x":
+        assert len(refused) >= 2 and not counted, (refused, counted)
+    else:
+        assert counted and not refused, (refused, counted)
+
+
 @pytest.mark.parametrize("inner_state", ["kept", "shard"])
 def test_shards_of_a_kept_inner_optimizer_are_unverified(make_run, inner_state):
     """inner_state kept: a shard depends on the volunteer's inner optimizer state, which never
@@ -225,13 +242,18 @@ def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(b
 
 def test_the_pair_rule_holds_honest_shards_drifting_together_and_not_other_samples():
     """Kept entries' cosines measured in one 20-round tiny run (honest a and c, poisoned mallory,
-    each with an honest reference of its round): honest shards drift together from 1.0 to 0.944
-    and stay within 1.25 times each other's distance from 1, so neither is short of the other;
-    the poisoned ones are short of an honest one until round 9. Control: a fixed bound (0.95)
-    would have flagged honest a in round 17."""
+    each with an honest reference of its round): honest shards drift together from 1.0 to 0.944,
+    so neither is short of the other (benchmark 4 put a round's least matching honest shard at
+    most 3.9 times as far from 1 as its best, under ``pair_spread``); the poisoned ones are short
+    of an honest one early in the run, and the last one measured, 3.2 times as far, no longer:
+    late in a run work on other samples comes within the honest spread. Controls: a fixed bound
+    (0.95) would have flagged honest a in round 17, and the spread of 2 this rule had first would
+    have called a round's least matching honest shard short of its best in 2 of 56 rounds."""
     tol = recompute.REPLAY_TOLERANCES["sparse"]
     honest = [(0.9998, 0.9999), (0.9909, 0.9927), (0.9811, 0.9801), (0.9436, 0.9509), (0.9463, 0.9447)]
     assert not any(tol.short_of(x, y) or tol.short_of(y, x) for x, y in honest)
-    poisoned = [(0.6229, 1.0), (0.7841, 0.9992), (0.8252, 0.9801), (0.9269, 0.9769)]
+    poisoned = [(0.6229, 1.0), (0.7841, 0.9992), (0.8252, 0.9801)]
     assert all(tol.short_of(x, ref) for x, ref in poisoned)
+    assert not tol.short_of(0.9269, 0.9769)
     assert 0.9436 < 0.95 <= 0.9509
+    assert 3.9 < tol.pair_spread and replace(tol, pair_spread=2).short_of(1 - 3.9 * 0.005, 0.995)

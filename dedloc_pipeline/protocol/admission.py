@@ -51,27 +51,33 @@ def bound_parts(accepted: list[Entry], max_parts: int) -> tuple[list[Entry], lis
     return kept, out
 
 
-def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], list[Rejection]]:
-    """Shards far above the round's median norm (``factor`` times it), rejected: a gradient scaled
-    up is the cheapest attack on a mean, and no absolute bound fits every stage of training. A
-    mean over fewer samples is noisier (its norm grows like 1/sqrt(samples)), so norms are compared
-    as if each shard had the typical shard's samples (never more). Both medians are over
+def screened_norms(accepted: list[Entry]) -> tuple[dict[str, float], float]:
+    """Each shard's norm as the norm screen compares it, and the round's median volunteer's: a
+    mean over fewer samples is noisier (its norm grows like 1/sqrt(samples)), so norms are
+    compared as if each shard had the typical shard's samples (never more). Both medians are over
     volunteers (each its shards' median), so one volunteer's many parts move them no more than one
-    part would. Off (``factor`` None) or with fewer than three volunteers, nothing is screened."""
+    part would. Nothing with fewer than three volunteers."""
     by_volunteer: dict[str, list[Entry]] = {}
     for s in accepted:
         by_volunteer.setdefault(volunteer_of(s.peer), []).append(s)
-    if factor is None or len(by_volunteer) < 3:
-        return accepted, []
+    if len(by_volunteer) < 3:
+        return {}, 0.0
     typical = float(np.median([np.median([s.samples for s in mine]) for mine in by_volunteer.values()]))
+    scaled = {s.key: s.norm * math.sqrt(min(s.samples, typical) / typical) for s in accepted}
+    return scaled, float(np.median([np.median([scaled[s.key] for s in mine]) for mine in by_volunteer.values()]))
 
-    def scaled(s: Entry) -> float:
-        return s.norm * math.sqrt(min(s.samples, typical) / typical)
 
-    bound = factor * float(np.median([np.median([scaled(s) for s in mine]) for mine in by_volunteer.values()]))
+def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], list[Rejection]]:
+    """Shards far above the round's median norm (``factor`` times it, ``screened_norms``), rejected:
+    a gradient scaled up is the cheapest attack on a mean, and no absolute bound fits every stage
+    of training. Off (``factor`` None) or with fewer than three volunteers, nothing is screened."""
+    scaled, median = screened_norms(accepted) if factor is not None else ({}, 0.0)
+    if not scaled:
+        return accepted, []
+    bound = factor * median
     kept, out = [], []
     for s in accepted:
-        z = scaled(s)
+        z = scaled[s.key]
         if z <= bound:
             kept.append(s)
         else:

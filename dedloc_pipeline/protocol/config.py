@@ -139,6 +139,9 @@ def _bounded(eta_s: float | None, share: float, lo: float, hi: float) -> float:
     return hi if eta_s is None else min(hi, max(lo, share * eta_s))
 
 
+SPARSE_NORM_SCREEN = 3.0  # the norm screen's default with sparse shards (docs/verification.md)
+
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -169,7 +172,7 @@ class RunConfig(BaseModel):
     clip_iters: int = Field(3, gt=0, description="centered_clip: fixed-point iterations")
     norm_screen: float | None = Field(
         10.0, gt=1, description="reject a shard whose norm is above this multiple of the median of "
-        "the round's shards (with 3 or more); None: off")
+        "the round's shards (with 3 or more; 3 with sparse shards); None: off")
     organizer_key: str | None = Field(
         None, description="Ed25519 public key (base64): when set, only shards signed by volunteers "
         "in the roster this key signed are admitted")
@@ -201,6 +204,10 @@ class RunConfig(BaseModel):
             raise ValueError("chunk_size must be a multiple of block_size")
         if self.organizer_key is not None:
             check_public(self.organizer_key)
+        if self.codec == "sparse" and "norm_screen" not in self.model_fields_set:
+            # a sparse shard's scale is its volunteer's error feedback, which its replay cannot
+            # check: honest shards stayed within 1.29x of the round's median volunteer, x8 ones at 7.9
+            self.norm_screen = SPARSE_NORM_SCREEN
         if self.codec == "sparse" and self.algorithm != "diloco":
             raise ValueError("the sparse codec is for diloco's pseudo-gradients (--algorithm diloco); the "
                              "default algorithm's validator has no tolerance for it")

@@ -131,6 +131,8 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
                     "usual AWS variables or profile hold the read-only one"),
            plain: bool = typer.Option(False, "--plain", help="plain progress lines, even in a terminal"),
            progress_every: float = typer.Option(10.0, help="seconds between plain progress lines"),
+           aggregate: bool = typer.Option(False, "--aggregate", help="also aggregate parts of the model, if the "
+                                          "organizer enrolled you to (docs/aggregators.md)"),
            verbose: bool = True):
     """Join a run as a volunteer: compute gradients and upload shards, with a live progress display.
 
@@ -140,7 +142,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     from .monitoring.volunteer import make_worker, summary_text, volunteer
     w = make_worker(bucket, run, peer_id, key, device, micro_batch, threads, poll, endpoint_url, precision,
                     organizer, write_profile)
-    s = volunteer(w, until_round, plain=plain or None, every=progress_every)
+    s = volunteer(w, until_round, plain=plain or None, every=progress_every, aggregate=aggregate)
     typer.echo(summary_text(s))
     if s["ended"] in ("ctrl_c", "interrupted"):
         raise typer.Exit(signals.exit_status(s["signal"]))
@@ -155,12 +157,14 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
               organizer_key: Optional[str] = _organizer_key("CLOSE, COMMIT, LATEST, streams and the round view"),
               standby: bool = typer.Option(False, help="while another scheduler holds the run's lease, wait "
                                            "and take over when it ends (default: refuse, naming it)"),
+              volunteers: bool = typer.Option(False, help="give the parts to volunteer aggregators, two to a "
+                                              "part, computing here what they do not settle (docs/aggregators.md)"),
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
     from .protocol.scheduler import Scheduler
     r = _open(bucket, run, endpoint_url, organizer_key)
-    state = Scheduler(r, parallel, poll).serve(until_round, standby=standby)
+    state = Scheduler(r, parallel, poll, volunteers=volunteers).serve(until_round, standby=standby)
     typer.echo(f"state {state} committed")
 
 
@@ -202,12 +206,14 @@ def enroll(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            volunteer: str = typer.Option(..., help="name; its peers are NAME or NAME.anything"),
            public_key: str = typer.Option(..., help="the volunteer's public key (`dedloc keygen` prints it)"),
            replace: bool = typer.Option(False, "--replace", help="give a name enrolled with another key to this "
-                                        "one (the old key's shards are refused from then on)")):
+                                        "one (the old key's shards are refused from then on)"),
+           aggregate: bool = typer.Option(False, "--aggregate", help="it may also aggregate parts of the model, "
+                                          "checked against another volunteer's (docs/aggregators.md)")):
     """Admit a volunteer's shards: add its public key to the run's signed roster."""
     roster = _change_roster(bucket, run, endpoint_url, organizer_key, enroll={volunteer: public_key},
-                            replace=replace)
-    typer.echo(f"run {run}: {volunteer} enrolled (roster version {roster.version}, "
-               f"{len(roster.volunteers)} volunteers)")
+                            replace=replace, aggregate=[volunteer] if aggregate else [])
+    typer.echo(f"run {run}: {volunteer} enrolled{' as an aggregator too' if aggregate else ''} (roster version "
+               f"{roster.version}, {len(roster.volunteers)} volunteers, {len(roster.aggregators)} aggregators)")
 
 
 @app.command()

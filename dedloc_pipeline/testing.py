@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from .protocol import shard
+from .protocol.aggregating import AggregatorRole
 from .protocol.clock import Clock
 from .protocol.config import CloseRule, OptimizerConfig, RunConfig
 from .protocol.run import Run
@@ -58,6 +59,27 @@ class FakeClock(Clock):
             self._now += max(0.0, seconds)
 
 
+class DrivenClock(FakeClock):
+    """A FakeClock whose ``sleep`` first lets the test's other parties act (``parties``: each
+    called once a sleep, never from inside one): what a process waiting on the bucket would see
+    the others do meanwhile (volunteer aggregators, while the scheduler waits for their answers)."""
+
+    def __init__(self, epoch: float = 1_800_000_000.0) -> None:
+        super().__init__(epoch)
+        self.parties: list[Callable[[], None]] = []
+        self._inside = False
+
+    def sleep(self, seconds: float) -> None:
+        if not self._inside:
+            self._inside = True
+            try:
+                for party in list(self.parties):
+                    party()
+            finally:
+                self._inside = False
+        self.advance(seconds)
+
+
 def on_clock(run: Run, clock: Clock | None = None) -> Run:
     """``run`` read through ``clock`` (default: a FakeClock starting at state 0's COMMIT, so a
     round opened by ``init_run`` is no older than the clock says), with its organizer key."""
@@ -76,11 +98,12 @@ class LockStep:
     wants it above 0)."""
 
     def __init__(self, run: Run, poll_s: float = 0, step_s: float = 0.0, scheduler: bool = True,
-                 scheduler_every: int = 2, delayed: bool | None = None):
+                 scheduler_every: int = 2, delayed: bool | None = None, volunteers: bool = False):
         self.run, self.poll_s, self.step_s, self.delayed = run, poll_s, step_s, delayed
         self.scheduler_every, self.ticks = scheduler_every, 0
-        self.scheduler = Scheduler(run, parallel=2, poll_s=poll_s) if scheduler else None
+        self.scheduler = Scheduler(run, parallel=2, poll_s=poll_s, volunteers=volunteers) if scheduler else None
         self.workers: dict[str, Worker] = {}
+        self.aggregators: dict[str, AggregatorRole] = {}
         self._pool = ThreadPoolExecutor(2)
 
     def __enter__(self) -> "LockStep":
@@ -109,6 +132,14 @@ class LockStep:
         self.workers[peer] = w
         return w
 
+    def aggregate(self, peer: str, signer) -> AggregatorRole:
+        """A volunteer aggregator, stepped each tick, and at each sleep of a DrivenClock (the
+        run's), so it answers while the scheduler waits for it."""
+        role = self.aggregators[peer] = AggregatorRole(self.run, peer, signer)
+        if isinstance(self.run.clock, DrivenClock):
+            self.run.clock.parties.append(lambda: peer in self.aggregators and self.aggregators[peer].step())
+        return role
+
     def kill(self, peer: str) -> Worker:
         """Stop stepping ``peer``: no leave, no last heartbeat."""
         return self.workers.pop(peer)
@@ -117,6 +148,8 @@ class LockStep:
         for w in list(self.workers.values()):
             w.step()
             w.flush()
+        for a in list(self.aggregators.values()):
+            a.step()
         if self.scheduler is not None and self.ticks % self.scheduler_every == 0:
             self.scheduler.step(self._pool)
         self.ticks += 1

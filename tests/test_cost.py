@@ -179,9 +179,10 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
         counted(f"upload {p}", lambda: shard.upload(run, 0, p, f"part{i}", arrays, 4, 1.0,
                                                     shard.DataRef(stream=p, ranges=[(0, 4)]),
                                                     state_hash=opened, inner_steps=inner))  # as a worker has it
-    assert counted("closing", lambda: sched.try_close(0)) is not None
-    with ThreadPoolExecutor(2) as pool:
-        counted("finish", lambda: sched.finish(0, pool))
+    close = counted("closing", lambda: sched.try_close(0))
+    assert close is not None
+    with ThreadPoolExecutor(2) as pool:  # the round loop finishes the CLOSE it has
+        counted("finish", lambda: sched.finish(0, pool, close))
     p0 = run.load_params(0)
     counted("download", lambda: run.apply_delta(1, p0, run.commit_of(1)))
     counted("between rounds", sched.poll)

@@ -111,7 +111,8 @@ def test_the_matcher_has_iams_semantics():
 
 # RunLayout's methods that take a key apart rather than make one
 PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "number_of",
-           "round_number", "generation_of", "holding", "written", "of_round", "writer", "shard_of"}
+           "round_number", "generation_of", "holding", "written", "of_round", "writer", "shard_of", "part_number",
+           "state_path"}
 
 
 def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
@@ -125,6 +126,7 @@ def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:
         "generation": [1, 42],  # the scheduler's lease
         "stamp": ["20270115T080000Z"], "key": [keys.commit(5), keys.progress(5, ME)],  # a repair's quarantine
         "shard": list(shard.values()), "manifest": [keys.manifest(s) for s in shard.values()],
+        "path": ["params/values/c/0", "optim/exp_avg/values/c/1"],  # below a state, or an aggregator's answer
     }
     out = []
     for name, attr in inspect.getmembers(RunLayout):
@@ -164,13 +166,16 @@ def _shard_objects() -> set[str]:
 
 def _volunteer_writes(keys: RunLayout, peer: str = ME, parts: tuple[str, ...] = (PART,)) -> set[str]:
     """The keys the code has a volunteer write (worker.py: heartbeats; shard.py: a shard's
-    objects, vector.write_vector, and its manifest)."""
+    objects, vector.write_vector, and its manifest; aggregating.py: an aggregator's offer, and a
+    part's claim, answer objects and result)."""
     out = set()
     for r in ROUNDS:
         for part in parts:
             own = keys.shard(r, peer, part)
             out |= {f"{own}/{obj}" for obj in _shard_objects()} | {keys.manifest(own)}
         out.add(keys.progress(r, peer))
+        out |= {keys.offer(r, peer), keys.claim(r, peer, 3), keys.result(r, peer, 3),
+                *(keys.answer_object(r, peer, 3, path) for path in ("params/values/c/7", "optim/exp_avg/values/c/7"))}
     return out
 
 

@@ -43,7 +43,6 @@ COMPUTE = """
 import json, sys
 from dedloc_pipeline.protocol import aggregator, optim
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
 out = {}
 for root in sys.argv[1:]:
@@ -54,11 +53,8 @@ for root in sys.argv[1:]:
         norms = optim.merge_partials([optim.partials(opt, run.flat, run.part_bounds(k)[0],
                                                      *aggregator._read_state(run, 1, k, False)[:2], grads[k], 2)
                                       for k in range(run.n_parts)])
-    target, formats = Bucket(f"file://{root}/out"), aggregator.next_formats(run)
     for k in range(run.n_parts):
-        for name, arrays in aggregator.next_part(run, 1, k, grads[k], norms).items():
-            key = name if name in ("params", "delta") else f"optim/{name}"
-            vector.write_vector(target, key, formats[name], arrays, run.part_chunks(k))
+        aggregator.write_part(Bucket(f"file://{root}"), "out", run, k, aggregator.next_part(run, 1, k, grads[k], norms))
     out[root] = True
 print(json.dumps(out))
 """

@@ -70,16 +70,23 @@ def summary_text(s: dict) -> str:
 
 
 def volunteer(worker: Worker, until_round: int | None = None, event: threading.Event | None = None,
-              plain: bool | None = None, every: float = 10.0, console: Console | None = None) -> dict:
+              plain: bool | None = None, every: float = 10.0, console: Console | None = None,
+              aggregate: bool = False) -> dict:
     """Serve with a display until ``until_round``, the run's STOP, ``event`` or a stop signal
     (Ctrl-C, SIGTERM, SIGHUP); then leave and return the summary (``ended`` says which, and
-    ``signal`` which signal)."""
-    request, interrupted = StopRequest(event), False
+    ``signal`` which signal). ``aggregate``: serve as a volunteer aggregator too, on a thread of
+    its own (``protocol/aggregating.py``)."""
+    request, interrupted, done = StopRequest(event), False, threading.Event()
+    role = _aggregator(worker, lambda: done.is_set() or request()) if aggregate else None
     with request, Display(worker, request, plain, every, console) as display:
         try:
             state = worker.serve(until_round, request)
         except KeyboardInterrupt:
             state, interrupted = worker.state, True
+        finally:
+            done.set()
+    if role is not None:
+        log.info("aggregated %d parts (%d revealed)", len(role.done), sum(d.revealed for d in role.done.values()))
     if interrupted:
         ended = "interrupted"
     elif request.presses:
@@ -91,6 +98,16 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
     else:
         ended = "stop_requested"
     return dict(summary(worker, ended, None if interrupted else display.ledger), signal=request.signum)
+
+
+def _aggregator(worker: Worker, stop):
+    """The worker's volunteer's aggregator role, served on a daemon thread until ``stop()``."""
+    from ..protocol.aggregating import AggregatorRole
+    if worker.transfers.signer is None:
+        raise ValueError("--aggregate needs your key (--key): an aggregator signs what it writes")
+    role = AggregatorRole(worker.run, worker.peer, worker.transfers.signer, worker.clock)
+    threading.Thread(target=role.serve, args=(stop, worker.poll_s or 2.0), name="aggregator", daemon=True).start()
+    return role
 
 
 def _import_tqdm_auto() -> None:

@@ -119,8 +119,9 @@ def unflagged(accepted: list[Entry], flags: dict[str, dict]) -> tuple[list[Entry
         if flag is None:
             kept.append(s)
         else:
+            who = "scheduler, as an aggregator," if flag.get("verdict") == "wrong part" else "validator"
             out.append(Rejection(key=s.key, reason=f"volunteer {volunteer_of(s.peer)} was flagged by the "
-                                 f"validator in round {flag.get('round')}: {flag.get('reason')}"))
+                                 f"{who} in round {flag.get('round')}: {flag.get('reason')}"))
     return kept, out
 
 

@@ -105,9 +105,32 @@ def next_part(run: Run, r: int, part: int, grad: np.ndarray, norms: dict | None 
 
 
 def next_formats(run: Run) -> dict[str, VectorFormat]:
-    """The format of each of a state's vectors, by the names ``next_part`` gives them."""
+    """The format of each of a state's vectors, by the names ``next_part`` gives them (the
+    download codec's ``residual`` only where it is lossy)."""
+    lossy = not codec.codec_of(run.config.param_codec).exact
     return {"params": run.dense_format, "delta": run.delta_format,
-            **{n: run.dense_format for n in (*run.config.aggregator_optimizer.slots, "residual")}}
+            **{n: run.dense_format for n in (*run.config.aggregator_optimizer.slots, *["residual"] * lossy)}}
+
+
+def vector_key(base: str, name: str) -> str:
+    """Where a state's vector ``name`` lies below ``base`` (a state's folder, or an aggregator's
+    answer, which keeps the same paths: ``params``, ``delta``, ``optim/NAME``)."""
+    return f"{base}/{name}" if name in ("params", "delta") else f"{base}/optim/{name}"
+
+
+def write_part(bucket, base: str, run: Run, part: int, vectors: dict[str, dict]) -> dict[str, dict]:
+    """Write ``next_part``'s vectors below ``base``; their chunk checksums, by vector."""
+    formats, chunks = next_formats(run), run.part_chunks(part)
+    return {name: vector.write_vector(bucket, vector_key(base, name), formats[name], arrays, chunks)
+            for name, arrays in vectors.items()}
+
+
+def applied_marker(part: int, sums: dict[str, dict], by: list[str]) -> dict:
+    """A part's applied marker: what COMMIT takes (its params' and delta's checksums), every
+    vector's checksums, and who computed it (``organizer``, or the two volunteer aggregators
+    whose answers agreed)."""
+    return {"part": part, "checksums": {"params": sums["params"]["values"], "delta": sums["delta"]},
+            "vectors": sums, "by": by}
 
 
 def apply_part(run: Run, r: int, part: int) -> str:
@@ -124,11 +147,6 @@ def apply_part(run: Run, r: int, part: int) -> str:
         if any(v is None for v in found.values()):
             raise RunError(f"round {r}: LAMB needs every part reduced first")
         norms = optim.merge_partials([json.loads(v)["partials"] for v in found.values()])
-    formats = next_formats(run)
-    places = {"params": keys.params(r + 1), "delta": keys.delta(r + 1)}
-    sums = {name: vector.write_vector(bucket, places.get(name) or keys.optim(r + 1, name), formats[name], arrays,
-                                      chunks)
-            for name, arrays in next_part(run, r, part, grad, norms).items()}
-    bucket.write_json(marker, {"part": part, "checksums": {"params": sums["params"]["values"],
-                                                           "delta": sums["delta"]}})
+    sums = write_part(bucket, keys.state(r + 1), run, part, next_part(run, r, part, grad, norms))
+    bucket.write_json(marker, applied_marker(part, sums, ["organizer"]))
     return marker

@@ -43,6 +43,10 @@ class Close(BaseModel):
     started_at: float | None = None  # the scheduler first saw work on it (a live heartbeat or a shard)
     closed_at: float
     reason: Literal["target", "timeout"]
+    # volunteer aggregators (checked.py): the two assigned to each part, and until when (the
+    # scheduler's clock) their answers may settle it before the organizer computes it
+    aggregators: list[list[str]] | None = None
+    aggregate_by: float | None = None
     run: str | None = None  # the run it closes, in a signed run (Run.record binds it there)
     signature: str | None = None  # the organizer's, in a signed run (Run.record)
 
@@ -51,7 +55,8 @@ class Close(BaseModel):
         return {"round": self.round, "samples": self.samples, "target": self.target,
                 "accepted": [e.dump() for e in self.accepted], "roster": self.roster,
                 "rejected": [e.dump() for e in self.rejected], "opened_at": self.opened_at,
-                "started_at": self.started_at, "closed_at": self.closed_at, "reason": self.reason}
+                "started_at": self.started_at, "closed_at": self.closed_at, "reason": self.reason,
+                **({"aggregators": self.aggregators, "aggregate_by": self.aggregate_by} if self.aggregators else {})}
 
     def listed(self) -> set[str]:
         """Every shard key this CLOSE judged, accepted or rejected."""

@@ -81,6 +81,9 @@ class CloseRule(BaseModel):
                                "direction of those samples' loss is below this many times a random direction's "
                                "spread (1/sqrt of its entries): noise scores about N(0, 1), honest shards 3 to "
                                "hundreds, reversed ones as far below 0")
+    aggregate_s: float = Field(120.0, gt=0, description="volunteer aggregators (a scheduler run with them): "
+                               "seconds after CLOSE in which two aggregators' agreeing answers settle a part; "
+                               "then the organizer computes the parts left")
 
 
 class Cadence(BaseModel):

@@ -99,6 +99,11 @@ class Judge:
             return
 
     @property
+    def flags(self) -> dict[str, dict]:
+        """The flagged volunteers as last read (as the round opened, or about to close)."""
+        return self._flags
+
+    @property
     def roster_version(self) -> int | None:
         return self._roster.version if self._roster is not None else None
 

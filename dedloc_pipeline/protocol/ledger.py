@@ -85,6 +85,7 @@ def _write_commit(run: Run, r: int) -> dict:
             "committed_at": run.clock.time(),
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
                           "delta": delta_sums},
+            "aggregated_by": [a.get("by", ["organizer"]) for a in applied],  # per part: who computed it
         }
         if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit, state=r + 1)):
             log.info("state %d was committed by another scheduler", r + 1)

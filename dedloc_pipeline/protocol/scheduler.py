@@ -26,9 +26,9 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..trust import identity
-from . import admission, aggregator, heartbeat, view
+from . import admission, aggregator, checked, heartbeat, view
 from .clock import Clock
-from .close import Close
+from .close import Close, closed
 from .judge import Judge, Listing
 from .lease import LEASE_S, Lease
 from .ledger import commit
@@ -71,11 +71,16 @@ def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float 
 
 class Scheduler:
     def __init__(self, run: Run, parallel: int = 2, poll_s: float | None = None, clock: Clock | None = None,
-                 holder: str | None = None, lease_s: float = LEASE_S):
+                 holder: str | None = None, lease_s: float = LEASE_S, volunteers: bool = False):
         """``poll_s`` fixes the seconds between polls; None follows the run's ``cadence``.
-        ``holder`` names this scheduler in the run's lease (default ``host:pid``)."""
+        ``holder`` names this scheduler in the run's lease (default ``host:pid``). ``volunteers``:
+        the parts go to volunteer aggregators where two or more offer (``checked.py``), the
+        organizer computing what they do not settle."""
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self.clock = run.clock if clock is None else clock
+        if volunteers and (why := checked.eligible(run)):
+            raise RunError(f"run {run.name!r} cannot take volunteer aggregators: {why}")
+        self.referee = checked.Referee(run, self.clock, poll_s if poll_s else 2.0) if volunteers else None
         self.judge = Judge(run, parallel)
         self.lease = Lease(run.bucket, run.keys, self.clock, holder, lease_s)
         self._beats = heartbeat.Heartbeats()
@@ -144,6 +149,10 @@ class Scheduler:
                       roster=self.judge.roster_version, rejected=sorted(rejected, key=lambda s: s.key),
                       opened_at=opened, started_at=self._started.get(r), closed_at=now,
                       reason="target" if samples >= target else "timeout")
+        if self.referee is not None:
+            offers = self.referee.offers(r, listed, self.judge.roster(), self.judge.flags)
+            if assigned := checked.assign(checked.seed(close), self.run.n_parts, offers):
+                close = close.model_copy(update={"aggregators": assigned, "aggregate_by": now + rule.aggregate_s})
         if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump(), round=r)):
             log.warning("round %d: a CLOSE was there already, not this scheduler's", r)
         self._unclosed = None
@@ -182,7 +191,7 @@ class Scheduler:
 
     def _publish(self, r: int, at: float, listed: Listing, samples: int = 0, shards: int = 0, rejected: int = 0,
                  pending: heartbeat.Pending = heartbeat.Pending(), close: Close | None = None,
-                 cap: int | None = None, ended: str | None = None) -> None:
+                 cap: int | None = None, ended: str | None = None, reveal: bool = False) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats) if it
         says something new (time's projections aside: workers project the pending samples
         themselves) or its keep-alive is due (``keepalive_s``), by which volunteers know a
@@ -204,7 +213,7 @@ class Scheduler:
                           samples_per_s=pending.samples_per_s, ahead_peers=ahead.peers,
                           ahead_samples_per_s=ahead.samples_per_s, ignored_heartbeats=pending.ignored,
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
-                          eta_s=self._eta, cap=cap, ended=ended, at=at,
+                          eta_s=self._eta, cap=cap, ended=ended, reveal=reveal, at=at,
                           written_at=max(at, self.clock.time()), next_s=self.keepalive_s)
             beats = [(k, listed[k][1]) for k in keys.of_round(listed, r, "progress")]
             said = (tuple(sorted(v.model_dump(exclude=_PROJECTED).items())), tuple(beats))
@@ -266,21 +275,31 @@ class Scheduler:
                 wait = min(wait, keepalive_in)
             self.clock.sleep(wait if deadline is None else max(0.0, min(wait, deadline - self.clock.monotonic())))
 
-    def finish(self, r: int, pool: Executor) -> dict:
+    def finish(self, r: int, pool: Executor, close: Close | None = None) -> dict:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat
-        after any crash. The Prefect round flow runs the same four steps as tasks."""
+        after any crash. The Prefect round flow runs the same four steps as tasks. Parts the
+        CLOSE gave volunteer aggregators are theirs until its deadline (``checked.Referee``):
+        the round view says when they may reveal their answers, and those that disagree with
+        the organizer's answer for a part left to it are flagged."""
         run = self.run
-        parts = range(run.n_parts)
+        close = close or closed(run, r)
+        referee = self.referee or checked.Referee(run, self.clock)  # a CLOSE of a scheduler run with them
+        settled = referee.settle(close, self.judge.roster(), reveal=lambda: self._publish(
+            r, self.clock.time(), self._written(), close=close, reveal=True)) if close.aggregators \
+            else checked.Settlement()
+        parts = [k for k in range(run.n_parts) if k not in settled.agreed]
         list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))
         list(pool.map(lambda k: aggregator.apply_part(run, r, k), parts))
+        if settled.results or settled.liars:
+            referee.judge(close, settled)
         return commit(run, r)
 
     def step(self, pool: Executor) -> bool:
         """One unit of progress; False when the open round is still filling."""
         r = self.run.latest()
-        if self.try_close(r) is None:
+        if (close := self.try_close(r)) is None:
             return False
-        self.finish(r, pool)
+        self.finish(r, pool, close)
         return True
 
     def serve(self, until_round: int | None = None, max_wait_s: float | None = None, standby: bool = False) -> int:
@@ -297,7 +316,7 @@ class Scheduler:
                     wait = None if max_wait_s is None else self.clock.monotonic() + max_wait_s
                     close = snap.close or self.wait_close(snap.state, wait)
                     if close is not None:
-                        self.finish(snap.state, pool)
+                        self.finish(snap.state, pool, close)
                     elif wait is not None and self.clock.monotonic() > wait:
                         raise TimeoutError(f"round {snap.state} did not fill within {max_wait_s:.0f}s")
         except BaseException as exc:  # Ctrl-C, or a failure the loop cannot go on from

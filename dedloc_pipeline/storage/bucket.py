@@ -16,6 +16,7 @@ traffic was, ``stats``'.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from collections import Counter
@@ -290,17 +291,30 @@ class Bucket:
         self.write_bytes(key, _dumps(obj))
 
     @_retried
-    def copy(self, src: str, dst: str) -> None:
+    def copy(self, src: str, dst: str, fingerprint: str | None = None) -> None:
         """Copy object ``src`` to ``dst``: on S3 server-side (one CopyObject, billed as a PUT, no
-        bytes through this machine); on a disk whole, then renamed into place. FileNotFoundError
-        if ``src`` is gone."""
+        bytes through this machine); elsewhere whole (on a disk renamed into place).
+        FileNotFoundError if ``src`` is gone, or no longer has ``fingerprint`` (``fingerprints``)."""
         self.stats.add("put")
         if self.protocol == "s3":
-            s3.copy(self.fs, self.path(src), self.path(dst))
-        elif self.local:
-            local.write(self.fs, self.path(dst), self.fs.cat_file(self.path(src)))
+            s3.copy(self.fs, self.path(src), self.path(dst), fingerprint)
+            return
+        data = self.fs.cat_file(self.path(src))
+        if fingerprint is not None and _md5(data) != fingerprint:
+            raise FileNotFoundError(f"{src} changed since its fingerprint was taken")
+        if self.local:
+            local.write(self.fs, self.path(dst), data)
         else:
-            self.fs.copy(self.path(src), self.path(dst))
+            self.fs.pipe_file(self.path(dst), data)
+
+    def fingerprints(self, listed: dict[str, tuple[int, str | None]]) -> dict[str, str]:
+        """A hash of each listed object's bytes that the store computed where it can: S3's ETag
+        (the MD5 of a single-part upload's bytes: what the uploader sent cannot choose it), taken
+        from the listing at no request; elsewhere the MD5 of the bytes, read here (a disk's)."""
+        if self.protocol == "s3":
+            return {k: str(tag) for k, (_, tag) in listed.items()}
+        found = self.read_many(list(listed))
+        return {k: _md5(v) for k, v in found.items() if v is not None}
 
     @_routed
     @_retried
@@ -356,6 +370,11 @@ class Bucket:
             return zarr.storage.LocalStore(self.path(key))
         return zarr.storage.FsspecStore.from_url(f"{self.protocol}://{self.path(key)}",
                                                  storage_options=self.options or None)
+
+
+def _md5(data: bytes) -> str:
+    """S3's ETag of a single-part upload of ``data``."""
+    return '"' + hashlib.md5(data, usedforsecurity=False).hexdigest() + '"'
 
 
 def _dumps(obj: Any) -> bytes:

@@ -38,6 +38,8 @@ def volunteer_of(peer: str) -> str:
 
 
 _NUMBER = re.compile(r"\d{8}")
+_PART = re.compile(r"\d{5}\.json")  # an aggregator part's record
+_STATE_CHUNK = re.compile(r"(?:params|delta|optim/[^/]+)/[^/]+/c/(\d+)")  # a state vector's chunk object
 
 
 def _n(i: int) -> str:
@@ -47,7 +49,8 @@ def _n(i: int) -> str:
 class Written(NamedTuple):
     """A key a volunteer writes, parsed: whose, which round, and what (``progress``: its
     heartbeat; ``manifest``; ``shard``: a shard's folder; ``object``: one of its objects, ``path``
-    below the folder)."""
+    below the folder; an aggregator's ``offer``, and per part its ``claim``, ``result`` and
+    ``answer`` objects)."""
 
     peer: str
     round: int
@@ -176,6 +179,41 @@ class RunLayout:
         r, peer, part = self.shard_parts(shard)
         return f"{self.manifests_dir(r, peer)}/{part}.json"
 
+    # a volunteer aggregator's, round r (protocol/checked.py)
+    def offer(self, r: int, peer: str) -> str:
+        """An aggregator's offer to aggregate parts of round r: ``volunteers/PEER/R/offer.json``."""
+        return f"{self._own(peer, r)}/offer.json"
+
+    def claim(self, r: int, peer: str, part: int) -> str:
+        """An aggregator's commitment to its answer for a part, before anyone's is shown."""
+        return f"{self._own(peer, r)}/claims/{part:05d}.json"
+
+    def answer(self, r: int, peer: str, part: int) -> str:
+        """An aggregator's answer for a part, once revealed: state r+1's vectors over its chunks,
+        at the same paths below here as below ``state(r + 1)``."""
+        return f"{self._own(peer, r)}/parts/{part:05d}"
+
+    def result(self, r: int, peer: str, part: int) -> str:
+        """An aggregator's record of its revealed answer (its checksums), written after it."""
+        return f"{self._own(peer, r)}/results/{part:05d}.json"
+
+    def answer_object(self, r: int, peer: str, part: int, path: str) -> str:
+        """Object ``path`` of an aggregator's answer (``state_path``: as below a state)."""
+        return f"{self.answer(r, peer, part)}/{path}"
+
+    def state_object(self, s: int, path: str) -> str:
+        """Object ``path`` of state s (``state_path``)."""
+        return f"{self.state(s)}/{path}"
+
+    @staticmethod
+    def state_path(base: str, key: str) -> tuple[str, int] | None:
+        """Where ``key`` lies below ``base`` (a state's folder, or an aggregator's answer, which
+        keep the same paths), and the chunk it holds, if it is a chunk object of a state's
+        vector (``params``, ``delta``, ``optim/NAME``, then the array's ``c/N``); else None."""
+        path = key.removeprefix(base + "/")
+        m = _STATE_CHUNK.fullmatch(path)
+        return (path, int(m.group(1))) if path != key and m else None
+
     def written(self, key: str) -> Written | None:
         """What a key under ``volunteers_dir`` is (``Written``), or None: off the layout, which no
         reader takes (a volunteer can write anything under its own prefix)."""
@@ -192,6 +230,12 @@ class RunLayout:
             return Written(peer, r, "manifest", what[1][:-5])
         if len(what) >= 2 and what[0] == "shards" and is_name(what[1]):
             return Written(peer, r, "shard" if len(what) == 2 else "object", what[1], "/".join(what[2:]))
+        if what == ["offer.json"]:
+            return Written(peer, r, "offer")
+        if len(what) == 2 and what[0] in ("claims", "results") and _PART.fullmatch(what[1]):
+            return Written(peer, r, what[0][:-1], what[1][:-5])
+        if len(what) >= 3 and what[0] == "parts" and _PART.fullmatch(what[1] + ".json"):
+            return Written(peer, r, "answer", what[1], "/".join(what[2:]))
         return None
 
     def _written(self, key: str, kind: str) -> Written:
@@ -268,6 +312,12 @@ class RunLayout:
         """The number an ``NNNNNNNN.json`` entry of a listing stands for (a roster version, a
         verified round); None for anything else."""
         return int(name[:-5]) if name.endswith(".json") and _NUMBER.fullmatch(name[:-5]) else None
+
+    @staticmethod
+    def part_number(name: str) -> int | None:
+        """The part an ``NNNNN.json`` entry of a listing is for (an applied marker, an
+        aggregator's claim or result); None for anything else."""
+        return int(name[:-5]) if _PART.fullmatch(name) else None
 
     @property
     def flags_dir(self) -> str:

@@ -63,10 +63,23 @@ def exists(fs, path: str) -> bool:
     return True
 
 
-def copy(fs, src: str, dst: str) -> None:
+def copy(fs, src: str, dst: str, etag: str | None = None) -> None:
     """One CopyObject, server-side (s3fs's ``copy`` sizes the source first: a HEAD and LISTs);
-    FileNotFoundError if ``src`` is gone. Objects up to 5 GB: a shard is far smaller."""
-    sync(fs.loop, fs._copy_basic, src, dst)
+    FileNotFoundError if ``src`` is gone. Objects up to 5 GB: a shard is far smaller. ``etag``:
+    only if what was copied has it (``CopySourceIfMatch``, and the copy's own ETag checked, as
+    a store may not honour the condition), else FileNotFoundError too."""
+    (sb, sk, _), (db, dk, _) = fs.split_path(src), fs.split_path(dst)
+    try:
+        got = sync(fs.loop, fs._call_s3, "copy_object", Bucket=db, Key=dk, CopySource={"Bucket": sb, "Key": sk},
+                   **({"CopySourceIfMatch": etag} if etag else {}))
+    except FileNotFoundError:
+        raise
+    except OSError as exc:  # 412: the source changed since it was listed
+        if etag and ("412" in str(exc) or "PreconditionFailed" in str(exc)):
+            raise FileNotFoundError(f"{src} changed since it was listed ({exc})") from exc
+        raise
+    if etag and str(got.get("CopyObjectResult", {}).get("ETag")) != etag:
+        raise FileNotFoundError(f"{src} changed since it was listed: its copy has another ETag")
 
 
 def objects(fs, path: str, after: Callable[[str], str | None] | None = None) -> dict[str, tuple[int, str]]:

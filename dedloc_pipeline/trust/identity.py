@@ -137,11 +137,15 @@ class Roster(BaseModel):
     version: int = Field(0, ge=0, description="grows with each change: an older roster is a replay")
     volunteers: dict[str, str] = {}
     revoked: list[str] = []
+    aggregators: list[str] = Field([], description="the volunteers who may aggregate parts (checked.py)")
     signed_at: float = 0.0
     signature: str | None = None
 
     def payload(self) -> dict:
-        return self.model_dump(mode="json", exclude={"signature"})
+        """What the organizer signs (without aggregators where there are none, as rosters were
+        signed before volunteers could aggregate)."""
+        unsigned = {"signature"} if self.aggregators else {"signature", "aggregators"}
+        return self.model_dump(mode="json", exclude=unsigned)
 
     def key_of(self, peer: str) -> str:
         """The public key that must sign ``peer``'s shards; IdentityError if it has none."""
@@ -152,6 +156,14 @@ class Roster(BaseModel):
         if key in self.revoked:
             raise IdentityError(f"volunteer {name!r} is revoked")
         return key
+
+    def may_aggregate(self, peer: str) -> bool:
+        """Whether ``peer``'s volunteer is enrolled, not revoked, and named an aggregator."""
+        try:
+            self.key_of(peer)
+        except IdentityError:
+            return False
+        return volunteer_of(peer) in self.aggregators
 
 
 def read_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None:
@@ -169,10 +181,10 @@ def read_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None:
 
 
 def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll: dict[str, str] | None = None,
-                  revoke: list[str] = (), replace: bool = False) -> Roster:
-    """Enrol volunteers (name -> public key) and revoke others by name; sign; write. A name
-    enrolled with another key keeps it unless ``replace``: a typo must not hand someone's name,
-    and its stream, to another key."""
+                  revoke: list[str] = (), replace: bool = False, aggregate: list[str] = ()) -> Roster:
+    """Enrol volunteers (name -> public key), name those who may aggregate (enrolled ones), and
+    revoke others by name; sign; write. A name enrolled with another key keeps it unless
+    ``replace``: a typo must not hand someone's name, and its stream, to another key."""
     org = public(organizer)
     roster = read_roster(bucket, run, org) or Roster(run=run)
     volunteers, revoked = dict(roster.volunteers), list(roster.revoked)
@@ -191,8 +203,11 @@ def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll
         if name not in volunteers:
             raise IdentityError(f"no volunteer {name!r} in the roster")
         revoked.append(volunteers[name])
+    for name in aggregate:
+        if name not in volunteers:
+            raise IdentityError(f"no volunteer {name!r} in the roster: enrol it first")
     new = Roster(run=run, version=roster.version + 1, volunteers=volunteers, revoked=sorted(set(revoked)),
-                 signed_at=time.time())
+                 aggregators=sorted(set(roster.aggregators) | set(aggregate)), signed_at=time.time())
     new.signature = sign(organizer, new.payload())
     keys = RunLayout(run)
     if not bucket.create(keys.roster_version(new.version), new.model_dump_json(indent=1).encode()):

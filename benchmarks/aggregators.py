@@ -1,0 +1,127 @@
+"""Benchmark 11: the organizer's bytes and requests per round with volunteer aggregators
+(docs/aggregators.md), against the same collaboration with the organizer aggregating.
+
+One process, moto's S3 server on loopback (server-side copies and ETags as S3 has them): a signed
+run of the ``tiny`` model (int8 shards, AdamW, a part per chunk), three lock-step volunteers
+computing and two aggregating, on one fake clock (the aggregators answer while the scheduler
+waits). The scheduler, the workers and the aggregators each read and write through a Bucket of
+their own, so each one's traffic is its own: requests counted where botocore sends them (what
+the server bills: tests/test_requests.py), bytes as the Bucket and its zarr stores moved them.
+Measured over the rounds after the first (which has no delta to read and no shards to prune).
+
+``python -m benchmarks.aggregators [--rounds 4]`` prints a JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from dedloc_pipeline.protocol.aggregating import AggregatorRole
+from dedloc_pipeline.protocol.run import Run, init_run
+from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.testing import TINY, DrivenClock, small_config
+from dedloc_pipeline.trust import identity
+
+COMPUTING, AGGREGATING = ("a", "b", "c"), ("x", "y")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def collaboration(endpoint: str, name: str, volunteers: bool, rounds: int) -> dict:
+    """A run to state ``rounds + 1``; each party's traffic over the rounds after the first."""
+    work = tempfile.mkdtemp(prefix="agg-bench-")
+    org = identity.generate(f"{work}/org.pem")
+    keys = {n: identity.generate(f"{work}/{n}.pem") for n in COMPUTING + AGGREGATING}
+    url = f"s3://agg-bench/{name}"
+    cfg = small_config(name, **TINY, codec="int8", chunks_per_part=1, target_batch_size=48,
+                       organizer_key=identity.public(org), close={"aggregate_s": 60.0})
+    run = init_run(Bucket(url, endpoint_url=endpoint), cfg, organizer=org)
+    identity.update_roster(run.bucket, name, org, enroll={n: identity.public(k) for n, k in keys.items()},
+                           aggregate=list(AGGREGATING))
+    clock = DrivenClock(epoch=run.commit_of(0)["committed_at"])
+
+    def party(organizer=None) -> Run:
+        return Run(Bucket(url, endpoint_url=endpoint), name, organizer=organizer, clock=clock)
+    organizer, computing, aggregating = party(org), party(), party()
+    scheduler = Scheduler(organizer, parallel=2, poll_s=0, volunteers=volunteers)
+    workers = [Worker(computing, n, micro_batch=8, threads=1, poll_s=0, signer=keys[n]) for n in COMPUTING]
+    roles = [AggregatorRole(aggregating, n, keys[n]) for n in AGGREGATING]
+    clock.parties += [r.step for r in roles]
+    marks, t0 = {}, time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        for tick in range(10_000):
+            if organizer.latest() >= rounds + 1:
+                break
+            for w in workers:
+                w.step()
+                w.flush()
+            for role in roles:
+                role.step()
+            if tick % 2 == 0:
+                scheduler.step(pool)
+            if organizer.latest() not in marks:
+                marks[organizer.latest()] = {p: b.bucket.stats.snapshot() for p, b in
+                                             (("organizer", organizer), ("computing", computing),
+                                              ("aggregating", aggregating))}
+    for w in workers:
+        w.leave()
+    first, last = marks[1], marks[rounds + 1]
+    per_round = {}
+    for who in first:
+        a, b = first[who], last[who]
+        per_round[who] = {"bytes_read": (b["bytes_read"] - a["bytes_read"]) / rounds,
+                          "bytes_written": (b["bytes_written"] - a["bytes_written"]) / rounds,
+                          "requests": {k: (b["requests"].get(k, 0) - a["requests"].get(k, 0)) / rounds
+                                       for k in set(a["requests"]) | set(b["requests"])}}
+    commit = organizer.commit_of(rounds + 1)
+    return {"parameters": organizer.flat.n, "parts": organizer.n_parts, "shards_per_round": len(commit["shards"]),
+            "aggregated_by": commit["aggregated_by"], "per_round": per_round,
+            "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=4)
+    a = p.parse_args()
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1")
+    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        import boto3
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="agg-bench")
+        out = {mode: collaboration(endpoint, mode, mode == "volunteers", a.rounds)
+               for mode in ("organizer", "volunteers")}
+        base, vol = out["organizer"]["per_round"]["organizer"], out["volunteers"]["per_round"]["organizer"]
+        out["organizer_ratio"] = {k: vol[k] / base[k] for k in ("bytes_read", "bytes_written")}
+        print(json.dumps(out, indent=1))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

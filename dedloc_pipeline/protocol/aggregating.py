@@ -1,0 +1,114 @@
+"""A volunteer aggregator: it offers, computes the parts a CLOSE assigns it, claims, and reveals
+(the protocol is ``checked.py``'s; docs/aggregators.md).
+
+It reads the round view as a worker does (one GET a poll). It offers once a round, while the
+round is open or already while the one before it is reduced; when the view shows a round
+closed, it reads the CLOSE (one GET), computes each part assigned to it from the frozen shards
+and state r (the same code as the organizer's aggregators), and writes a claim per part; when
+the view says reveal, it writes each answer's objects, then the result. Everything it writes
+lies below its own prefix and is signed with its key. It keeps a round's answers in memory
+until they are revealed or the round is past.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..storage import vector
+from ..trust import identity
+from . import aggregator, checked, view
+from .clock import Clock
+from .close import Close
+from .run import Run, RunError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Done:
+    """What this aggregator did for one part: what a display shows and the leaderboard counts."""
+
+    round: int
+    part: int
+    seconds: float  # reducing and stepping it
+    revealed: bool = False
+
+
+class AggregatorRole:
+    """One volunteer's aggregator loop (``step``, ``serve``): ``peer`` signs with ``signer``,
+    its volunteer's enrolled key, which the roster must let aggregate."""
+
+    def __init__(self, run: Run, peer: str, signer: identity.Ed25519PrivateKey, clock: Clock | None = None):
+        if (why := checked.eligible(run)) is not None:
+            raise RunError(f"run {run.name!r} takes no volunteer aggregators: {why}")
+        self.run, self.peer, self.signer = run, peer, signer
+        self.clock = run.clock if clock is None else clock
+        self.offered: set[int] = set()
+        self.answers: dict[tuple[int, int], dict[str, dict]] = {}  # (round, part) -> next_part's vectors
+        self.done: dict[tuple[int, int], Done] = {}
+        self._closed: set[int] = set()  # rounds whose CLOSE was read and its parts claimed
+
+    def _write(self, key: str, record: dict) -> None:
+        self.run.bucket.write_json(key, identity.sign_record(self.signer, {"run": self.run.name, **record}))
+
+    def step(self) -> None:
+        """One poll: offer for the open round, claim the parts of a closed one, reveal them."""
+        v = view.read(self.run.bucket, self.run.keys, self.run.config.organizer_key)
+        if v is None or v.stopped or v.ended:
+            return
+        r, keys = v.round, self.run.keys
+        self.answers = {rk: a for rk, a in self.answers.items() if rk[0] >= r}
+        self._offer(r + 1 if v.closed else r)  # while a round is reduced, already for the next: a short round
+        if not v.closed:                        # may close before the next poll
+            return
+        if r not in self._closed:
+            self._closed.add(r)
+            close = Close.read(self.run, r)
+            mine = [k for k, peers in enumerate(close.aggregators or []) if self.peer in peers] if close else []
+            for k in mine:
+                self._claim(r, k)
+        if v.reveal:
+            for (rr, k), vectors in sorted(self.answers.items()):
+                if rr == r and not self.done[(r, k)].revealed:
+                    aggregator.write_part(self.run.bucket, keys.answer(r, self.peer, k), self.run, k, vectors)
+                    self._write(keys.result(r, self.peer, k), {"round": r, "peer": self.peer, "part": k,
+                                                                "checksums": self._checksums(k, vectors)})
+                    self.done[(r, k)].revealed = True
+                    log.info("round %d: part %d revealed", r, k)
+
+    def _offer(self, r: int) -> None:
+        if r not in self.offered:
+            self._write(self.run.keys.offer(r, self.peer), {"round": r, "peer": self.peer, "at": self.clock.time()})
+            self.offered = {x for x in self.offered if x >= r - 1} | {r}
+
+    def compute(self, r: int, k: int) -> dict[str, dict]:
+        """Part k of state r+1: round r's mean gradient over it, and the optimizer step."""
+        return aggregator.next_part(self.run, r, k, aggregator.mean_gradient(self.run, r, k))
+
+    def _claim(self, r: int, k: int) -> None:
+        """Compute part k of round r and commit to it: only its digest leaves this machine."""
+        t0 = time.perf_counter()
+        vectors = self.compute(r, k)
+        self.answers[(r, k)] = vectors
+        self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
+        self._write(self.run.keys.claim(r, self.peer, k), {
+            "round": r, "peer": self.peer, "part": k,
+            "digest": checked.digest(self.peer, self._checksums(k, vectors))})
+        log.info("round %d: part %d computed and claimed", r, k)
+
+    def _checksums(self, k: int, vectors: dict[str, dict]) -> dict[str, dict[str, list[str]]]:
+        formats, chunks = aggregator.next_formats(self.run), self.run.part_chunks(k)
+        return {name: vector.chunk_checksums(formats[name], arrays, chunks) for name, arrays in vectors.items()}
+
+    def serve(self, stop: Callable[[], bool], poll_s: float = 2.0) -> None:
+        """Poll every ``poll_s`` until ``stop()``; a failing poll is logged and the next one tries
+        again (the organizer computes what this aggregator does not settle)."""
+        while not stop():
+            try:
+                self.step()
+            except Exception as exc:
+                log.warning("aggregator %s: %s", self.peer, exc)
+            self.clock.sleep(poll_s)

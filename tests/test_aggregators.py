@@ -1,0 +1,277 @@
+"""Volunteer aggregators (issue 27, docs/aggregators.md): two to a part, committed only when they
+agree bit for bit; the organizer computes what they do not settle and flags the one that lied.
+
+Real lock-step workers of the micro model fill the rounds of a signed run; aggregators x and y
+(enrolled, the roster letting them aggregate) answer on a DrivenClock, so they act while the
+scheduler waits for them. Each case checks every committed state against the organizer's own
+answer for its round, recomputed here from its CLOSE.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dedloc_pipeline.protocol import aggregator, checked, verify, view
+from dedloc_pipeline.protocol.close import Close
+from dedloc_pipeline.protocol.run import Run, RunError, init_run
+from dedloc_pipeline.storage import vector
+from dedloc_pipeline.testing import DrivenClock, LockStep, on_clock, small_config
+from dedloc_pipeline.trust import identity
+
+ROUNDS = 2
+
+
+def _run(tmp_path, bucket, **kw):
+    """A signed run (micro, a part per chunk) with a, b computing and x, y, z enrolled, x and y as
+    aggregators; its keys by name."""
+    org = identity.generate(tmp_path / "org.pem")
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("a", "b", "x", "y", "z")}
+    cfg = small_config(organizer_key=identity.public(org), chunks_per_part=1, codec="int8",
+                       close={"aggregate_s": 60.0}, **kw)
+    run = init_run(bucket, cfg, organizer=org)
+    identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()},
+                           aggregate=["x", "y"])
+    return on_clock(run, DrivenClock(epoch=run.commit_of(0)["committed_at"])), keys
+
+
+def _organizers(run, r: int) -> dict[str, list[str]]:
+    """State r+1's params and delta checksums as the organizer's own reduction and step give them."""
+    sums: dict[str, list] = {"params": [], "delta": {}}
+    formats = aggregator.next_formats(run)
+    for k in range(run.n_parts):
+        vectors = aggregator.next_part(run, r, k, aggregator.mean_gradient(run, r, k))
+        sums["params"] += vector.chunk_checksums(formats["params"], vectors["params"], run.part_chunks(k))["values"]
+        for name, s in vector.chunk_checksums(formats["delta"], vectors["delta"], run.part_chunks(k)).items():
+            sums["delta"].setdefault(name, []).extend(s)
+    return sums
+
+
+def _collaborate(run, keys, tamper=None, volunteers=True):
+    """a and b compute, x and y aggregate (``tamper``: what x does instead of its honest part)
+    until state ROUNDS; each state checked against the organizer's own answer."""
+    with LockStep(run, volunteers=volunteers) as c:
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n])
+        roles = {n: c.aggregate(n, keys[n]) for n in ("x", "y")}
+        if tamper is not None:
+            tamper(roles)
+        states = []
+        for r in range(ROUNDS):
+            c.until(lambda: run.latest() > r, 400, f"state {r + 1}")
+            commit = run.commit_of(r + 1)
+            assert commit["checksums"] == _organizers(run, r), f"state {r + 1} is not the organizer's answer"
+            states.append(commit)
+    return states, roles
+
+
+def test_two_honest_aggregators_commit_what_the_organizers_reduction_gives(tmp_path, bucket):
+    run, keys = _run(tmp_path, bucket)
+    assert run.n_parts >= 3
+    states, roles = _collaborate(run, keys)
+    for r, commit in enumerate(states):
+        close = Close.read(run, r)
+        assert close.aggregators and all(sorted(p) == ["x", "y"] for p in close.aggregators)
+        assert commit["aggregated_by"] == close.aggregators
+    assert all(d.revealed for role in roles.values() for d in role.done.values())
+    assert len(roles["x"].done) == ROUNDS * run.n_parts
+    assert verify.flagged(run) == {}
+
+
+def test_control_without_volunteer_aggregators_the_organizer_computes_every_part(tmp_path, bucket):
+    run, keys = _run(tmp_path, bucket)
+    states, roles = _collaborate(run, keys, volunteers=False)
+    assert all(c["aggregated_by"] == [["organizer"]] * run.n_parts for c in states)
+    assert all(Close.read(run, r).aggregators is None for r in range(ROUNDS)) and not roles["x"].done
+
+
+def _noise(role):
+    honest = role.compute
+
+    def noisy(r, k):
+        vectors = honest(r, k)
+        p = vectors["params"]["values"]
+        p += np.random.default_rng(r).normal(0, 1e-3, p.size).astype(np.float32)
+        return vectors
+    role.compute = noisy
+
+
+def _old(role):
+    """Its answer for the part from the round before (its first round's: the state it started from)."""
+    honest, seen = role.compute, {}
+
+    def old(r, k):
+        seen.setdefault(k, []).append(honest(r, k))
+        return seen[k][0] if r > 0 else {n: {a: np.zeros_like(x) for a, x in v.items()} for n, v in seen[k][0].items()}
+    role.compute = old
+
+
+@pytest.mark.parametrize("attack", ["noise", "old part"])
+def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucket, attack):
+    """x adds noise to its parameters, or answers with an old part: y disagrees, the organizer
+    computes each part itself, and x, only x, is flagged; from then on its offers are refused
+    and z would take its place. Every state is the organizer's answer."""
+    run, keys = _run(tmp_path, bucket)
+    states, _ = _collaborate(run, keys, tamper=lambda roles: (_noise if attack == "noise" else _old)(roles["x"]))
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert list(verify.flagged(run)) == ["x"]
+    assert "differs from the organizer's" in verify.flagged(run)["x"]["reason"]
+    assert Close.read(run, 1).aggregators is None  # y alone offers now: the organizer's
+
+
+def test_control_with_one_aggregator_a_part_a_lie_is_committed(tmp_path, bucket, monkeypatch):
+    """The damage without the cross-check: one aggregator a part (PER_PART 1), x's noise is
+    committed wherever x was assigned."""
+    monkeypatch.setattr(checked, "PER_PART", 1)
+    run, keys = _run(tmp_path, bucket)
+    with pytest.raises(AssertionError, match="is not the organizer's answer"):
+        _collaborate(run, keys, tamper=lambda roles: _noise(roles["x"]))
+
+
+def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, bucket):
+    """x computes nothing: it claims a made-up digest, and once y reveals, copies y's objects and
+    result as its own. Its result is not its claim: flagged, the part the organizer's."""
+    run, keys = _run(tmp_path, bucket)
+
+    def copier(roles):
+        x, y = roles["x"], roles["y"]
+        x.compute = lambda r, k: {n: {a: np.zeros_like(v) for a, v in arrays.items()}
+                                  for n, arrays in y.compute(r, k).items()}
+        claim = x.step
+
+        def step():
+            v = view.read(run.bucket, run.keys, run.config.organizer_key)
+            if v is None or not v.reveal:
+                return claim()
+            for (r, k), done in x.done.items():
+                theirs = run.bucket.read_json(run.keys.result(r, "y", k))
+                if theirs is not None:
+                    listed = run.bucket.listing(run.keys.answer(r, "y", k))
+                    for key in listed:
+                        run.bucket.copy(key, key.replace("/volunteers/y/", "/volunteers/x/"))
+                    x._write(run.keys.result(r, "x", k), {"round": r, "peer": "x", "part": k,
+                                                           "checksums": theirs["checksums"]})
+        x.step = step
+    states, _ = _collaborate(run, keys, tamper=copier)
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert list(verify.flagged(run)) == ["x"] and "other than it claimed" in verify.flagged(run)["x"]["reason"]
+
+
+def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadline(tmp_path, bucket):
+    """y claims its parts, then vanishes before revealing: at the deadline the organizer computes
+    every part; nobody is flagged (vanishing is no lie), and the round commits."""
+    run, keys = _run(tmp_path, bucket)
+
+    def vanish(roles):
+        y = roles["y"]
+        claim = y._claim
+
+        def claim_and_go(r, k):
+            claim(r, k)
+            y.step = lambda: None
+        y._claim = claim_and_go
+    states, _ = _collaborate(run, keys, tamper=vanish)
+    close = Close.read(run, 0)
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert states[0]["committed_at"] >= close.aggregate_by
+    assert verify.flagged(run) == {}
+
+
+def test_volunteer_aggregators_need_a_signed_run_and_no_lamb(bucket, tmp_path):
+    from dedloc_pipeline.protocol.scheduler import Scheduler
+    unsigned = init_run(bucket, small_config())
+    with pytest.raises(RunError, match="no roster"):
+        Scheduler(unsigned, volunteers=True)
+    assert checked.eligible(unsigned) is not None
+
+
+def test_the_assignment_pairs_two_volunteers_and_follows_the_close():
+    offers = ["x", "y", "z", "x.gpu2"]
+    one, other = checked.assign("seed-1", 8, offers), checked.assign("seed-2", 8, offers)
+    assert all(len(p) == 2 and len({q.split(".")[0] for q in p}) == 2 for p in one)
+    assert one != other and checked.assign("seed-1", 8, offers) == one
+    assert checked.assign("s", 4, ["x", "x.gpu2"]) is None
+
+
+MALLORY = """
+import sys
+from dedloc_pipeline.protocol.aggregating import AggregatorRole
+from dedloc_pipeline.protocol.run import Run
+from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.trust import identity
+url, name, key, until, lie = sys.argv[1:]
+run = Run(Bucket(url), name)
+role = AggregatorRole(run, "mallory", identity.load(key))
+honest = role.compute
+
+def noisy(r, k):
+    vectors = honest(r, k)
+    vectors["params"]["values"] += 1e-3
+    return vectors
+if lie == "noise":
+    role.compute = noisy
+role.serve(lambda: run.latest() >= int(until), poll_s=0.2)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mallory", ["honest", "noise"])
+def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket, mallory):
+    """On moto's S3 server: `dedloc aggregate --volunteers`, alice and bob computing (`dedloc
+    worker`), carol computing and aggregating (`dedloc worker --aggregate`), and mallory
+    aggregating (the real AggregatorRole, its parameters shifted by 1e-3 in the malicious case).
+    A round whose CLOSE assigned parts is one both offered for in time (processes start at
+    their own pace). Malicious: in the first such round every part disagrees, the organizer
+    computes it, mallory (only mallory) is flagged and no later round assigns parts; every state
+    is the organizer's own answer. Control, mallory honest: every part of every assigned round
+    agreed by carol and mallory, in real processes that computed their parts apart."""
+    rounds, name = 4, "procs"
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", "mallory")}
+    org = keys["org"]
+    cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
+                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 30.0})
+    run = init_run(s3_bucket, cfg, organizer=org)
+    identity.update_roster(run.bucket, name, org, aggregate=["carol", "mallory"],
+                           enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
+    dedloc = os.path.join(os.path.dirname(sys.executable), "dedloc")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    url, pem = s3_bucket.url, {n: str(tmp_path / f"{n}.pem") for n in keys}
+    common = ["--bucket", url, "--run", name, "--until-round", str(rounds)]
+    commands = [[dedloc, "aggregate", *common, "--organizer-key", pem["org"], "--poll", "0.5", "--volunteers"]]
+    commands += [[dedloc, "worker", *common, "--peer-id", p, "--key", pem[p], "--organizer", identity.public(org),
+                  "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
+                 for p in ("alice", "bob", "carol")]
+    commands.append([sys.executable, "-c", MALLORY, url, name, pem["mallory"], str(rounds), mallory])
+    logs = [open(tmp_path / f"{i}.log", "w") for i in range(len(commands))]
+    procs = [subprocess.Popen(c, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+             for c, log in zip(commands, logs)]
+    try:
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    tails = "\n".join((tmp_path / f"{i}.log").read_text()[-1500:] for i in range(len(commands)))
+    assert [p.returncode for p in procs] == [0] * len(procs), tails
+    run = Run(s3_bucket, name)
+    commits = [run.commit_of(s) for s in range(1, rounds + 1)]
+    for r, commit in enumerate(commits):
+        assert commit["checksums"] == _organizers(run, r), f"state {r + 1} is not the organizer's answer"
+    assigned = [r for r in range(rounds) if Close.read(run, r).aggregators]
+    assert assigned, f"no round had two aggregators offering\n{tails}"
+    if mallory == "honest":
+        assert len(assigned) >= rounds // 2, (assigned, tails)
+        assert all(sorted(by) == ["carol", "mallory"] for r in assigned for by in commits[r]["aggregated_by"]), tails
+        assert verify.flagged(run) == {}
+    else:
+        first = assigned[0]
+        assert assigned == [first] and commits[first]["aggregated_by"] == [["organizer"]] * run.n_parts, tails
+        assert list(verify.flagged(run)) == ["mallory"] and verify.flagged(run)["mallory"]["round"] == first

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
-BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped", "local_steps")
+BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped", "local_steps",
+              "aggregators")
 
 
 # Each runner imports its benchmark: the scale benchmark's spawned writers re-import this module
@@ -90,6 +91,14 @@ def local_steps_(out: dict) -> Table:
     return local_steps.table(res)
 
 
+def aggregators_(out: dict) -> Table:
+    """The organizer's bytes and requests a round with volunteer aggregators, against without."""
+    from . import aggregators
+
+    out["aggregators"] = res = aggregators.run()
+    return aggregators.table(res)
+
+
 def gpu(out: dict) -> Table:
     """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
     from . import throughput
@@ -108,7 +117,7 @@ def soak_(out: dict) -> Table:
 
 RUNNERS = {"throughput": throughput_, "wire": wire_, "aggregation": aggregation_, "compute": compute,
            "scale": scale_, "coordination": coordination_, "shaped": shaped_, "local_steps": local_steps_,
-           "gpu": gpu, "soak": soak_}
+           "aggregators": aggregators_, "gpu": gpu, "soak": soak_}
 
 
 def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu, soak"),

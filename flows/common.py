@@ -19,9 +19,10 @@ def open_run(bucket: str, run: str) -> Run:
 
 
 @functools.lru_cache(maxsize=8)
-def scheduler(bucket: str, run: str, poll_s: float | None = None) -> Scheduler:
-    """One per process, so shard validations are cached across the polls of a round."""
-    return Scheduler(open_run(bucket, run), poll_s=poll_s)
+def scheduler(bucket: str, run: str, poll_s: float | None = None, volunteers: bool = False) -> Scheduler:
+    """One per process, so shard validations are cached across the polls of a round.
+    ``volunteers``: its CLOSEs give the parts to volunteer aggregators (docs/aggregators.md)."""
+    return Scheduler(open_run(bucket, run), poll_s=poll_s, volunteers=volunteers)
 
 
 @contextlib.contextmanager
@@ -51,10 +52,11 @@ def dask_address(kind: str, parallel: int, address: str | None):
 def task_runner(kind: str, parallel: int, address: str | None = None):
     """``threads`` (default), ``processes``, ``dask`` (the ``scale`` extra) at ``address``, or
     ``task-workers``: the round flow's own steps on threads, its reduce and apply tasks on Prefect
-    task workers anywhere (flows/aggregators.py)."""
+    task workers anywhere (flows/aggregators.py); ``volunteers``: the parts to volunteer
+    aggregators, what they do not settle on threads here (docs/aggregators.md)."""
     if kind == "threads":
         return ThreadPoolTaskRunner(max_workers=parallel)
-    if kind == "task-workers":
+    if kind in ("task-workers", "volunteers"):
         return ThreadPoolTaskRunner(max_workers=parallel)
     if kind == "processes":
         from prefect.task_runners import ProcessPoolTaskRunner
@@ -62,7 +64,7 @@ def task_runner(kind: str, parallel: int, address: str | None = None):
     if kind == "dask":
         from prefect_dask import DaskTaskRunner
         return DaskTaskRunner(address=address)
-    raise ValueError(f"unknown task runner {kind!r}: threads, processes, dask or task-workers")
+    raise ValueError(f"unknown task runner {kind!r}: threads, processes, dask, task-workers or volunteers")
 
 
 def artifact_key(run: str, what: str) -> str:

@@ -20,7 +20,8 @@ from prefect.artifacts import (
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol import ledger, scheduler as engine
-from dedloc_pipeline.protocol.close import close_summary
+from dedloc_pipeline.protocol.checked import Settlement
+from dedloc_pipeline.protocol.close import close_summary, closed
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
@@ -29,10 +30,22 @@ from flows.common import artifact_key, dask_address, open_run, scheduler, task_r
 
 
 @task(retries=3, retry_delay_seconds=2)
-def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: float) -> dict | None:
+def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: float,
+               volunteers: bool = False) -> dict | None:
     """Round r's CLOSE in brief, or None if the run was stopped or nothing closed in ``max_wait_s``."""
-    close = scheduler(bucket, run, poll_s).wait_close(r, time.monotonic() + max_wait_s)
+    close = scheduler(bucket, run, poll_s, volunteers).wait_close(r, time.monotonic() + max_wait_s)
     return None if close is None else close_summary(close)
+
+
+@task(retries=1, retry_delay_seconds=2)
+def settle(bucket: str, run: str, r: int, poll_s: float | None) -> Settlement:
+    """The parts round r's volunteer aggregators settle by agreeing, until its deadline."""
+    return scheduler(bucket, run, poll_s, True).settle(closed(open_run(bucket, run), r))
+
+
+@task(retries=3, retry_delay_seconds=2)
+def flag_liars(bucket: str, run: str, r: int, poll_s: float | None, settled: Settlement) -> None:
+    scheduler(bucket, run, poll_s, True).flag_liars(closed(open_run(bucket, run), r), settled)
 
 
 @task(retries=3, retry_delay_seconds=2)
@@ -53,17 +66,23 @@ def publish_report(bucket: str, run: str) -> dict:
 @flow(name="dedloc-round", log_prints=True)
 def round_flow(bucket: str, run: str, r: int, poll_s: float | None = None, max_wait_s: float = 300.0,
                runner: str = "threads") -> dict | None:
-    """Close round r, reduce and apply every part in parallel, commit state r+1."""
-    close = wait_close(bucket, run, r, poll_s, max_wait_s)
+    """Close round r, reduce and apply every part in parallel, commit state r+1. With runner
+    ``volunteers`` the parts go to volunteer aggregators first, and only those they do not
+    settle by the deadline are reduced and applied here."""
+    volunteers = runner == "volunteers"
+    close = wait_close(bucket, run, r, poll_s, max_wait_s, volunteers)
     if close is None:
         return None
-    parts = list(range(open_run(bucket, run).n_parts))
+    settled = settle(bucket, run, r, poll_s) if volunteers else Settlement()
+    parts = [k for k in range(open_run(bucket, run).n_parts) if k not in settled.agreed]
     if runner == "task-workers":  # background task runs that task workers take (flows/aggregators.py)
         run_parts(reduce_part, bucket, run, r, parts)
         applied = run_parts(apply_part, bucket, run, r, parts)
     else:
         reduced = reduce_part.map(bucket, run, r, parts)
         applied = apply_part.map(bucket, run, r, parts, wait_for=reduced)
+    if volunteers:
+        applied = [flag_liars.submit(bucket, run, r, poll_s, settled, wait_for=applied)]
     summary = commit.submit(bucket, run, r, wait_for=applied).result()
     summary["duration_s"] = summary["committed_at"] - summary["closed_at"]
     create_table_artifact(
@@ -86,7 +105,7 @@ def pretrain(bucket: str = ".dedloc/bucket", run: str = "demo", rounds: int | No
     log = get_run_logger()
     if config is not None:
         init_run(Bucket(bucket), recipe_config(run, **config))
-    sched = scheduler(bucket, run, poll_s)
+    sched = scheduler(bucket, run, poll_s, runner == "volunteers")  # the rounds' own: one lease holder
     first = sched.run.latest()
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     progress = create_progress_artifact(0.0, key=artifact_key(run, "progress"),

@@ -9,13 +9,17 @@ answer for its round, recomputed here from its CLOSE.
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from rich.console import Console
 
+from dedloc_pipeline.monitoring.display import Display
+from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol import aggregator, checked, verify, view
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
@@ -53,7 +57,8 @@ def _organizers(run, r: int) -> dict[str, list[str]]:
 
 def _collaborate(run, keys, tamper=None, volunteers=True):
     """a and b compute, x and y aggregate (``tamper``: what x does instead of its honest part)
-    until state ROUNDS; each state checked against the organizer's own answer."""
+    until state ROUNDS; each state checked against the organizer's own answer. The COMMITs, the
+    aggregators' roles and the workers."""
     with LockStep(run, volunteers=volunteers) as c:
         for n, mb in (("a", 4), ("b", 3)):
             c.join(n, mb, signer=keys[n])
@@ -66,13 +71,13 @@ def _collaborate(run, keys, tamper=None, volunteers=True):
             commit = run.commit_of(r + 1)
             assert commit["checksums"] == _organizers(run, r), f"state {r + 1} is not the organizer's answer"
             states.append(commit)
-    return states, roles
+    return states, roles, c.workers
 
 
 def test_two_honest_aggregators_commit_what_the_organizers_reduction_gives(tmp_path, bucket):
     run, keys = _run(tmp_path, bucket)
     assert run.n_parts >= 3
-    states, roles = _collaborate(run, keys)
+    states, roles, workers = _collaborate(run, keys)
     for r, commit in enumerate(states):
         close = Close.read(run, r)
         assert close.aggregators and all(sorted(p) == ["x", "y"] for p in close.aggregators)
@@ -80,11 +85,16 @@ def test_two_honest_aggregators_commit_what_the_organizers_reduction_gives(tmp_p
     assert all(d.revealed for role in roles.values() for d in role.done.values())
     assert len(roles["x"].done) == ROUNDS * run.n_parts
     assert verify.flagged(run) == {}
+    credited = {p["peer_id"]: p["aggregated"] for p in status(run)["peers"]}  # the leaderboard's column
+    assert credited["x"] == credited["y"] == ROUNDS * run.n_parts and credited["a"] == 0
+    panel = Display(workers["a"], plain=True, console=Console(file=io.StringIO()), role=roles["x"])
+    n = ROUNDS * run.n_parts  # what a volunteer serving both roles sees of the second
+    assert panel.line(panel.facts()).endswith(f"| aggregator: {n} parts computed, {n} revealed, last in round 1")
 
 
 def test_control_without_volunteer_aggregators_the_organizer_computes_every_part(tmp_path, bucket):
     run, keys = _run(tmp_path, bucket)
-    states, roles = _collaborate(run, keys, volunteers=False)
+    states, roles, _ = _collaborate(run, keys, volunteers=False)
     assert all(c["aggregated_by"] == [["organizer"]] * run.n_parts for c in states)
     assert all(Close.read(run, r).aggregators is None for r in range(ROUNDS)) and not roles["x"].done
 
@@ -116,7 +126,7 @@ def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucke
     computes each part itself, and x, only x, is flagged; from then on its offers are refused
     and z would take its place. Every state is the organizer's answer."""
     run, keys = _run(tmp_path, bucket)
-    states, _ = _collaborate(run, keys, tamper=lambda roles: (_noise if attack == "noise" else _old)(roles["x"]))
+    states, _, _ = _collaborate(run, keys, tamper=lambda roles: (_noise if attack == "noise" else _old)(roles["x"]))
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert list(verify.flagged(run)) == ["x"]
     assert "differs from the organizer's" in verify.flagged(run)["x"]["reason"]
@@ -156,7 +166,7 @@ def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, buck
                     x._write(run.keys.result(r, "x", k), {"round": r, "peer": "x", "part": k,
                                                            "checksums": theirs["checksums"]})
         x.step = step
-    states, _ = _collaborate(run, keys, tamper=copier)
+    states, _, _ = _collaborate(run, keys, tamper=copier)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert list(verify.flagged(run)) == ["x"] and "other than it claimed" in verify.flagged(run)["x"]["reason"]
 
@@ -174,7 +184,7 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
             claim(r, k)
             y.step = lambda: None
         y._claim = claim_and_go
-    states, _ = _collaborate(run, keys, tamper=vanish)
+    states, _, _ = _collaborate(run, keys, tamper=vanish)
     close = Close.read(run, 0)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert states[0]["committed_at"] >= close.aggregate_by

@@ -93,6 +93,52 @@ def test_stop_marker_ends_the_flow(harness, tmp_path):
     assert out["stopped_by"] == "STOP marker" and out["state"] == 0
 
 
+def test_the_pretrain_flow_takes_volunteer_aggregators_as_a_runner(harness, tmp_path, monkeypatch):
+    """runner="volunteers": a signed run, a and b computing on threads, x and y serving as
+    volunteer aggregators on threads (real clocks): every part of every round is settled by x
+    and y and COMMIT names them; a round they do not settle would fall back to the flow's own
+    reduce and apply tasks (tests/test_aggregators.py)."""
+    from dedloc_pipeline.protocol.aggregating import AggregatorRole
+    from dedloc_pipeline.protocol.config import RunConfig
+    from dedloc_pipeline.protocol.run import init_run
+    from dedloc_pipeline.trust import identity
+    from flows.pretraining import pretrain
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "a", "b", "x", "y")}
+    monkeypatch.setenv("DEDLOC_ORGANIZER_KEY", str(tmp_path / "org.pem"))
+    b = Bucket(f"file://{tmp_path}/bucket")
+    run = init_run(b, RunConfig(run="helped", **dict(CONFIG, chunks_per_part=2),
+                                organizer_key=identity.public(keys["org"]), close={"aggregate_s": 60.0}))
+    identity.update_roster(b, "helped", keys["org"], enroll={n: identity.public(keys[n]) for n in "abxy"},
+                           aggregate=["x", "y"])
+    done, errors = threading.Event(), []
+
+    def serve(target):
+        try:
+            target()
+        except BaseException as exc:  # surfaced by the test
+            errors.append(exc)
+    threads = [threading.Thread(target=serve, args=(lambda p=p: Worker(Run(Bucket(b.url), "helped"), p, threads=1,
+                                                                        poll_s=0.2, signer=keys[p]).serve(2),))
+               for p in "ab"]
+    threads += [threading.Thread(target=serve, args=(lambda p=p: AggregatorRole(Run(Bucket(b.url), "helped"), p,
+                                                                                 keys[p]).serve(done.is_set, 0.1),))
+                for p in "xy"]
+    [t.start() for t in threads]
+    try:
+        for _ in range(1200):  # both offered for round 0 before the flow's first poll can close it
+            if all(b.exists(run.keys.offer(0, p)) for p in "xy") or errors:
+                break
+            threading.Event().wait(0.05)
+        out = pretrain(bucket=b.url, run="helped", rounds=2, poll_s=0.2, runner="volunteers")
+    finally:
+        done.set()
+        [t.join(120) for t in threads]
+    assert not errors, errors
+    assert out["state"] == 2
+    for s in (1, 2):
+        assert all(sorted(by) == ["x", "y"] for by in run.commit_of(s)["aggregated_by"]), run.commit_of(s)
+
+
 def test_tokenize_makes_a_bengali_data_set_once(harness, tmp_path):
     """The offline corpus as a data set: tokenizer, shards and card, with the corpus's licence;
     the same recipe again keeps it as it is. Pretraining and evaluating on it through the

@@ -114,7 +114,7 @@ def test_status_command(collab):
     s = status(run)
     for p in s["peers"]:  # the leaderboard: a row per peer with its samples and rounds
         seen = "live" if p["live"] else ".* ago"
-        row = rf"^\s*{re.escape(p['peer_id'])}\s+{p['samples']:,}\s+{p['rounds']}\s+{seen}\s*$"
+        row = rf"^\s*{re.escape(p['peer_id'])}\s+{p['samples']:,}\s+{p['rounds']}\s+{p['aggregated']}\s+{seen}\s*$"
         assert any(re.match(row, ln) for ln in lines), (row, out)
 
     s = json.loads(cli("status", "--bucket", url, "--run", run.name, "--json").stdout)
@@ -193,7 +193,7 @@ def test_report_page(collab, tmp_path):
 
     s = status(run)
     header, *board = page.rows["leaderboard"]
-    assert header == ["peer", "samples counted", "rounds contributed", "last seen"]
+    assert header == ["peer", "samples counted", "rounds contributed", "parts aggregated", "last seen"]
     assert [row[0] for row in board] == [p["peer_id"] for p in s["peers"]]
     for row, p in zip(board, s["peers"]):
         assert row[1:3] == [f"{p['samples']:,}", str(p["rounds"])]

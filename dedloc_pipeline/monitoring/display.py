@@ -59,8 +59,9 @@ class Display:
     busy in a long upload."""
 
     def __init__(self, worker: Worker, stop: StopRequest | None = None, plain: bool | None = None,
-                 every: float = 10.0, console: Console | None = None):
-        self.worker, self.stop = worker, stop
+                 every: float = 10.0, console: Console | None = None, role=None):
+        """``role``: this volunteer's aggregator role (``AggregatorRole``), whose work it shows too."""
+        self.worker, self.stop, self.role = worker, stop, role
         self.console = console or Console()
         if plain:
             self.mode = "plain"
@@ -166,7 +167,15 @@ class Display:
                 "mine": mine, "full": full, "peers": view.peers + view.ahead_peers if view else 0, "eta_s": eta,
                 "mine_per_s": mine_per_s, "others_per_s": others_per_s,
                 "counted": self._counted[1].get("counted", 0),
-                "rounds": len({r for r, _, _ in s.uploads})}
+                "rounds": len({r for r, _, _ in s.uploads}), "aggregated": self._aggregated()}
+
+    def _aggregated(self) -> str | None:
+        """What this volunteer did as an aggregator: parts computed and revealed, and the last round."""
+        if self.role is None:
+            return None
+        done = list(self.role.done.values())
+        last = f", last in round {max(d.round for d in done)}" if done else ""
+        return f"{len(done)} parts computed, {sum(d.revealed for d in done)} revealed{last}"
 
     def _activity(self, s: Snapshot, full: bool) -> str:
         if self.stop is not None and self.stop():
@@ -198,7 +207,8 @@ class Display:
                 f"you: {s.pending} pending, {s.uploaded} uploaded in {len(s.uploads)} shards, "
                 f"{f['counted']} counted | {f['mine_per_s']:.1f} samples/s "
                 f"(others {f['others_per_s']:.1f}, {f['peers']} peers) | "
-                f"up {decimal(s.bytes_up)} down {decimal(s.bytes_down)}")
+                f"up {decimal(s.bytes_up)} down {decimal(s.bytes_down)}"
+                + (f" | aggregator: {f['aggregated']}" if f["aggregated"] else ""))
 
     def panel(self, f: dict) -> Panel:
         """The live form, for 80 columns and up."""
@@ -219,6 +229,8 @@ class Display:
                             f"{f['rounds']} rounds) · {f['counted']} counted")
         grid.add_row("speed", f"{f['mine_per_s']:.1f} samples/s yours · {f['others_per_s']:.1f} the others'")
         grid.add_row("traffic", f"↑ {decimal(s.bytes_up)}  ↓ {decimal(s.bytes_down)}")
+        if f["aggregated"]:
+            grid.add_row("aggregator", f["aggregated"])
         title = f"dedloc · {s.peer} · run {self.worker.run.name}"
         title += "" if s.state is None else f" · state {s.state}"
         return Panel(grid, title=title, title_align="left", expand=False)

@@ -29,7 +29,7 @@ figure { margin: 0 0 1rem; } img { max-width: 100%; }
 # the page needs nothing from anywhere: a stray tag in a field could not load or run anything
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
-LEADERBOARD = ("peer", "samples counted", "rounds contributed", "last seen")
+LEADERBOARD = ("peer", "samples counted", "rounds contributed", "parts aggregated", "last seen")
 FIGURE_ALT = {"loss": "loss per round", "samples_per_s": "samples per second per round",
               "contributors": "active peers per round"}
 
@@ -83,7 +83,7 @@ def _eval_row(res: dict) -> list[str]:
 
 def leaderboard_rows(s: dict) -> list[dict]:
     """The contributors' leaderboard as plain rows (the report, the pretrain flow's table artifact)."""
-    return [dict(zip(LEADERBOARD, (q["peer_id"], q["samples"], q["rounds"],
+    return [dict(zip(LEADERBOARD, (q["peer_id"], q["samples"], q["rounds"], q["aggregated"],
                                    _when(q["last_seen"]) if q["last_seen"] else "never"))) for q in s["peers"]]
 
 
@@ -96,7 +96,7 @@ def render(run: Run, s: dict | None = None) -> str:
         f"</figure>" for name, png in plots.figures(s["history"]).items())
     leaders = _table("leaderboard", list(LEADERBOARD),
                      [[f"{v:,}" if isinstance(v, int) else v for v in row.values()] for row in leaderboard_rows(s)],
-                     numeric={1, 2})
+                     numeric={1, 2, 3})
     rounds = _table("rounds", ["round", "loss", "samples", "contributors", "rejected shards", "duration",
                                "samples/s", "committed"],
                     [[str(h["round"]), _num(h["loss"]), f"{h['samples']:,}",

@@ -89,14 +89,16 @@ def status(run: Run, now: float | None = None) -> dict:
     peers: dict[str, dict] = {}
 
     def peer(pid: str) -> dict:
-        return peers.setdefault(pid, {"peer_id": pid, "samples": 0, "rounds": 0, "last_seen": None,
-                                      "live": False})
+        return peers.setdefault(pid, {"peer_id": pid, "samples": 0, "rounds": 0, "aggregated": 0,
+                                      "last_seen": None, "live": False})
 
     history = [_round(commits[s]) for s in sorted(commits) if s > 0]
     for s in sorted(commits):
         c = commits[s]
         for pid in set(c.get("contributors", [])):
             peer(pid)["rounds"] += 1
+        for pid in (p for by in c.get("aggregated_by", []) for p in by if p != "organizer"):
+            peer(pid)["aggregated"] += 1  # a part it computed and another volunteer's answer agreed with
         for sh in committed(c)[0]:  # counted: a claim above its volunteer's cap counts capped
             p = peer(sh.peer)
             p["samples"] += sh.counted
@@ -177,10 +179,10 @@ def show(s: dict, console) -> None:
 
     board = Table(title="contributors", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
     board.add_column("peer", no_wrap=True, overflow="ellipsis", max_width=64)
-    for name in ("samples", "rounds", "last seen"):  # counted in COMMITs; last seen: heartbeats too
+    for name in ("samples", "rounds", "parts aggregated", "last seen"):  # counted in COMMITs; last seen: heartbeats too
         board.add_column(name, justify="right", no_wrap=True)
     for q in s["peers"]:
         seen = "live" if q["live"] else (
             f"{duration(max(0.0, now - q['last_seen']))} ago" if q["last_seen"] else "never")
-        board.add_row(Text(q["peer_id"]), f"{q['samples']:,}", str(q["rounds"]), seen)
+        board.add_row(Text(q["peer_id"]), f"{q['samples']:,}", str(q["rounds"]), str(q["aggregated"]), seen)
     console.print(board)

@@ -78,7 +78,7 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
     its own (``protocol/aggregating.py``)."""
     request, interrupted, done = StopRequest(event), False, threading.Event()
     role = _aggregator(worker, lambda: done.is_set() or request()) if aggregate else None
-    with request, Display(worker, request, plain, every, console) as display:
+    with request, Display(worker, request, plain, every, console, role) as display:
         try:
             state = worker.serve(until_round, request)
         except KeyboardInterrupt:

@@ -57,7 +57,10 @@ class AggregatorRole:
     def step(self) -> None:
         """One poll: offer for the open round, claim the parts of a closed one, reveal them."""
         v = view.read(self.run.bucket, self.run.keys, self.run.config.organizer_key)
-        if v is None or v.stopped or v.ended:
+        if v is None:  # no scheduler published yet: its first round may close at its first poll
+            self._offer(self.run.latest())
+            return
+        if v.stopped or v.ended:
             return
         r, keys = v.round, self.run.keys
         self.answers = {rk: a for rk, a in self.answers.items() if rk[0] >= r}

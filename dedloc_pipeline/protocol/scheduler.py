@@ -277,22 +277,36 @@ class Scheduler:
 
     def finish(self, r: int, pool: Executor, close: Close | None = None) -> dict:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat
-        after any crash. The Prefect round flow runs the same four steps as tasks. Parts the
-        CLOSE gave volunteer aggregators are theirs until its deadline (``checked.Referee``):
-        the round view says when they may reveal their answers, and those that disagree with
-        the organizer's answer for a part left to it are flagged."""
+        after any crash. The Prefect round flow runs the same steps as tasks. Parts the CLOSE
+        gave volunteer aggregators are theirs until its deadline (``settle``); the organizer
+        computes the others, then flags the aggregators that lied (``flag_liars``)."""
         run = self.run
         close = close or closed(run, r)
-        referee = self.referee or checked.Referee(run, self.clock)  # a CLOSE of a scheduler run with them
-        settled = referee.settle(close, self.judge.roster(), reveal=lambda: self._publish(
-            r, self.clock.time(), self._written(), close=close, reveal=True)) if close.aggregators \
-            else checked.Settlement()
+        settled = self.settle(close)
         parts = [k for k in range(run.n_parts) if k not in settled.agreed]
         list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))
         list(pool.map(lambda k: aggregator.apply_part(run, r, k), parts))
-        if settled.results or settled.liars:
-            referee.judge(close, settled)
+        self.flag_liars(close, settled)
         return commit(run, r)
+
+    def settle(self, close: Close) -> checked.Settlement:
+        """The parts of a closed round its volunteer aggregators settle by agreeing (none if its
+        CLOSE assigned none); the round view says when they may reveal their answers."""
+        if not close.aggregators:
+            return checked.Settlement()
+        return self._referee.settle(close, self.judge.roster(), reveal=lambda: self._publish(
+            close.round, self.clock.time(), self._written(), close=close, reveal=True))
+
+    def flag_liars(self, close: Close, settled: checked.Settlement) -> None:
+        """Once the organizer computed the parts its aggregators left: flag those that lied."""
+        if settled.results or settled.liars:
+            self._referee.judge(close, settled)
+
+    @property
+    def _referee(self) -> checked.Referee:
+        """This scheduler's referee; a plain one for a CLOSE that another scheduler, run with
+        volunteer aggregators, wrote."""
+        return self.referee or checked.Referee(self.run, self.clock)
 
     def step(self, pool: Executor) -> bool:
         """One unit of progress; False when the open round is still filling."""

@@ -343,6 +343,8 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
                                                          "(default: the run's cadence)"),
           scheduler_in_region: bool = typer.Option(False, help="the scheduler runs in the provider's region: "
                                                    "its reads are no egress"),
+          aggregators: int = typer.Option(0, help="volunteer aggregators, two to a part (docs/aggregators.md); "
+                                          "0: the organizer aggregates"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object")):
     """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""  # noqa: E501
     _setup(False)
@@ -359,7 +361,8 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
         config = recipe_config("plan", preset or "tiny", target_batch_size=target_batch)
     table = load_prices(prices) if prices else PRICES
     e = estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s, uplink_mbit_s=uplink_mbit,
-                 scheduler_poll_s=scheduler_poll, micro_batch=micro_batch, scheduler_egress=not scheduler_in_region)
+                 scheduler_poll_s=scheduler_poll, micro_batch=micro_batch, scheduler_egress=not scheduler_in_region,
+                 aggregators=aggregators)
     if as_json:
         typer.echo(e.model_dump_json())
         return

@@ -264,6 +264,36 @@ def test_a_planned_round_adds_up_from_its_parts():
     assert inside.cost["s3"].scheduler_day.egress == 0 < s3.scheduler_day.egress
 
 
+def test_volunteer_aggregators_take_the_state_off_the_organizers_machine():
+    """With 4 volunteer aggregators (two to a part) the organizer reads only the shards'
+    validation and writes records; each aggregator reads half the parts of every shard and of
+    the fp32 state (LAMB: params, two slots, the int4 delta's residual) and writes them back
+    with the delta. One aggregator is no check: refused."""
+    from dedloc_pipeline.planning.estimate import DELTA_BYTES_PER_PARAM, DENSE_BYTES_PER_PARAM, SHARD_BYTES_PER_PARAM
+    cfg = recipe_config("plan", "sahajbert")
+    kw = dict(peers=40, days=14, samples_per_s=1.0, reduce_s=10.0, uplink_mbit_s=100.0)
+    alone, helped = estimate(cfg, **kw), estimate(cfg, **kw, aggregators=4)
+    n, per_round = helped.n_params, helped.round_s / 3600
+    shards, dense = 40 * SHARD_BYTES_PER_PARAM["int8"] * n, DENSE_BYTES_PER_PARAM * n
+    agg = helped.aggregator_hour
+    assert agg.bytes_down * per_round == pytest.approx(0.5 * (shards + 4 * dense))
+    assert agg.bytes_up * per_round == pytest.approx(0.5 * (4 * dense + DELTA_BYTES_PER_PARAM["int4"] * n))
+    saved = (alone.scheduler_hour.bytes_down - helped.scheduler_hour.bytes_down) * per_round
+    # the reduction's reads of the shards, and the state's: the organizer's eight dense reads a round
+    # with LAMB (parameters, the residual, the reduced gradient and its scratch, the slots twice)
+    assert saved == pytest.approx(shards + 8 * dense)
+    assert helped.scheduler_hour.bytes_up < alone.scheduler_hour.bytes_up / 1000
+    s3 = helped.cost["s3"]
+    assert s3.run == pytest.approx(40 * 14 * s3.volunteer_day.total + 14 * s3.scheduler_day.total
+                                   + 4 * 14 * s3.aggregator_day.total + s3.storage)
+    assert alone.aggregator_hour is None and alone.cost["s3"].aggregator_day is None
+    with pytest.raises(ValueError, match="two to a part"):
+        estimate(cfg, **kw, aggregators=1)
+    out = CliRunner().invoke(app, ["cost", "--peers", "40", "--days", "14", "--preset", "sahajbert",
+                                   "--samples-per-s", "1", "--aggregators", "4"])
+    assert out.exit_code == 0 and "each of 4 volunteer aggregators" in out.output
+
+
 def test_requests_per_volunteer_stay_flat_in_the_number_of_peers():
     """The cadence's point: more peers make shorter rounds, not more polls per hour."""
     cfg = recipe_config("plan", "sahajbert")

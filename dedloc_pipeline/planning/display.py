@@ -18,16 +18,18 @@ def show(e: Estimate, prices: PriceTable, console) -> None:
     console.print(Text(f"{e.preset}: {e.n_params:,} parameters in {e.chunks} chunks; {plan} at {e.samples_per_s:g} "
                        f"samples/s each, target {e.target}: a round every {duration(e.round_s)} ({per_hour:,.1f} "
                        f"an hour, {e.rounds:,.0f} in the run)", style="bold"))
-    console.print("\nrequests per volunteer-hour and GB per volunteer-day (the scheduler's: per hour, per day)")
+    console.print("\nrequests per volunteer-hour and GB per volunteer-day (the scheduler's and an aggregator's: "
+                  "per hour, per day)")
     traffic = Table(box=box.SIMPLE_HEAD, show_edge=False)
-    for name in ("", "volunteer", "scheduler"):
+    rates = [e.volunteer_hour, e.scheduler_hour] + ([e.aggregator_hour] if e.aggregator_hour else [])
+    for name in ("", "volunteer", "scheduler", "aggregator")[:len(rates) + 1]:
         traffic.add_column(name, justify="right" if name else "left")
-    v, s = e.volunteer_hour, e.scheduler_hour
     for kind in ("get", "put", "head", "list"):
-        traffic.add_row(f"{kind.upper()} requests", f"{v.requests[kind]:,.0f}", f"{s.requests[kind]:,.0f}")
+        traffic.add_row(f"{kind.upper()} requests", *(f"{r.requests.get(kind, 0):,.0f}" for r in rates))
     gb = prices.gigabyte / 24
-    traffic.add_row("GB up (written)", f"{v.bytes_up / gb:,.2f}", f"{s.bytes_up / gb:,.1f}")
-    traffic.add_row("GB down (read: egress)", f"{v.bytes_down / gb:,.2f}", f"{s.bytes_down / gb:,.1f}")
+    traffic.add_row("GB up (written)", *(f"{r.bytes_up / gb:,.{2 if i == 0 else 1}f}" for i, r in enumerate(rates)))
+    traffic.add_row("GB down (read: egress)",
+                    *(f"{r.bytes_down / gb:,.{2 if i == 0 else 1}f}" for i, r in enumerate(rates)))
     console.print(traffic)
 
     console.print(f"dollars at the list prices of {prices.date}")
@@ -46,6 +48,9 @@ def show(e: Estimate, prices: PriceTable, console) -> None:
     row("$ per volunteer-day, egress", [x.volunteer_day.egress for x in c], 3)
     row("$ per volunteer-day", [x.volunteer_day.total for x in c], 3)
     row(f"$ per day, the scheduler ({where})", [x.scheduler_day.total for x in c])
+    if e.aggregators:
+        row(f"$ per day, each of {e.aggregators} volunteer aggregators (besides its volunteer-day)",
+            [x.aggregator_day.total for x in c])
     row(f"$ storage, {e.storage_gb:,.1f} GB on average", [x.storage for x in c])
     row(f"$ whole run ({plan}, egress included)", [x.run for x in c])
     dollars.add_row("scheduler's share", *(f"{100 * x.scheduler_share:.0f}%" for x in c))

@@ -53,6 +53,7 @@ class Rates(BaseModel):
 class ProviderCost(BaseModel):
     volunteer_day: Dollars
     scheduler_day: Dollars
+    aggregator_day: Dollars | None = Field(None, description="a volunteer aggregator's, besides its volunteer-day")
     storage: float = Field(description="the bucket's storage over the whole run")
     run: float = Field(description="the whole run: every volunteer, the scheduler, storage")
     scheduler_share: float
@@ -75,6 +76,8 @@ class Estimate(BaseModel):
     scheduler_polls_per_round: float
     volunteer_hour: Rates
     scheduler_hour: Rates
+    aggregators: int = Field(0, description="volunteer aggregators, two to a part (0: the organizer aggregates)")
+    aggregator_hour: Rates | None = None
     scheduler_egress: bool = Field(description="the scheduler's reads billed as egress (it runs outside the "
                                    "provider's region)")
     storage_gb: float = Field(description="stored on average over the run")
@@ -101,7 +104,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
              prices: PriceTable = PRICES, n: int | None = None, reduce_s: float | None = None,
              uplink_mbit_s: float = 20.0, scheduler_poll_s: float | None = None, scheduler_egress: bool = True,
              micro_batch: int | None = None, shard_bytes_per_param: float | None = None,
-             delta_bytes_per_param: float | None = None) -> Estimate:
+             delta_bytes_per_param: float | None = None, aggregators: int = 0) -> Estimate:
     """The traffic and bill of ``peers`` volunteers training ``config`` for ``days``, each at
     ``samples_per_s`` (default: the preset's measured speed), in the steady state.
 
@@ -116,10 +119,14 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     computing worker looks between them), upload one shard and download one state per round. The scheduler polls at the
     cadence too (every ``scheduler_poll_s`` if given) until the round closes, reading each
     heartbeat once per write and each manifest once, then validates, reduces, applies, commits
-    and prunes.
+    and prunes. With ``aggregators`` (volunteer aggregators, docs/aggregators.md; all of them
+    settling every part) the scheduler validates, settles the parts and commits: the reduction's
+    and the state's reads and writes are theirs, each doing two parts in ``aggregators``.
     """
     if peers < 1 or days <= 0:
         raise ValueError("a planned run needs at least 1 peer and more than 0 days")
+    if aggregators == 1 or aggregators < 0:
+        raise ValueError("volunteer aggregators come two to a part: at least 2 (or 0: the organizer aggregates)")
     speed = SAMPLES_PER_S.get(config.preset) if samples_per_s is None else samples_per_s
     if speed is None:
         raise ValueError(f"no measured speed for preset {config.preset!r}: give the volunteers' samples/s")
@@ -163,18 +170,29 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     view_writes = min(polls, 2 * (beats + 1) + round_s / view.keepalive_s(timeout, cad, round_s))
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
     listed = traffic.volunteer_objects(peers, peers)
+    # with volunteer aggregators, the scheduler lists every 2 s while they compute and reveal
+    finish = traffic.checked_finish(aggregators, max(1.0, reduce_s / 2.0)) if aggregators else traffic.finish(peers)
     sched = (traffic.scheduler_poll(0, 0, view=False, listed=listed) * polls + Requests(put=view_writes, get=roster)
-             + Requests(get=1 + changed + peers) + traffic.closing(peers) + traffic.finish(peers)
+             + Requests(get=1 + changed + peers) + traffic.closing(peers) + finish
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
              + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW)))
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)
-    sched_down = (traffic.commit_bytes(peers) + changed * HEARTBEAT_BYTES + peers * traffic.manifest_bytes()
-                  + 2 * peers * shard_b + state_reads * dense)
-    close_b = 200 + peers * traffic.manifest_bytes()
     optim_writes = traffic.slots + int(traffic.lossy_delta)
-    sched_up = view_writes * view_b + close_b + (2 + optim_writes) * dense + delta_b + traffic.commit_bytes(peers)
+    # the shards' validation; the reduction's reads of them and the state's reads and writes are
+    # the organizer's, or the volunteer aggregators' (each part twice: two to a part)
+    aggregation_down = peers * shard_b + state_reads * dense
+    aggregation_up = (2 + optim_writes) * dense + delta_b
+    sched_down = (traffic.commit_bytes(peers) + changed * HEARTBEAT_BYTES + peers * traffic.manifest_bytes()
+                  + peers * shard_b + (0 if aggregators else aggregation_down))
+    close_b = 200 + peers * traffic.manifest_bytes()
+    sched_up = view_writes * view_b + close_b + (0 if aggregators else aggregation_up) + traffic.commit_bytes(peers)
+    share = 2 / aggregators if aggregators else 0.0  # of the parts, each aggregator's
+    aggregator = traffic.aggregating(peers, share * len(traffic.parts))
+    # an aggregator holds its answer in memory: no reduced scratch, and it reads what it steps
+    agg_down = share * (peers * shard_b + (1 + optim_writes) * dense)
+    agg_up = share * ((1 + optim_writes) * dense + delta_b)
 
     # per round and volunteer; a volunteer reads the view at once when its upload lands.
     # A view read is a conditional GET: it carries a body only when the scheduler wrote one since.
@@ -196,6 +214,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
                      bytes_down=vol_down * per_hour)
     sched_hour = Rates(requests=(sched * per_hour).as_dict(), bytes_up=sched_up * per_hour,
                        bytes_down=sched_down * per_hour)
+    agg_hour = Rates(requests=(aggregator * per_hour).as_dict(), bytes_up=agg_up * per_hour,
+                     bytes_down=agg_down * per_hour) if aggregators else None
 
     # storage: the kept states and rounds, plus the checkpoints and the ledger, which grow
     rounds = days * DAY / round_s
@@ -212,15 +232,18 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
         vd = bill((volunteer * per_day).as_dict(), vol_down * per_day, vol_up * per_day, name, prices)
         sd = bill((sched * per_day).as_dict(), sched_down * per_day * scheduler_egress, sched_up * per_day,
                   name, prices)
+        ad = bill((aggregator * per_day).as_dict(), agg_down * per_day, agg_up * per_day, name, prices) \
+            if aggregators else None
         storage = bill({}, 0, 0, name, prices, gb_months=gb_months).storage
-        run = peers * days * vd.total + days * sd.total + storage
-        cost[name] = ProviderCost(volunteer_day=vd, scheduler_day=sd, storage=storage, run=run,
+        run = peers * days * vd.total + days * sd.total + aggregators * days * (ad.total if ad else 0.0) + storage
+        cost[name] = ProviderCost(volunteer_day=vd, scheduler_day=sd, aggregator_day=ad, storage=storage, run=run,
                                   scheduler_share=days * sd.total / run if run else 0.0)
     return Estimate(preset=config.preset, n_params=n, chunks=traffic.chunks, peers=peers, days=days,
                     samples_per_s=speed, target=config.target_batch_size, round_s=round_s, open_s=open_s,
                     settle_s=settle_s, rounds=rounds, view_reads_per_round=reads_open + closed_reads,
                     heartbeats_per_round=beats, scheduler_polls_per_round=polls, volunteer_hour=vol_hour,
-                    scheduler_hour=sched_hour, scheduler_egress=scheduler_egress, storage_gb=stored_gb,
+                    scheduler_hour=sched_hour, aggregators=aggregators, aggregator_hour=agg_hour,
+                    scheduler_egress=scheduler_egress, storage_gb=stored_gb,
                     storage_gb_months=gb_months, prices_date=prices.date, cost=cost)
 
 

@@ -172,6 +172,28 @@ class Traffic:
         commit = Requests(get=5 + len(self.parts), put=3)
         return total + commit
 
+    def checked_finish(self, offers: int, polls: float) -> Requests:
+        """``Scheduler.finish`` with volunteer aggregators settling every part
+        (``protocol/checked.py``): the offers (read at CLOSE), the applied markers' listing, the
+        roster, ``polls`` listings while it waits, the reveal's view, per part two claims and two
+        results read, each state object copied server-side (a CopyObject, billed as a PUT) and
+        the applied marker; then the commit."""
+        objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
+        total = Requests(get=offers + 1, list=1 + polls, put=1)
+        for c in self.parts:
+            total += Requests(get=4, put=objects * c + 1)
+        return total + Requests(get=5 + len(self.parts), put=3)
+
+    def aggregating(self, shards: int, parts: float) -> Requests:
+        """A volunteer aggregator's round, ``parts`` of the run's parts its share (the average
+        part's chunks): its offer, CLOSE, per part that range of every shard (a checksummed read)
+        and of the state (parameters, optimizer slots, the residual), then its claim, its
+        answer's objects and its result."""
+        c = sum(self.parts) / len(self.parts)
+        objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
+        per_part = Requests(get=shards * _reads(self.grad, round(c)) + (2 + self.slots) * c, put=objects * c + 2)
+        return Requests(put=1, get=1) + per_part * parts
+
     def between_rounds(self) -> Requests:
         """The round loop's own poll after a commit: LATEST, the next COMMIT's absence, CLOSE, STOP."""
         return Requests(get=2, head=2)

@@ -8,6 +8,7 @@ timeout) is a sequence of steps with exact assertions, not real processes and re
 from __future__ import annotations
 
 import re
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -176,6 +177,28 @@ def collaborate(run, peers: list[tuple[str, int]], rounds: int, delayed: bool | 
         workers = [c.join(name, mb, signer=signers.get(name), tamper=tamper.get(name)) for name, mb in peers]
         c.until(lambda: run.latest() >= rounds, max_steps, f"state {rounds}")
     return workers
+
+
+def run_processes(commands: list[list[str]], logs: Path, env: dict, timeout_s: float) -> str:
+    """Start every command at once (stdout and stderr to ``logs``/``i``.log), wait for them all,
+    kill what is left after ``timeout_s``; AssertionError with the logs' tails unless every one
+    exited 0, else those tails (a multi-process test's evidence)."""
+    files = [open(logs / f"{i}.log", "w") for i in range(len(commands))]
+    procs = [subprocess.Popen(c, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+             for c, f in zip(commands, files)]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    tails = "\n".join((logs / f"{i}.log").read_text()[-1500:] for i in range(len(commands)))
+    assert [p.returncode for p in procs] == [0] * len(procs), tails
+    return tails
 
 
 def assert_counted_once(run: Run) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -24,7 +23,7 @@ from dedloc_pipeline.protocol import aggregator, checked, verify, view
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.storage import vector
-from dedloc_pipeline.testing import DrivenClock, LockStep, on_clock, small_config
+from dedloc_pipeline.testing import DrivenClock, LockStep, on_clock, run_processes, small_config
 from dedloc_pipeline.trust import identity
 
 ROUNDS = 2
@@ -256,21 +255,7 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
                   "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
                  for p in ("alice", "bob", "carol")]
     commands.append([sys.executable, "-c", MALLORY, url, name, pem["mallory"], str(rounds), mallory])
-    logs = [open(tmp_path / f"{i}.log", "w") for i in range(len(commands))]
-    procs = [subprocess.Popen(c, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-             for c, log in zip(commands, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    tails = "\n".join((tmp_path / f"{i}.log").read_text()[-1500:] for i in range(len(commands)))
-    assert [p.returncode for p in procs] == [0] * len(procs), tails
+    tails = run_processes(commands, tmp_path, env, timeout_s=300)
     run = Run(s3_bucket, name)
     commits = [run.commit_of(s) for s in range(1, rounds + 1)]
     for r, commit in enumerate(commits):

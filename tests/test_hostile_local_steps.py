@@ -18,7 +18,6 @@ what the honest run learned.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,7 +25,7 @@ import pytest
 from dedloc_pipeline.evaluation.heldout import heldout_scores
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.storage.bucket import Bucket
-from dedloc_pipeline.testing import collaborate, small_config
+from dedloc_pipeline.testing import collaborate, run_processes, small_config
 from dedloc_pipeline.trust import identity
 
 pytestmark = pytest.mark.slow  # two runs of four processes
@@ -62,21 +61,9 @@ def _run(tmp_path, keys: dict, mallory: bool, name: str) -> Run:
                   "--poll", "0.2", "--plain"] for p in HONEST]
     scale = "-8" if mallory else "1"
     commands.append([sys.executable, "-c", MALLORY, url, name, pem["mallory"], pub, str(ROUNDS), scale])
-    logs = [open(tmp_path / f"{name}-{i}.log", "w") for i in range(len(commands))]
-    procs = [subprocess.Popen(c, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-             for c, log in zip(commands, logs)]
-    try:
-        for p in procs:
-            p.wait(timeout=420)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    tails = "\n".join((tmp_path / f"{name}-{i}.log").read_text()[-1500:] for i in range(len(commands)))
-    assert [p.returncode for p in procs] == [0] * len(procs), tails
+    logs = tmp_path / f"{name}-logs"
+    logs.mkdir()
+    run_processes(commands, logs, env, timeout_s=420)
     return run
 
 

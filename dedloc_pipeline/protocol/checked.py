@@ -48,42 +48,35 @@ log = logging.getLogger(__name__)
 PER_PART = 2  # independent aggregators a part needs to agree
 
 
-class Offer(BaseModel):
-    """An aggregator's offer for round ``round``, signed with its volunteer's key."""
+class _Record(BaseModel):
+    """What an aggregator writes: signed with its volunteer's key, naming its run, round and peer."""
 
     model_config = ConfigDict(extra="forbid")
 
     run: str
     round: int
     peer: str
-    at: float
     signature: str | None = None
 
 
-class Claim(BaseModel):
+class Offer(_Record):
+    """An aggregator's offer for its round."""
+
+    at: float
+
+
+class Claim(_Record):
     """An aggregator's commitment to its answer for a part: ``digest(peer, checksums)``."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    run: str
-    round: int
-    peer: str
     part: int
     digest: str
-    signature: str | None = None
 
 
-class Result(BaseModel):
+class Result(_Record):
     """An aggregator's revealed answer for a part: every vector's chunk checksums."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    run: str
-    round: int
-    peer: str
     part: int
     checksums: dict[str, dict[str, list[str]]]
-    signature: str | None = None
 
 
 def digest(peer: str, checksums: dict) -> str:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import io
 import os
 import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -20,9 +22,11 @@ from rich.console import Console
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol import aggregator, checked, verify, view
+from dedloc_pipeline.protocol.aggregating import AggregatorRole
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.storage import vector
+from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import DrivenClock, LockStep, on_clock, run_processes, small_config
 from dedloc_pipeline.trust import identity
 
@@ -270,3 +274,48 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
         first = assigned[0]
         assert assigned == [first] and commits[first]["aggregated_by"] == [["organizer"]] * run.n_parts, tails
         assert list(verify.flagged(run)) == ["mallory"] and verify.flagged(run)["mallory"]["round"] == first
+
+
+def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bucket):
+    """On moto's S3 server, the scheduler's requests for finishing a round its two aggregators
+    settle (their own traffic through a bucket of their own), counted where botocore sends them
+    (the server's count: tests/test_requests.py), against ``Traffic.checked_finish``: three polls
+    (no claims yet; the claims, then the reveal; the results), and the commit's pruning."""
+    from dedloc_pipeline.planning.planned import PlannedRun
+    from dedloc_pipeline.planning.requests import Traffic
+    from dedloc_pipeline.protocol.scheduler import Scheduler
+    from dedloc_pipeline.protocol.worker import Worker
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "a", "b", "x", "y")}
+    cfg = small_config("settled", organizer_key=identity.public(keys["org"]), chunks_per_part=2, codec="int8",
+                       close={"aggregate_s": 60.0})
+    run = init_run(s3_bucket, cfg, organizer=keys["org"])
+    identity.update_roster(run.bucket, run.name, keys["org"], aggregate=["x", "y"],
+                           enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
+    clock = DrivenClock(epoch=run.commit_of(0)["committed_at"])
+    organizer = Run(Bucket(s3_bucket.url), run.name, organizer=keys["org"], clock=clock)
+    others = Run(Bucket(s3_bucket.url), run.name, clock=clock)
+    scheduler = Scheduler(organizer, parallel=2, poll_s=0, volunteers=True)
+    workers = [Worker(others, n, micro_batch=4, threads=1, poll_s=0, signer=keys[n]) for n in "ab"]
+    roles = [AggregatorRole(others, n, keys[n]) for n in "xy"]
+    close = None
+    for _ in range(200):
+        for w in workers:
+            w.step()
+            w.flush()
+        for role in roles:
+            role.step()
+        if (close := scheduler.try_close(0)) is not None:
+            break
+    assert close is not None and close.aggregators
+    clock.parties += [r.step for r in roles]
+    before = Counter(organizer.bucket.stats.snapshot()["requests"])
+    with ThreadPoolExecutor(2) as pool:
+        commit = scheduler.finish(0, pool, close)
+    got = Counter(organizer.bucket.stats.snapshot()["requests"]) - before
+    for w in workers:
+        w.leave()
+    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"])
+    lay = Traffic(PlannedRun(cfg))
+    shards = len(close.accepted)
+    want = lay.checked_finish(polls=3) + lay.prune_volunteers(lay.volunteer_objects(shards, 2, 1), 0)
+    assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}

@@ -112,7 +112,7 @@ def test_the_matcher_has_iams_semantics():
 # RunLayout's methods that take a key apart rather than make one
 PARSERS = {"round_of", "shard_parts", "shard_holding", "peer_of_progress", "state_number", "number_of",
            "round_number", "generation_of", "holding", "written", "of_round", "writer", "shard_of", "part_number",
-           "state_path"}
+           "state_path", "applied_part"}
 
 
 def _layout_keys(keys: RunLayout) -> list[tuple[str, str]]:

@@ -171,7 +171,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
     listed = traffic.volunteer_objects(peers, peers)
     # with volunteer aggregators, the scheduler lists every 2 s while they compute and reveal
-    finish = traffic.checked_finish(aggregators, max(1.0, reduce_s / 2.0)) if aggregators else traffic.finish(peers)
+    finish = (traffic.checked_finish(max(1.0, reduce_s / 2.0)) + Requests(get=aggregators)  # and their offers
+              if aggregators else traffic.finish(peers))
     sched = (traffic.scheduler_poll(0, 0, view=False, listed=listed) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers) + finish
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()

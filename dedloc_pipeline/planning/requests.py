@@ -172,14 +172,15 @@ class Traffic:
         commit = Requests(get=5 + len(self.parts), put=3)
         return total + commit
 
-    def checked_finish(self, offers: int, polls: float) -> Requests:
+    def checked_finish(self, polls: float) -> Requests:
         """``Scheduler.finish`` with volunteer aggregators settling every part
-        (``protocol/checked.py``): the offers (read at CLOSE), the applied markers' listing, the
-        roster, ``polls`` listings while it waits, the reveal's view, per part two claims and two
-        results read, each state object copied server-side (a CopyObject, billed as a PUT) and
-        the applied marker; then the commit."""
+        (``protocol/checked.py``, a signed run): the roster, the applied markers' listing,
+        ``polls`` listings of the volunteers' prefixes while it waits, the reveal (its listing,
+        the organizer's STOP read, the view), per part two claims and two results read, each state
+        object copied server-side (a CopyObject, billed as a PUT) and the applied marker; then
+        the commit. (The offers are read at CLOSE: a GET each.)"""
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
-        total = Requests(get=offers + 1, list=1 + polls, put=1)
+        total = Requests(get=2, list=2 + polls, put=1)
         for c in self.parts:
             total += Requests(get=4, put=objects * c + 1)
         return total + Requests(get=5 + len(self.parts), put=3)

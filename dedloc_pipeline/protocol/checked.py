@@ -177,8 +177,8 @@ class Referee:
         every part is decided or ``close.aggregate_by`` (the run's clock) passes."""
         run, r, keys = self.run, close.round, self.run.keys
         out, revealed, claims = Settlement(), False, {}
-        for name in run.bucket.list(keys.applied_dir(r + 1)):  # parts settled before a restart
-            if (k := keys.part_number(name)) is not None and k < len(close.aggregators):
+        for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
+            if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
         half = close.closed_at + (close.aggregate_by - close.closed_at) / 2
         while True:

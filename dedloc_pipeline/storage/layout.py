@@ -319,6 +319,11 @@ class RunLayout:
         aggregator's claim or result); None for anything else."""
         return int(name[:-5]) if _PART.fullmatch(name) else None
 
+    def applied_part(self, s: int, key: str) -> int | None:
+        """The part a listed key of state s's applied markers is for; None for anything else."""
+        name = key.removeprefix(self.applied_dir(s) + "/")
+        return self.part_number(name) if name != key else None
+
     @property
     def flags_dir(self) -> str:
         return f"{self.root}/flags"

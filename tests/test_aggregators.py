@@ -278,11 +278,12 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
 
 def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bucket):
     """On moto's S3 server, the scheduler's requests for finishing a round its two aggregators
-    settle (their own traffic through a bucket of their own), counted where botocore sends them
-    (the server's count: tests/test_requests.py), against ``Traffic.checked_finish``: three polls
-    (no claims yet; the claims, then the reveal; the results), and the commit's pruning."""
+    settle, and an aggregator's meanwhile (each party through a bucket of its own), counted where
+    botocore sends them (the server's count: tests/test_requests.py), against
+    ``Traffic.checked_finish`` (three polls: no claims yet; the claims, then the reveal; the
+    results; and the commit's pruning) and ``Traffic.aggregating``."""
     from dedloc_pipeline.planning.planned import PlannedRun
-    from dedloc_pipeline.planning.requests import Traffic
+    from dedloc_pipeline.planning.requests import Requests, Traffic
     from dedloc_pipeline.protocol.scheduler import Scheduler
     from dedloc_pipeline.protocol.worker import Worker
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "a", "b", "x", "y")}
@@ -296,7 +297,7 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     others = Run(Bucket(s3_bucket.url), run.name, clock=clock)
     scheduler = Scheduler(organizer, parallel=2, poll_s=0, volunteers=True)
     workers = [Worker(others, n, micro_batch=4, threads=1, poll_s=0, signer=keys[n]) for n in "ab"]
-    roles = [AggregatorRole(others, n, keys[n]) for n in "xy"]
+    roles = [AggregatorRole(Run(Bucket(s3_bucket.url), run.name, clock=clock), n, keys[n]) for n in "xy"]
     close = None
     for _ in range(200):
         for w in workers:
@@ -308,10 +309,11 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
             break
     assert close is not None and close.aggregators
     clock.parties += [r.step for r in roles]
-    before = Counter(organizer.bucket.stats.snapshot()["requests"])
+    before = [Counter(b.stats.snapshot()["requests"]) for b in (organizer.bucket, roles[0].run.bucket)]
     with ThreadPoolExecutor(2) as pool:
         commit = scheduler.finish(0, pool, close)
-    got = Counter(organizer.bucket.stats.snapshot()["requests"]) - before
+    got, x = (Counter(b.stats.snapshot()["requests"]) - n for b, n in zip((organizer.bucket, roles[0].run.bucket),
+                                                                          before))
     for w in workers:
         w.leave()
     assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"])
@@ -319,3 +321,6 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     shards = len(close.accepted)
     want = lay.checked_finish(polls=3) + lay.prune_volunteers(lay.volunteer_objects(shards, 2, 1), 0)
     assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}
+    # x, meanwhile: two view reads (a worker's bill has them) and its share, every part here
+    want = lay.aggregating(shards, run.n_parts) + Requests(get=2)
+    assert {k: v for k, v in x.items() if v} == {k: v for k, v in want.as_dict().items() if v}

@@ -187,12 +187,14 @@ class Traffic:
 
     def aggregating(self, shards: int, parts: float) -> Requests:
         """A volunteer aggregator's round, ``parts`` of the run's parts its share (the average
-        part's chunks): its offer, CLOSE, per part that range of every shard (a checksummed read)
-        and of the state (parameters, optimizer slots, the residual), then its claim, its
-        answer's objects and its result."""
+        part's chunks): its offer, CLOSE, per part CLOSE again (the reduction reads it), that
+        range of every shard (a checksummed read) and of the state (parameters, optimizer slots,
+        the residual), then its claim, its answer's objects and its result. Its view reads are
+        its worker's (``estimate``)."""
         c = sum(self.parts) / len(self.parts)
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
-        per_part = Requests(get=shards * _reads(self.grad, round(c)) + (2 + self.slots) * c, put=objects * c + 2)
+        per_part = Requests(get=1 + shards * _reads(self.grad, round(c)) + (2 + self.slots) * c,
+                            put=objects * c + 2)
         return Requests(put=1, get=1) + per_part * parts
 
     def between_rounds(self) -> Requests:

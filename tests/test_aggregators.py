@@ -324,3 +324,50 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     # x, meanwhile: two view reads (a worker's bill has them) and its share, every part here
     want = lay.aggregating(shards, run.n_parts) + Requests(get=2)
     assert {k: v for k, v in x.items() if v} == {k: v for k, v in want.as_dict().items() if v}
+
+
+@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "control: not sealed"])
+def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_path, bucket, monkeypatch, sealed):
+    """x claims a made-up answer; the scheduler seals the claims, reveals, and dies. y reveals;
+    x copies y's answer and result and rewrites its claim to match. The restarted scheduler holds
+    every result to the claims sealed before the reveal: x is flagged, every part the
+    organizer's. Control, nothing sealed: the restart reads the rewritten claim, and x is credited
+    with parts it never computed (the state is still right: y's answer)."""
+    from dedloc_pipeline.protocol.scheduler import Scheduler
+    run, keys = _run(tmp_path, bucket)
+    if not sealed:
+        monkeypatch.setattr(checked.Referee, "_sealed", lambda self, close: None)
+
+    class Killed(Exception):
+        pass
+    with LockStep(run, volunteers=True) as c:
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n])
+        x, y = c.aggregate("x", keys["x"]), c.aggregate("y", keys["y"])
+        x.compute = lambda r, k: {n: {a: np.zeros_like(v) for a, v in arrays.items()}
+                                  for n, arrays in y.compute(r, k).items()}
+        publish = c.scheduler._publish
+
+        def killed_after_the_reveal(*a, **kw):
+            publish(*a, **kw)
+            if kw.get("reveal"):
+                raise Killed
+        c.scheduler._publish = killed_after_the_reveal
+        with pytest.raises(Killed):
+            c.until(lambda: run.latest() > 0, 400, "state 1")
+    y.step()  # the view says reveal: y's answers and results
+    for k in range(run.n_parts):
+        theirs = run.bucket.read_json(run.keys.result(0, "y", k))["checksums"]
+        for key in run.bucket.listing(run.keys.answer(0, "y", k)):
+            run.bucket.copy(key, key.replace("/volunteers/y/", "/volunteers/x/"))
+        x._write(run.keys.result(0, "x", k), {"round": 0, "peer": "x", "part": k, "checksums": theirs})
+        x._write(run.keys.claim(0, "x", k), {"round": 0, "peer": "x", "part": k,
+                                             "digest": checked.digest("x", theirs)})
+    with ThreadPoolExecutor(2) as pool:
+        commit = Scheduler(run, 2, 0, volunteers=True).finish(0, pool, Close.read(run, 0))
+    assert commit["checksums"] == _organizers(run, 0)
+    if sealed:
+        assert commit["aggregated_by"] == [["organizer"]] * run.n_parts
+        assert list(verify.flagged(run)) == ["x"] and "other than it claimed" in verify.flagged(run)["x"]["reason"]
+    else:
+        assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and verify.flagged(run) == {}

@@ -174,13 +174,14 @@ class Traffic:
 
     def checked_finish(self, polls: float) -> Requests:
         """``Scheduler.finish`` with volunteer aggregators settling every part
-        (``protocol/checked.py``, a signed run): the roster, the applied markers' listing,
-        ``polls`` listings of the volunteers' prefixes while it waits, the reveal (its listing,
-        the organizer's STOP read, the view), per part two claims and two results read, each state
-        object copied server-side (a CopyObject, billed as a PUT) and the applied marker; then
-        the commit. (The offers are read at CLOSE: a GET each.)"""
+        (``protocol/checked.py``, a signed run): the roster, the sealed claims (none yet), the
+        applied markers' listing, ``polls`` listings of the volunteers' prefixes while it waits,
+        the claims sealed, the reveal (its listing, the organizer's STOP read, the view), per part
+        two claims and two results read, each state object copied server-side (a CopyObject,
+        billed as a PUT) and the applied marker; then the commit. (The offers are read at CLOSE:
+        a GET each.)"""
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
-        total = Requests(get=2, list=2 + polls, put=1)
+        total = Requests(get=3, list=2 + polls, put=2)
         for c in self.parts:
             total += Requests(get=4, put=objects * c + 1)
         return total + Requests(get=5 + len(self.parts), put=3)

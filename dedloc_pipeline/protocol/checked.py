@@ -176,7 +176,10 @@ class Referee:
         has claimed or half the time is out, and settle each part whose two answers agree, until
         every part is decided or ``close.aggregate_by`` (the run's clock) passes."""
         run, r, keys = self.run, close.round, self.run.keys
-        out, revealed, claims = Settlement(), False, {}
+        out, claims = Settlement(), self._sealed(close)
+        revealed = claims is not None
+        if revealed:  # sealed before a restart: the answers may be revealed already, and are again
+            reveal()
         for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
             if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
@@ -187,10 +190,13 @@ class Referee:
             wanted = {(k, p) for k, peers in enumerate(close.aggregators) for p in peers}
             now = self.clock.time()
             if not revealed and (wanted <= claimed or now >= half):
-                # read before anyone may reveal: a claim written after it could copy a revealed answer
+                # read and sealed before anyone may reveal: a claim written after could copy an answer
                 claims = {(k, p): c for k, p in sorted(wanted & claimed) if (c := _signed(
                     run, keys.claim(r, p, k), Claim, roster, f"claim of part {k} by {p}", round=r, peer=p,
                     part=k)) is not None}
+                run.bucket.write_json(keys.sealed_claims(r), run.record(
+                    f"sealed claims of round {r}", {"round": r, "claims": [c.model_dump() for c in claims.values()]},
+                    round=r))
                 reveal()
                 revealed = True
             if revealed:
@@ -205,6 +211,16 @@ class Referee:
                 out.left.setdefault(k, "no agreement by the deadline")
                 log.warning("round %d: part %d left to the organizer: %s", r, k, out.left[k])
         return out
+
+    def _sealed(self, close: Close) -> dict[tuple[int, str], Claim] | None:
+        """The claims this round's scheduler sealed before revealing (a restart finds them), by
+        part and peer; None before that (one GET)."""
+        found = self.run.read_record(self.run.keys.sealed_claims(close.round), f"sealed claims of round {close.round}",
+                                     round=close.round)
+        if found is None:
+            return None
+        claims = [Claim.model_validate(c) for c in found["claims"]]
+        return {(c.part, c.peer): c for c in claims}
 
     def _try(self, close: Close, k: int, peers: list[str], listed: dict, roster, claims: dict,
              out: Settlement) -> None:

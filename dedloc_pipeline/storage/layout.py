@@ -288,6 +288,11 @@ class RunLayout:
     def close(self, r: int) -> str:
         return f"{self.round(r)}/CLOSE.json"
 
+    def sealed_claims(self, r: int) -> str:
+        """The aggregators' claims of round r as the scheduler read them before it let them reveal
+        (checked.py): what their results are held to, by a scheduler restarted after too."""
+        return f"{self.round(r)}/claims.json"
+
     def reduced_dir(self, r: int) -> str:
         """Scratch of round r's reduction: anything here means it has begun."""
         return f"{self.round(r)}/reduced"

@@ -371,3 +371,31 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
         assert list(verify.flagged(run)) == ["x"] and "other than it claimed" in verify.flagged(run)["x"]["reason"]
     else:
         assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and verify.flagged(run) == {}
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "control: unbounded"])
+def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bounded):
+    """x reveals, then rewrites its result as 2 MB of padding: its listed size is over the
+    record's bound (``checked.bound``), so the scheduler never downloads it; the parts are the
+    organizer's. Control: without the bound the scheduler downloads the 2 MB before its schema
+    refuses them."""
+    run, keys = _run(tmp_path, bucket)
+    if not bounded:
+        monkeypatch.setattr(checked, "bound", lambda run, model: 1 << 40)
+    read, original = [], run.bucket.read_bytes
+    monkeypatch.setattr(run.bucket, "read_bytes", lambda key: (read.append(key), original(key))[1])
+
+    def bloat(roles):
+        x, step = roles["x"], roles["x"].step
+
+        def then_bloat():
+            step()
+            for (r, k), done in x.done.items():
+                if done.revealed:
+                    run.bucket.write_bytes(run.keys.result(r, "x", k), b'{"pad": "' + b"p" * (2 << 20) + b'"}')
+        x.step = then_bloat
+    states, _, _ = _collaborate(run, keys, tamper=bloat)
+    assert all(c["aggregated_by"] == [["organizer"]] * run.n_parts for c in states)
+    downloaded = [k for k in read if "/volunteers/x/" in k and "/results/" in k]
+    assert (downloaded == []) == bounded, downloaded
+    assert verify.flagged(run) == {}

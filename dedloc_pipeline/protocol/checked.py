@@ -117,9 +117,24 @@ def eligible(run: Run) -> str | None:
     return None
 
 
-def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, **place):
+def bound(run: Run, model: type[BaseModel]) -> int:
+    """The most bytes an aggregator's record of ``model`` may take: a result lists a checksum
+    (64 bytes, generously) per chunk of each array of a state's vectors over a part; the others
+    are a few fields. A larger one is refused unread: no record slows the scheduler."""
+    if model is not Result:
+        return 4096
+    arrays = sum(len(fmt.stored()) for fmt in aggregator.next_formats(run).values())
+    return 4096 + 64 * arrays * max(len(run.part_chunks(k)) for k in range(run.n_parts))
+
+
+def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, listed: dict, **place):
     """A volunteer's record at ``key``, signed with the key the roster has for its peer and naming
-    its run and ``place``; None if absent, unreadable, forged or copied (logged)."""
+    its run and ``place``; None if absent, larger than its ``bound`` in ``listed`` (the listing
+    it was found in: not read at all), unreadable, forged or copied (logged)."""
+    size = listed.get(key, (0, None))[0]
+    if size > bound(run, model):
+        log.warning("%s refused unread: %d bytes, more than %d", what, size, bound(run, model))
+        return None
     raw = run.bucket.read_bytes(key)
     if raw is None:
         return None
@@ -167,7 +182,7 @@ class Referee:
             peer = self.run.keys.written(key).peer
             if roster is None or not roster.may_aggregate(peer) or volunteer_of(peer) in flagged:
                 continue
-            if _signed(self.run, key, Offer, roster, f"offer {key}", round=r, peer=peer) is not None:
+            if _signed(self.run, key, Offer, roster, f"offer {key}", listed, round=r, peer=peer) is not None:
                 out.append(peer)
         return out
 
@@ -192,7 +207,7 @@ class Referee:
             if not revealed and (wanted <= claimed or now >= half):
                 # read and sealed before anyone may reveal: a claim written after could copy an answer
                 claims = {(k, p): c for k, p in sorted(wanted & claimed) if (c := _signed(
-                    run, keys.claim(r, p, k), Claim, roster, f"claim of part {k} by {p}", round=r, peer=p,
+                    run, keys.claim(r, p, k), Claim, roster, f"claim of part {k} by {p}", listed, round=r, peer=p,
                     part=k)) is not None}
                 run.bucket.write_json(keys.sealed_claims(r), run.record(
                     f"sealed claims of round {r}", {"round": r, "claims": [c.model_dump() for c in claims.values()]},
@@ -236,7 +251,7 @@ class Referee:
                 return
             if (k, peer) not in out.results:
                 res = _signed(run, keys.result(r, peer, k), Result, roster, f"result of part {k} by {peer}",
-                              round=r, peer=peer, part=k)
+                              listed, round=r, peer=peer, part=k)
                 if res is None:
                     out.left[k] = f"{peer}'s result unusable"
                     return

@@ -373,17 +373,29 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
         assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and verify.flagged(run) == {}
 
 
+PADDED = b'{"pad": "' + b"p" * (2 << 20) + b'"}'  # 2 MB: far over any record's bound
+
+
+@pytest.mark.parametrize("when", ["listed", "raced"])
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "control: unbounded"])
-def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bounded):
-    """x reveals, then rewrites its result as 2 MB of padding: its listed size is over the
-    record's bound (``checked.bound``), so the scheduler never downloads it; the parts are the
-    organizer's. Control: without the bound the scheduler downloads the 2 MB before its schema
-    refuses them."""
+def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bounded, when):
+    """x reveals, then rewrites its result as 2 MB of padding: ``listed``, before the scheduler
+    lists it (its listed size is over the record's bound, ``checked.bound``: never downloaded);
+    ``raced``, between the listing and the read (the read is ranged: at most the bound and a
+    byte come down). Either way the parts are the organizer's. Control: without the bound the
+    scheduler downloads the 2 MB before its schema refuses them."""
     run, keys = _run(tmp_path, bucket)
     if not bounded:
-        monkeypatch.setattr(checked, "bound", lambda run, model: 1 << 40)
-    read, original = [], run.bucket.read_bytes
-    monkeypatch.setattr(run.bucket, "read_bytes", lambda key: (read.append(key), original(key))[1])
+        monkeypatch.setattr(checked, "bound", lambda run, model: 2 * len(PADDED))
+    read, original = {}, run.bucket.read_if_changed
+
+    def reading(key, tag, limit=None):
+        if when == "raced" and "/volunteers/x/" in key and "/results/" in key:
+            run.bucket.write_bytes(key, PADDED)  # rewritten just after the scheduler listed it
+        got = original(key, tag, limit)
+        read[key] = len(got.data or b"")
+        return got
+    monkeypatch.setattr(run.bucket, "read_if_changed", reading)
 
     def bloat(roles):
         x, step = roles["x"], roles["x"].step
@@ -391,11 +403,17 @@ def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bo
         def then_bloat():
             step()
             for (r, k), done in x.done.items():
-                if done.revealed:
-                    run.bucket.write_bytes(run.keys.result(r, "x", k), b'{"pad": "' + b"p" * (2 << 20) + b'"}')
+                if done.revealed and when == "listed":
+                    run.bucket.write_bytes(run.keys.result(r, "x", k), PADDED)
         x.step = then_bloat
     states, _, _ = _collaborate(run, keys, tamper=bloat)
     assert all(c["aggregated_by"] == [["organizer"]] * run.n_parts for c in states)
-    downloaded = [k for k in read if "/volunteers/x/" in k and "/results/" in k]
-    assert (downloaded == []) == bounded, downloaded
+    downloaded = {k: n for k, n in read.items() if "/volunteers/x/" in k and "/results/" in k}
+    most = max(downloaded.values(), default=0)
+    if not bounded:
+        assert most >= len(PADDED)
+    elif when == "listed":
+        assert downloaded == {}
+    else:
+        assert downloaded and most == checked.bound(run, checked.Result) + 1
     assert verify.flagged(run) == {}

@@ -32,6 +32,19 @@ def test_read_write_list(any_bucket):
     assert b.find("a") == ["a/x.json"]
 
 
+def test_a_bounded_read_takes_at_most_its_limit_even_of_an_empty_object(any_bucket):
+    """``read_if_changed(limit=)`` is how a reader bounds what a volunteer wrote: a ranged GET on
+    S3, which answers an empty object with 416 (not satisfiable), read here as its no bytes
+    rather than retried into an unreachable bucket."""
+    b = any_bucket
+    b.write_bytes("r/empty", b"")
+    b.write_bytes("r/big", b"x" * 100)
+    assert b.read_if_changed("r/empty", None, limit=10).data == b""
+    assert b.read_if_changed("r/big", None, limit=10).data == b"x" * 10
+    assert b.read_if_changed("r/big", None).data == b"x" * 100
+    assert b.read_if_changed("r/missing", None, limit=10).data is None
+
+
 def test_delete_keeps_what_it_is_told_and_leaves_no_empty_folders(any_bucket):
     """Pruning a state keeps its COMMIT (and a checkpoint's parameters): one listing of the
     state, and afterwards its deleted folders list as absent, on a local folder as on S3."""

@@ -129,14 +129,19 @@ def bound(run: Run, model: type[BaseModel]) -> int:
 
 def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, listed: dict, **place):
     """A volunteer's record at ``key``, signed with the key the roster has for its peer and naming
-    its run and ``place``; None if absent, larger than its ``bound`` in ``listed`` (the listing
-    it was found in: not read at all), unreadable, forged or copied (logged)."""
+    its run and ``place``; None if absent, larger than its ``bound`` (in ``listed``, the listing
+    it was found in: not read at all; or once read, if rewritten since: never more than the bound
+    and a byte is downloaded), unreadable, forged or copied (logged)."""
+    limit = bound(run, model)
     size = listed.get(key, (0, None))[0]
-    if size > bound(run, model):
-        log.warning("%s refused unread: %d bytes, more than %d", what, size, bound(run, model))
+    if size > limit:
+        log.warning("%s refused unread: %d bytes, more than %d", what, size, limit)
         return None
-    raw = run.bucket.read_bytes(key)
+    raw = run.bucket.read_if_changed(key, None, limit=limit + 1).data  # a volunteer may rewrite its keys
     if raw is None:
+        return None
+    if len(raw) > limit:
+        log.warning("%s refused: more than %d bytes, rewritten since it was listed", what, limit)
         return None
     try:
         record = model.model_validate_json(raw)

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol import aggregator, checked, verify, view
+from dedloc_pipeline.protocol import aggregator, checked, optim, verify, view
 from dedloc_pipeline.protocol.aggregating import AggregatorRole
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
@@ -50,8 +50,12 @@ def _organizers(run, r: int) -> dict[str, list[str]]:
     """State r+1's params and delta checksums as the organizer's own reduction and step give them."""
     sums: dict[str, list] = {"params": [], "delta": {}}
     formats = aggregator.next_formats(run)
+    grads = [aggregator.mean_gradient(run, r, k) for k in range(run.n_parts)]
+    norms = None
+    if run.config.aggregator_optimizer.name == "lamb":  # every part's partial sums, merged in part order
+        norms = optim.merge_partials([aggregator.part_sums(run, r, k, g) for k, g in enumerate(grads)])
     for k in range(run.n_parts):
-        vectors = aggregator.next_part(run, r, k, aggregator.mean_gradient(run, r, k))
+        vectors = aggregator.next_part(run, r, k, grads[k], norms)
         sums["params"] += vector.chunk_checksums(formats["params"], vectors["params"], run.part_chunks(k))["values"]
         for name, s in vector.chunk_checksums(formats["delta"], vectors["delta"], run.part_chunks(k)).items():
             sums["delta"].setdefault(name, []).extend(s)
@@ -95,6 +99,48 @@ def test_two_honest_aggregators_commit_what_the_organizers_reduction_gives(tmp_p
     assert panel.line(panel.facts()).endswith(f"| aggregator: {n} parts computed, {n} revealed, last in round 1")
 
 
+LAMB = {"optimizer": {"name": "lamb", "lr": 5e-3}}
+
+
+def test_lamb_two_honest_aggregators_agree_on_the_sums_then_on_the_steps(tmp_path, bucket):
+    """LAMB (sahajBERT's recipe): x and y agree on every part's partial sums, the scheduler
+    records their merged norms, and both step every part by them: every state is the
+    organizer's own answer (its own sums merged), every part theirs."""
+    run, keys = _run(tmp_path, bucket, **LAMB)
+    states, roles, _ = _collaborate(run, keys)
+    for r, commit in enumerate(states):
+        norms = run.read_record(run.keys.norms(r), "norms", round=r)
+        assert norms["steps"] == list(range(run.n_parts))
+        assert commit["aggregated_by"] == Close.read(run, r).aggregators
+    assert all(d.revealed for role in roles.values() for d in role.done.values())
+    assert verify.flagged(run) == {}
+
+
+def _false_sums(role):
+    honest = role.part_sums
+    role.part_sums = lambda r, k: {name: [a * 1.01, b] for name, (a, b) in honest(r, k).items()}
+
+
+def test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged(tmp_path, bucket):
+    """x reveals every parameter norm 1% high: no part's sums agree, the organizer sums every
+    part itself, x, only x, is flagged; every state is the organizer's answer."""
+    run, keys = _run(tmp_path, bucket, **LAMB)
+    states, _, _ = _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
+    assert run.read_record(run.keys.norms(0), "norms", round=0)["steps"] == []
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert list(verify.flagged(run)) == ["x"]
+    assert "partial sums" in verify.flagged(run)["x"]["reason"]
+
+
+def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_path, bucket, monkeypatch):
+    """The damage without the cross-check of the sums: one aggregator a part, x's false norms
+    change every part's trust ratio, and the state is not the organizer's answer."""
+    monkeypatch.setattr(checked, "PER_PART", 1)
+    run, keys = _run(tmp_path, bucket, **LAMB)
+    with pytest.raises(AssertionError, match="is not the organizer's answer"):
+        _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
+
+
 def test_control_without_volunteer_aggregators_the_organizer_computes_every_part(tmp_path, bucket):
     run, keys = _run(tmp_path, bucket)
     states, roles, _ = _collaborate(run, keys, volunteers=False)
@@ -123,13 +169,13 @@ def _old(role):
     role.compute = old
 
 
-@pytest.mark.parametrize("attack", ["noise", "old part"])
+@pytest.mark.parametrize("attack", ["noise", "old part", "noise, lamb"])
 def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucket, attack):
-    """x adds noise to its parameters, or answers with an old part: y disagrees, the organizer
-    computes each part itself, and x, only x, is flagged; from then on its offers are refused
-    and z would take its place. Every state is the organizer's answer."""
-    run, keys = _run(tmp_path, bucket)
-    states, _, _ = _collaborate(run, keys, tamper=lambda roles: (_noise if attack == "noise" else _old)(roles["x"]))
+    """x adds noise to its parameters (with LAMB too, its sums honest), or answers with an old
+    part: y disagrees, the organizer computes each part itself, and x, only x, is flagged; from
+    then on its offers are refused and z would take its place. Every state is the organizer's answer."""
+    run, keys = _run(tmp_path, bucket, **(LAMB if "lamb" in attack else {}))
+    states, _, _ = _collaborate(run, keys, tamper=lambda roles: (_old if attack == "old part" else _noise)(roles["x"]))
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert list(verify.flagged(run)) == ["x"]
     assert "differs from the organizer's" in verify.flagged(run)["x"]["reason"]
@@ -194,7 +240,7 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
     assert verify.flagged(run) == {}
 
 
-def test_volunteer_aggregators_need_a_signed_run_and_no_lamb(bucket, tmp_path):
+def test_volunteer_aggregators_need_a_signed_run(bucket, tmp_path):
     from dedloc_pipeline.protocol.scheduler import Scheduler
     unsigned = init_run(bucket, small_config())
     with pytest.raises(RunError, match="no roster"):
@@ -234,9 +280,10 @@ role.serve(lambda: run.latest() >= int(until), poll_s=0.2)
 @pytest.mark.slow
 @pytest.mark.parametrize("mallory", ["honest", "noise"])
 def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket, mallory):
-    """On moto's S3 server: `dedloc aggregate --volunteers`, alice and bob computing (`dedloc
-    worker`), carol computing and aggregating (`dedloc worker --aggregate`), and mallory
-    aggregating (the real AggregatorRole, its parameters shifted by 1e-3 in the malicious case).
+    """On moto's S3 server, a LAMB run (sahajBERT's recipe: the partial sums' exchange, then the
+    steps'): `dedloc aggregate --volunteers`, alice and bob computing (`dedloc worker`), carol
+    computing and aggregating (`dedloc worker --aggregate`), and mallory aggregating (the real
+    AggregatorRole, its parameters shifted by 1e-3 in the malicious case).
     A round whose CLOSE assigned parts is one both offered for in time (processes start at
     their own pace). Malicious: in the first such round every part disagrees, the organizer
     computes it, mallory (only mallory) is flagged and no later round assigns parts; every state
@@ -246,7 +293,7 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", "mallory")}
     org = keys["org"]
     cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
-                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 30.0})
+                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 30.0}, **LAMB)
     run = init_run(s3_bucket, cfg, organizer=org)
     identity.update_roster(run.bucket, name, org, aggregate=["carol", "mallory"],
                            enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
@@ -326,17 +373,20 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     assert {k: v for k, v in x.items() if v} == {k: v for k, v in want.as_dict().items() if v}
 
 
-@pytest.mark.parametrize("sealed", [True, False], ids=["sealed", "control: not sealed"])
-def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_path, bucket, monkeypatch, sealed):
+@pytest.mark.parametrize("sealed, lamb", [(True, False), (True, True), (False, False)],
+                         ids=["sealed", "sealed, lamb", "control: not sealed"])
+def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_path, bucket, monkeypatch, sealed,
+                                                                          lamb):
     """x claims a made-up answer; the scheduler seals the claims, reveals, and dies. y reveals;
     x copies y's answer and result and rewrites its claim to match. The restarted scheduler holds
     every result to the claims sealed before the reveal: x is flagged, every part the
-    organizer's. Control, nothing sealed: the restart reads the rewritten claim, and x is credited
-    with parts it never computed (the state is still right: y's answer)."""
+    organizer's. With LAMB the restart also takes the norms it recorded before (the sums' stage
+    is not run again). Control, nothing sealed: the restart reads the rewritten claim, and x is
+    credited with parts it never computed (the state is still right: y's answer)."""
     from dedloc_pipeline.protocol.scheduler import Scheduler
-    run, keys = _run(tmp_path, bucket)
+    run, keys = _run(tmp_path, bucket, **(LAMB if lamb else {}))
     if not sealed:
-        monkeypatch.setattr(checked.Referee, "_sealed", lambda self, close: None)
+        monkeypatch.setattr(checked.Referee, "_sealed", lambda self, close, stage: None)
 
     class Killed(Exception):
         pass
@@ -344,13 +394,14 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
         for n, mb in (("a", 4), ("b", 3)):
             c.join(n, mb, signer=keys[n])
         x, y = c.aggregate("x", keys["x"]), c.aggregate("y", keys["y"])
+        honest = x.compute
         x.compute = lambda r, k: {n: {a: np.zeros_like(v) for a, v in arrays.items()}
-                                  for n, arrays in y.compute(r, k).items()}
+                                  for n, arrays in honest(r, k).items()}
         publish = c.scheduler._publish
 
         def killed_after_the_reveal(*a, **kw):
             publish(*a, **kw)
-            if kw.get("reveal"):
+            if kw.get("reveal") == "parts":
                 raise Killed
         c.scheduler._publish = killed_after_the_reveal
         with pytest.raises(Killed):

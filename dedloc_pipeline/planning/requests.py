@@ -166,8 +166,8 @@ class Traffic:
                 reduce += Requests(get=(1 + self.slots) * c)
             written = 1 + delta_arrays + self.slots + int(self.lossy_delta)
             apply = Requests(head=1, get=c + (2 + self.slots) * c, put=written * c + 1)
-            if self.lamb:
-                apply += Requests(get=len(self.parts))
+            if self.lamb:  # the norms recorded for volunteer aggregators (none here), then every part's sums
+                apply += Requests(get=1 + len(self.parts))
             total += reduce + apply
         commit = Requests(get=5 + len(self.parts), put=3)
         return total + commit

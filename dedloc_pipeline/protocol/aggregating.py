@@ -5,9 +5,12 @@ It reads the round view as a worker does (one GET a poll). It offers once a roun
 round is open or already while the one before it is reduced; when the view shows a round
 closed, it reads the CLOSE (one GET), computes each part assigned to it from the frozen shards
 and state r (the same code as the organizer's aggregators), and writes a claim per part; when
-the view says reveal, it writes each answer's objects, then the result. Everything it writes
-lies below its own prefix and is signed with its key. It keeps a round's answers in memory
-until they are revealed or the round is past.
+the view says reveal, it writes each answer's objects, then the result. With LAMB it first
+claims each part's partial sums, reveals them when the view says ``sums``, and once it says
+``norms`` reads the norms the scheduler recorded (one GET), steps the parts it is left and
+claims their answers. Everything it writes lies below its own prefix and is signed with its
+key. It keeps a round's gradients and answers in memory until they are revealed or the round
+is past.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from ..storage import vector
 from ..trust import identity
@@ -46,7 +51,11 @@ class AggregatorRole:
             raise RunError(f"run {run.name!r} takes no volunteer aggregators: {why}")
         self.run, self.peer, self.signer = run, peer, signer
         self.clock = run.clock if clock is None else clock
+        self.lamb = run.config.aggregator_optimizer.name == "lamb"
         self.offered: set[int] = set()
+        self.grads: dict[tuple[int, int], np.ndarray] = {}  # LAMB: (round, part) -> its mean gradient, kept to step
+        self.sums: dict[tuple[int, int], dict] = {}  # LAMB: (round, part) -> its partial sums, until revealed
+        self.norms: dict[int, dict] = {}  # LAMB: round -> the norms the scheduler recorded
         self.answers: dict[tuple[int, int], dict[str, dict]] = {}  # (round, part) -> next_part's vectors
         self.done: dict[tuple[int, int], Done] = {}
         self._closed: set[int] = set()  # rounds whose CLOSE was read and its parts claimed
@@ -63,7 +72,9 @@ class AggregatorRole:
         if v.stopped or v.ended:
             return
         r, keys = v.round, self.run.keys
-        self.answers = {rk: a for rk, a in self.answers.items() if rk[0] >= r}
+        for kept in (self.grads, self.sums, self.answers):
+            for rk in [rk for rk in kept if rk[0] < r]:
+                del kept[rk]
         self._offer(r + 1 if v.closed else r)  # while a round is reduced, already for the next: a short round
         if not v.closed:                        # may close before the next poll
             return
@@ -72,8 +83,22 @@ class AggregatorRole:
             close = Close.read(self.run, r)
             mine = [k for k, peers in enumerate(close.aggregators or []) if self.peer in peers] if close else []
             for k in mine:
-                self._claim(r, k)
-        if v.reveal:
+                (self._claim_sums if self.lamb else self._claim)(r, k)
+        if v.reveal == "sums":
+            for (rr, k), sums in sorted(self.sums.items()):
+                if rr == r:
+                    self._write(keys.sums(r, self.peer, k), {"round": r, "peer": self.peer, "part": k, "sums": sums})
+                    log.info("round %d: partial sums of part %d revealed", r, k)
+            self.sums = {rk: x for rk, x in self.sums.items() if rk[0] != r}
+        if self.lamb and v.reveal in ("norms", "parts") and r not in self.norms and r in self._closed:
+            found = self.run.read_record(keys.norms(r), f"norms of round {r}", round=r)
+            if found is None:  # the view is ahead of its listing: the next poll
+                return
+            self.norms = {r: found["norms"]}
+            for k in found["steps"]:
+                if (r, k) in self.grads:
+                    self._claim(r, k)
+        if v.reveal == "parts":
             for (rr, k), vectors in sorted(self.answers.items()):
                 if rr == r and not self.done[(r, k)].revealed:
                     aggregator.write_part(self.run.bucket, keys.answer(r, self.peer, k), self.run, k, vectors)
@@ -87,16 +112,36 @@ class AggregatorRole:
             self._write(self.run.keys.offer(r, self.peer), {"round": r, "peer": self.peer, "at": self.clock.time()})
             self.offered = {x for x in self.offered if x >= r - 1} | {r}
 
+    def gradient(self, r: int, k: int) -> np.ndarray:
+        """Round r's mean gradient over part k (kept from the partial sums' claim, with LAMB)."""
+        return self.grads[(r, k)] if (r, k) in self.grads else aggregator.mean_gradient(self.run, r, k)
+
+    def part_sums(self, r: int, k: int) -> dict[str, list[float]]:
+        """LAMB: part k's partial sums of round r, which its trust ratios need whole."""
+        return aggregator.part_sums(self.run, r, k, self.gradient(r, k))
+
     def compute(self, r: int, k: int) -> dict[str, dict]:
-        """Part k of state r+1: round r's mean gradient over it, and the optimizer step."""
-        return aggregator.next_part(self.run, r, k, aggregator.mean_gradient(self.run, r, k))
+        """Part k of state r+1: round r's mean gradient over it, and the optimizer step (with
+        LAMB, by the norms the scheduler recorded)."""
+        return aggregator.next_part(self.run, r, k, self.gradient(r, k), self.norms.get(r))
+
+    def _claim_sums(self, r: int, k: int) -> None:
+        """LAMB: reduce part k of round r and commit to its partial sums; the gradient is kept."""
+        t0 = time.perf_counter()
+        self.grads[(r, k)] = aggregator.mean_gradient(self.run, r, k)
+        self.sums[(r, k)] = self.part_sums(r, k)
+        self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
+        self._write(self.run.keys.sum_claim(r, self.peer, k), {
+            "round": r, "peer": self.peer, "part": k, "digest": checked.digest(self.peer, self.sums[(r, k)])})
+        log.info("round %d: partial sums of part %d computed and claimed", r, k)
 
     def _claim(self, r: int, k: int) -> None:
         """Compute part k of round r and commit to it: only its digest leaves this machine."""
         t0 = time.perf_counter()
         vectors = self.compute(r, k)
         self.answers[(r, k)] = vectors
-        self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
+        done = self.done.setdefault((r, k), Done(r, k, 0.0))
+        done.seconds += time.perf_counter() - t0
         self._write(self.run.keys.claim(r, self.peer, k), {
             "round": r, "peer": self.peer, "part": k,
             "digest": checked.digest(self.peer, self._checksums(k, vectors))})

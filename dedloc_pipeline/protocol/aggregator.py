@@ -68,13 +68,30 @@ def reduce_part(run: Run, r: int, part: int) -> str:
         return marker
     grad = mean_gradient(run, r, part)
     vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, run.part_chunks(part))
-    partials = {}
-    opt = run.config.aggregator_optimizer
-    if opt.name == "lamb":  # trust ratios need whole-tensor norms: sum them here
-        p, state, _ = _read_state(run, r, part, residual=False)
-        partials = optim.partials(opt, run.flat, run.part_bounds(part)[0], p, state, grad, step=r + 1)
+    partials = part_sums(run, r, part, grad) if run.config.aggregator_optimizer.name == "lamb" else {}
     bucket.write_json(marker, {"part": part, "partials": partials})
     return marker
+
+
+def part_sums(run: Run, r: int, part: int, grad: np.ndarray) -> dict[str, list[float]]:
+    """LAMB: this part's share of each tensor's [sum p^2, sum u^2], which its trust ratio needs
+    whole (``optim.partials``): the reduction's second result."""
+    p, state, _ = _read_state(run, r, part, residual=False)
+    return optim.partials(run.config.aggregator_optimizer, run.flat, run.part_bounds(part)[0], p, state, grad,
+                          step=r + 1)
+
+
+def norms(run: Run, r: int) -> dict[str, list[float]]:
+    """LAMB: round r's sums over every part, which every part's step takes: those the scheduler
+    recorded for its volunteer aggregators (``checked.py``, one signed record), else the merged
+    sums of the organizer's own reduction."""
+    found = run.read_record(run.keys.norms(r), f"norms of round {r}", round=r)
+    if found is not None:
+        return found["norms"]
+    markers = run.bucket.read_many([run.keys.reduced_marker(r, k) for k in range(run.n_parts)])
+    if any(v is None for v in markers.values()):
+        raise RunError(f"round {r}: LAMB needs every part reduced first")
+    return optim.merge_partials([json.loads(v)["partials"] for v in markers.values()])
 
 
 def _read_state(run: Run, r: int, part: int, residual: bool = True):
@@ -141,12 +158,7 @@ def apply_part(run: Run, r: int, part: int) -> str:
         return marker
     chunks = run.part_chunks(part)
     grad = vector.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
-    norms = None
-    if run.config.aggregator_optimizer.name == "lamb":
-        found = bucket.read_many([keys.reduced_marker(r, k) for k in range(run.n_parts)])
-        if any(v is None for v in found.values()):
-            raise RunError(f"round {r}: LAMB needs every part reduced first")
-        norms = optim.merge_partials([json.loads(v)["partials"] for v in found.values()])
-    sums = write_part(bucket, keys.state(r + 1), run, part, next_part(run, r, part, grad, norms))
+    total = norms(run, r) if run.config.aggregator_optimizer.name == "lamb" else None
+    sums = write_part(bucket, keys.state(r + 1), run, part, next_part(run, r, part, grad, total))
     bucket.write_json(marker, applied_marker(part, sums, ["organizer"]))
     return marker

@@ -25,21 +25,29 @@ same bytes, and one that lies is found by the other. A round, once closed:
    aggregators, and flags an aggregator whose revealed answer differs from its own.
 
 So what aggregators write reaches a state only through that agreement, and a round never
-waits on them past the deadline. LAMB's trust ratios need every part's sums before any step:
-its parts stay the organizer's.
+waits on them past the deadline. LAMB's trust ratios need every tensor's sums before any step,
+so a LAMB round has two such exchanges (``Stage``): first each part's partial sums are claimed,
+revealed and settled the same way in the first half of the time (the organizer sums the parts
+they do not agree on), and the scheduler records their merged norms, signed
+(``rounds/R/norms.json``); then every part's step takes those norms, and its answer is claimed,
+revealed and settled as above.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import aggregator
+from . import aggregator, optim
 from .clock import Clock
 from .close import Close
 from .run import Run
@@ -79,10 +87,36 @@ class Result(_Record):
     checksums: dict[str, dict[str, list[str]]]
 
 
-def digest(peer: str, checksums: dict) -> str:
-    """What a claim commits to: the answer's checksums, bound to who computed them, so a claim
-    copied from a partner's is no claim of one's own."""
-    return hashlib.sha256(identity.canonical({"peer": peer, "checksums": checksums})).hexdigest()
+class Sums(_Record):
+    """LAMB: an aggregator's revealed partial sums for a part, per tensor [sum p^2, sum u^2]."""
+
+    part: int
+    sums: dict[str, list[float]]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One commit/reveal exchange of a closed round: the ``RunLayout`` methods of its claims'
+    and results' keys and of its sealed claims, its results' model and the field a claim's
+    digest is of, and what the round view says once its claims are sealed (``reveal``)."""
+
+    reveal: str
+    claim_kind: str
+    claim: str
+    result: str
+    sealed: str
+    model: type[_Record]
+    field: str
+
+
+SUMS = Stage("sums", "sum_claim", "sum_claim", "sums", "sealed_sums", Sums, "sums")
+PARTS = Stage("parts", "claim", "claim", "result", "sealed_claims", Result, "checksums")
+
+
+def digest(peer: str, answer: dict) -> str:
+    """What a claim commits to: the answer's checksums (or partial sums), bound to who computed
+    them, so a claim copied from a partner's is no claim of one's own."""
+    return hashlib.sha256(identity.canonical({"peer": peer, "checksums": answer})).hexdigest()
 
 
 def seed(close: Close) -> str:
@@ -112,15 +146,16 @@ def eligible(run: Run) -> str | None:
     """Why this run's parts cannot go to volunteer aggregators (None: they can)."""
     if not run.signed:
         return "an unsigned run has no roster to say who may aggregate"
-    if run.config.aggregator_optimizer.name == "lamb":
-        return "LAMB's trust ratios need every part's sums before any step"
     return None
 
 
 def bound(run: Run, model: type[BaseModel]) -> int:
     """The most bytes an aggregator's record of ``model`` may take: a result lists a checksum
-    (64 bytes, generously) per chunk of each array of a state's vectors over a part; the others
-    are a few fields. A larger one is refused unread: no record slows the scheduler."""
+    (64 bytes, generously) per chunk of each array of a state's vectors over a part, partial
+    sums a name and two numbers per tensor (256 bytes); the others are a few fields. A larger one
+    is refused unread: no record slows the scheduler."""
+    if model is Sums:
+        return 4096 + 256 * max(len(list(run.flat.pieces(*run.part_bounds(k)))) for k in range(run.n_parts))
     if model is not Result:
         return 4096
     arrays = sum(len(fmt.stored()) for fmt in aggregator.next_formats(run).values())
@@ -169,6 +204,8 @@ class Settlement:
     agreed: dict[int, list[str]] = field(default_factory=dict)
     left: dict[int, str] = field(default_factory=dict)
     results: dict[tuple[int, str], Result] = field(default_factory=dict)
+    summed: dict[int, list[str]] = field(default_factory=dict)  # LAMB: parts whose sums two agreed on
+    sums: dict[tuple[int, str], Sums] = field(default_factory=dict)
     fingerprints: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
     liars: dict[str, str] = field(default_factory=dict)  # peer -> why, found without the organizer's answer
 
@@ -176,8 +213,8 @@ class Settlement:
 class Referee:
     """The scheduler's side: which offers count, and how a closed round's parts settle."""
 
-    def __init__(self, run: Run, clock: Clock, poll_s: float = 2.0):
-        self.run, self.clock, self.poll_s = run, clock, poll_s
+    def __init__(self, run: Run, clock: Clock, poll_s: float = 2.0, parallel: int = 2):
+        self.run, self.clock, self.poll_s, self.parallel = run, clock, poll_s, parallel
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
@@ -191,84 +228,122 @@ class Referee:
                 out.append(peer)
         return out
 
-    def settle(self, close: Close, roster, reveal) -> Settlement:
-        """Wait for round ``close.round``'s aggregators, calling ``reveal()`` once every assigned one
-        has claimed or half the time is out, and settle each part whose two answers agree, until
-        every part is decided or ``close.aggregate_by`` (the run's clock) passes."""
+    def settle(self, close: Close, roster, reveal: Callable[[str], None]) -> Settlement:
+        """Settle round ``close.round``'s parts that its aggregators agree on by ``close.aggregate_by``
+        (the run's clock), calling ``reveal(stage)`` when the round view is to say what they may
+        show; with LAMB their partial sums first (``_norms``)."""
         run, r, keys = self.run, close.round, self.run.keys
-        out, claims = Settlement(), self._sealed(close)
-        revealed = claims is not None
-        if revealed:  # sealed before a restart: the answers may be revealed already, and are again
-            reveal()
+        out = Settlement()
         for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
             if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
-        half = close.closed_at + (close.aggregate_by - close.closed_at) / 2
-        while True:
-            listed, _ = run.written()
-            claimed = {(int(w.part), w.peer) for k in keys.of_round(listed, r, "claim") if (w := keys.written(k))}
-            wanted = {(k, p) for k, peers in enumerate(close.aggregators) for p in peers}
-            now = self.clock.time()
-            if not revealed and (wanted <= claimed or now >= half):
-                # read and sealed before anyone may reveal: a claim written after could copy an answer
-                claims = {(k, p): c for k, p in sorted(wanted & claimed) if (c := _signed(
-                    run, keys.claim(r, p, k), Claim, roster, f"claim of part {k} by {p}", listed, round=r, peer=p,
-                    part=k)) is not None}
-                run.bucket.write_json(keys.sealed_claims(r), run.record(
-                    f"sealed claims of round {r}", {"round": r, "claims": [c.model_dump() for c in claims.values()]},
-                    round=r))
-                reveal()
-                revealed = True
-            if revealed:
-                for k, peers in enumerate(close.aggregators):
-                    if k not in out.agreed and k not in out.left:
-                        self._try(close, k, peers, listed, roster, claims, out)
-            if len(out.agreed) + len(out.left) == len(close.aggregators) or now >= close.aggregate_by:
-                break
-            self.clock.sleep(min(self.poll_s, max(0.0, close.aggregate_by - now)))
+        start, parts = close.closed_at, list(range(len(close.aggregators)))
+        if run.config.aggregator_optimizer.name == "lamb":
+            start, parts = self._norms(close, roster, reveal, out)
+            for k in set(range(len(close.aggregators))) - set(parts):
+                out.left[k] = "its partial sums were the organizer's"
+        self._exchange(close, PARTS, [k for k in parts if k not in out.agreed], start, close.aggregate_by, roster,
+                       reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
+                       lambda k: k in out.agreed or k in out.left)
         for k in range(len(close.aggregators)):
             if k not in out.agreed:
                 out.left.setdefault(k, "no agreement by the deadline")
                 log.warning("round %d: part %d left to the organizer: %s", r, k, out.left[k])
         return out
 
-    def _sealed(self, close: Close) -> dict[tuple[int, str], Claim] | None:
-        """The claims this round's scheduler sealed before revealing (a restart finds them), by
-        part and peer; None before that (one GET)."""
-        found = self.run.read_record(self.run.keys.sealed_claims(close.round), f"sealed claims of round {close.round}",
-                                     round=close.round)
+    def _exchange(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
+                  reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool]) -> None:
+        """One ``stage`` of ``parts``, from ``start`` to ``by``: wait for their aggregators'
+        claims; once all are in or half the time is out, read and seal them and ``reveal``; then
+        ``try_part`` each part not yet ``decided``, polling, until all are or ``by`` passes."""
+        if not parts:
+            return
+        run, r, keys = self.run, close.round, self.run.keys
+        claims = self._sealed(close, stage)
+        if claims is not None:  # sealed before a restart: the answers may be revealed already, and are again
+            reveal(stage.reveal)
+        wanted = {(k, p) for k in parts for p in close.aggregators[k]}
+        half = start + (by - start) / 2
+        while True:
+            listed, _ = run.written()
+            now = self.clock.time()
+            if claims is None:
+                claimed = {(int(w.part), w.peer) for key in keys.of_round(listed, r, stage.claim_kind)
+                           if (w := keys.written(key))}
+                if wanted <= claimed or now >= half:
+                    # read and sealed before anyone may reveal: a claim written after could copy an answer
+                    claims = self._seal(close, stage, sorted(wanted & claimed), listed, roster)
+                    reveal(stage.reveal)
+            if claims is not None:
+                for k in parts:
+                    if not decided(k):
+                        try_part(k, listed, claims)
+            if all(decided(k) for k in parts) or now >= by:
+                return
+            self.clock.sleep(min(self.poll_s, max(0.0, by - now)))
+
+    def _seal(self, close: Close, stage: Stage, claimed: list[tuple[int, str]], listed: dict, roster) -> dict:
+        """The ``claimed`` claims of ``stage``, read and sealed (one signed record) before the reveal."""
+        run, r = self.run, close.round
+        claims = {(k, p): c for k, p in claimed if (c := _signed(
+            run, getattr(run.keys, stage.claim)(r, p, k), Claim, roster, f"{stage.reveal} claim of part {k} by {p}",
+            listed, round=r, peer=p, part=k)) is not None}
+        body = {"round": r, "claims": [c.model_dump() for c in claims.values()]}
+        run.bucket.write_json(getattr(run.keys, stage.sealed)(r),
+                              run.record(f"sealed {stage.reveal} claims of round {r}", body, round=r))
+        return claims
+
+    def _sealed(self, close: Close, stage: Stage) -> dict[tuple[int, str], Claim] | None:
+        """The claims of ``stage`` this round's scheduler sealed before revealing (a restart finds
+        them), by part and peer; None before that (one GET)."""
+        r = close.round
+        found = self.run.read_record(getattr(self.run.keys, stage.sealed)(r),
+                                     f"sealed {stage.reveal} claims of round {r}", round=r)
         if found is None:
             return None
         claims = [Claim.model_validate(c) for c in found["claims"]]
         return {(c.part, c.peer): c for c in claims}
 
-    def _try(self, close: Close, k: int, peers: list[str], listed: dict, roster, claims: dict,
-             out: Settlement) -> None:
-        """Settle part k if both its aggregators' results are in and agree: copy, then mark."""
-        run, r, keys = self.run, close.round, self.run.keys
-        results = {}
-        for peer in peers:
+    def _revealed(self, close: Close, stage: Stage, k: int, listed: dict, roster, claims: dict, seen: dict,
+                  left: dict, liars: dict) -> dict | None:
+        """Part k's revealed results of ``stage`` by peer, each held to its sealed claim (``seen``
+        keeps those read); None while one is not in, or with the part ``left`` (why: an aggregator
+        that had not claimed, a result unusable, or other than its claim: a liar)."""
+        run, r = self.run, close.round
+        out = {}
+        for peer in close.aggregators[k]:
             claim = claims.get((k, peer))
             if claim is None:
-                out.left[k] = f"{peer} had not claimed part {k} when the answers were revealed"
-                return
-            if keys.result(r, peer, k) not in listed:
-                return
-            if (k, peer) not in out.results:
-                res = _signed(run, keys.result(r, peer, k), Result, roster, f"result of part {k} by {peer}",
-                              listed, round=r, peer=peer, part=k)
+                left[k] = f"{peer} had not claimed part {k} when the answers were revealed"
+                return None
+            key = getattr(run.keys, stage.result)(r, peer, k)
+            if key not in listed:
+                return None
+            if (k, peer) not in seen:
+                res = _signed(run, key, stage.model, roster, f"{stage.reveal} of part {k} by {peer}", listed,
+                              round=r, peer=peer, part=k)
                 if res is None:
-                    out.left[k] = f"{peer}'s result unusable"
-                    return
-                if claim.digest != digest(peer, res.checksums):
-                    out.liars[peer] = f"revealed for part {k} of round {r} an answer other than it claimed"
-                    out.results[(k, peer)] = res
-                    out.left[k] = f"{peer} revealed other than it claimed"
-                    return
-                out.results[(k, peer)] = res
+                    left[k] = f"{peer}'s result unusable"
+                    return None
+                seen[(k, peer)] = res
+                if claim.digest != digest(peer, getattr(res, stage.field)):
+                    liars[peer] = f"revealed for part {k} of round {r} {stage.reveal} other than it claimed"
+                    left[k] = f"{peer} revealed other than it claimed"
+                    return None
+            out[peer] = seen[(k, peer)]
+        return out
+
+    def _try(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement) -> None:
+        """Settle part k if both its aggregators' results are in and agree: copy, then mark."""
+        run, r, keys = self.run, close.round, self.run.keys
+        peers = close.aggregators[k]
+        for peer in peers:  # a result is written after its objects: a listing with it has them
+            if (k, peer) not in out.fingerprints and keys.result(r, peer, k) in listed:
                 found = _fingerprints(run, keys.answer(r, peer, k), listed)
                 out.fingerprints[(k, peer)] = {path: tag for (path, _), tag in found.items()}
-            results[peer] = out.results[(k, peer)]
+        if (results := self._revealed(close, PARTS, k, listed, roster, claims, out.results, out.left,
+                                      out.liars)) is None:
+            return
         a = peers[0]
         if any(results[p].checksums != results[a].checksums or out.fingerprints[(k, p)] != out.fingerprints[(k, a)]
                for p in peers[1:]):
@@ -290,6 +365,57 @@ class Referee:
         run.bucket.write_json(keys.applied(r + 1, k), aggregator.applied_marker(k, results[a].checksums, peers))
         out.agreed[k] = list(peers)
         log.info("round %d: part %d agreed by %s", r, k, " and ".join(peers))
+
+    def _norms(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement) -> tuple[float, list[int]]:
+        """LAMB: settle each part's partial sums (``SUMS``) in the first half of the time, sum
+        those not agreed on here (the organizer's reduction of the part), flag whoever revealed
+        other sums than the organizer's, record the merged norms (signed: what every part's step
+        takes) and ``reveal("norms")``. When the steps' exchange starts, and its parts: those
+        whose sums two aggregators agreed on (read back from the record after a restart)."""
+        run, r, keys = self.run, close.round, self.run.keys
+        what = f"norms of round {r}"
+        found = run.read_record(keys.norms(r), what, round=r)
+        if found is None:
+            left: dict[int, str] = {}
+            parts, by = list(range(len(close.aggregators))), (close.closed_at + close.aggregate_by) / 2
+            self._exchange(close, SUMS, parts, close.closed_at, by, roster, reveal,
+                           lambda k, listed, claims: self._try_sums(close, k, listed, roster, claims, out, left),
+                           lambda k: k in out.summed or k in left)
+            mine = [k for k in parts if k not in out.summed]
+            for k in mine:
+                log.warning("round %d: the partial sums of part %d left to the organizer: %s", r, k,
+                            left.get(k, "no agreement by the deadline"))
+            with ThreadPoolExecutor(self.parallel) as pool:
+                list(pool.map(lambda k: aggregator.reduce_part(run, r, k), mine))
+            markers = run.bucket.read_many([keys.reduced_marker(r, k) for k in mine])
+            sums = {k: out.sums[(k, peers[0])].sums for k, peers in out.summed.items()}
+            sums |= {k: json.loads(markers[keys.reduced_marker(r, k)])["partials"] for k in mine}
+            for (k, peer), res in sorted(out.sums.items()):
+                if k in mine and res.sums != sums[k] and peer not in out.liars:
+                    out.liars[peer] = f"its partial sums for part {k} of round {r} differ from the organizer's"
+            found = {"round": r, "norms": optim.merge_partials([sums[k] for k in sorted(sums)]),
+                     "steps": sorted(out.summed), "at": self.clock.time()}
+            run.bucket.write_json(keys.norms(r), run.record(what, found, round=r))
+        reveal("norms")
+        return found["at"], found["steps"]
+
+    def _try_sums(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement,
+                  left: dict) -> None:
+        """Part k's partial sums agreed, if both its aggregators' are in, agree, and name
+        exactly the part's tensors, each two finite sums of squares."""
+        if (found := self._revealed(close, SUMS, k, listed, roster, claims, out.sums, left, out.liars)) is None:
+            return
+        peers = close.aggregators[k]
+        sums = found[peers[0]].sums
+        if any(found[p].sums != sums for p in peers[1:]):
+            left[k] = f"{' and '.join(peers)} disagree on its partial sums"
+            return
+        tensors = {t.name for t, _, _ in self.run.flat.pieces(*self.run.part_bounds(k))}
+        if set(sums) != tensors or not all(len(v) == 2 and all(math.isfinite(x) and x >= 0 for x in v)
+                                           for v in sums.values()):
+            left[k] = "partial sums not of the part's tensors, or not sums of squares"
+            return
+        out.summed[k] = list(peers)
 
     def judge(self, close: Close, out: Settlement) -> None:
         """Once the organizer has computed the parts left: flag each aggregator whose revealed

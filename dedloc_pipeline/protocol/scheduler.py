@@ -80,7 +80,7 @@ class Scheduler:
         self.clock = run.clock if clock is None else clock
         if volunteers and (why := checked.eligible(run)):
             raise RunError(f"run {run.name!r} cannot take volunteer aggregators: {why}")
-        self.referee = checked.Referee(run, self.clock, poll_s if poll_s else 2.0) if volunteers else None
+        self.referee = checked.Referee(run, self.clock, poll_s or 2.0, parallel) if volunteers else None
         self.judge = Judge(run, parallel)
         self.lease = Lease(run.bucket, run.keys, self.clock, holder, lease_s)
         self._beats = heartbeat.Heartbeats()
@@ -191,7 +191,7 @@ class Scheduler:
 
     def _publish(self, r: int, at: float, listed: Listing, samples: int = 0, shards: int = 0, rejected: int = 0,
                  pending: heartbeat.Pending = heartbeat.Pending(), close: Close | None = None,
-                 cap: int | None = None, ended: str | None = None, reveal: bool = False) -> None:
+                 cap: int | None = None, ended: str | None = None, reveal: str | None = None) -> None:
         """Write the round view of open round r (closed: from its CLOSE, no heartbeats) if it
         says something new (time's projections aside: workers project the pending samples
         themselves) or its keep-alive is due (``keepalive_s``), by which volunteers know a
@@ -294,8 +294,8 @@ class Scheduler:
         CLOSE assigned none); the round view says when they may reveal their answers."""
         if not close.aggregators:
             return checked.Settlement()
-        return self._referee.settle(close, self.judge.roster(), reveal=lambda: self._publish(
-            close.round, self.clock.time(), self._written(), close=close, reveal=True))
+        return self._referee.settle(close, self.judge.roster(), reveal=lambda stage: self._publish(
+            close.round, self.clock.time(), self._written(), close=close, reveal=stage))
 
     def flag_liars(self, close: Close, settled: checked.Settlement) -> None:
         """Once the organizer computed the parts its aggregators left: flag those that lied."""
@@ -306,7 +306,7 @@ class Scheduler:
     def _referee(self) -> checked.Referee:
         """This scheduler's referee; a plain one for a CLOSE that another scheduler, run with
         volunteer aggregators, wrote."""
-        return self.referee or checked.Referee(self.run, self.clock)
+        return self.referee or checked.Referee(self.run, self.clock, parallel=self.parallel)
 
     def step(self, pool: Executor) -> bool:
         """One unit of progress; False when the open round is still filling."""

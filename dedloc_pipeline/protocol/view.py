@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -64,8 +64,9 @@ class View(BaseModel):
     ahead_samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
     ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
     closed: bool = False
-    reveal: bool = Field(False, description="the closed round's volunteer aggregators may show their answers: "
-                         "every one has claimed its parts, or half their time is out (checked.py)")
+    reveal: Literal["sums", "norms", "parts"] | None = Field(
+        None, description="what the closed round's volunteer aggregators may do (checked.py): with LAMB, show "
+        "their parts' partial sums (sums), then step with the norms recorded (norms); show their answers (parts)")
     stopped: bool = False
     ended: str | None = Field(None, max_length=200, description="why no scheduler will close this round: the "
                               "last one ended (its --until-round reached, its wall time, STOP, or it exited); "

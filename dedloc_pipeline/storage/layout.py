@@ -50,7 +50,7 @@ class Written(NamedTuple):
     """A key a volunteer writes, parsed: whose, which round, and what (``progress``: its
     heartbeat; ``manifest``; ``shard``: a shard's folder; ``object``: one of its objects, ``path``
     below the folder; an aggregator's ``offer``, and per part its ``claim``, ``result`` and
-    ``answer`` objects)."""
+    ``answer`` objects, and with LAMB its ``sum_claim`` and ``sums``)."""
 
     peer: str
     round: int
@@ -197,6 +197,14 @@ class RunLayout:
         """An aggregator's record of its revealed answer (its checksums), written after it."""
         return f"{self._own(peer, r)}/results/{part:05d}.json"
 
+    def sum_claim(self, r: int, peer: str, part: int) -> str:
+        """LAMB: an aggregator's commitment to a part's partial sums, before anyone's is shown."""
+        return f"{self._own(peer, r)}/sums/claims/{part:05d}.json"
+
+    def sums(self, r: int, peer: str, part: int) -> str:
+        """LAMB: an aggregator's revealed partial sums of a part (what its trust ratios need)."""
+        return f"{self._own(peer, r)}/sums/results/{part:05d}.json"
+
     def answer_object(self, r: int, peer: str, part: int, path: str) -> str:
         """Object ``path`` of an aggregator's answer (``state_path``: as below a state)."""
         return f"{self.answer(r, peer, part)}/{path}"
@@ -234,6 +242,8 @@ class RunLayout:
             return Written(peer, r, "offer")
         if len(what) == 2 and what[0] in ("claims", "results") and _PART.fullmatch(what[1]):
             return Written(peer, r, what[0][:-1], what[1][:-5])
+        if len(what) == 3 and what[:2] in (["sums", "claims"], ["sums", "results"]) and _PART.fullmatch(what[2]):
+            return Written(peer, r, "sum_claim" if what[1] == "claims" else "sums", what[2][:-5])
         if len(what) >= 3 and what[0] == "parts" and _PART.fullmatch(what[1] + ".json"):
             return Written(peer, r, "answer", what[1], "/".join(what[2:]))
         return None
@@ -292,6 +302,14 @@ class RunLayout:
         """The aggregators' claims of round r as the scheduler read them before it let them reveal
         (checked.py): what their results are held to, by a scheduler restarted after too."""
         return f"{self.round(r)}/claims.json"
+
+    def sealed_sums(self, r: int) -> str:
+        """LAMB: the aggregators' claims of round r's partial sums, sealed before their reveal."""
+        return f"{self.round(r)}/sum_claims.json"
+
+    def norms(self, r: int) -> str:
+        """LAMB: round r's merged partial sums, which every part's step takes (checked.py)."""
+        return f"{self.round(r)}/norms.json"
 
     def reduced_dir(self, r: int) -> str:
         """Scratch of round r's reduction: anything here means it has begun."""

@@ -323,19 +323,21 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
         assert list(verify.flagged(run)) == ["mallory"] and verify.flagged(run)["mallory"]["round"] == first
 
 
-def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bucket):
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bucket, optimizer):
     """On moto's S3 server, the scheduler's requests for finishing a round its two aggregators
     settle, and an aggregator's meanwhile (each party through a bucket of its own), counted where
     botocore sends them (the server's count: tests/test_requests.py), against
-    ``Traffic.checked_finish`` (three polls: no claims yet; the claims, then the reveal; the
-    results; and the commit's pruning) and ``Traffic.aggregating``."""
+    ``Traffic.checked_finish`` (three polls an exchange: no claims yet; the claims, then the
+    reveal; the results; and the commit's pruning) and ``Traffic.aggregating``; with AdamW, and
+    with LAMB (the partial sums' exchange and the norms' record first)."""
     from dedloc_pipeline.planning.planned import PlannedRun
     from dedloc_pipeline.planning.requests import Requests, Traffic
     from dedloc_pipeline.protocol.scheduler import Scheduler
     from dedloc_pipeline.protocol.worker import Worker
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "a", "b", "x", "y")}
-    cfg = small_config("settled", organizer_key=identity.public(keys["org"]), chunks_per_part=2, codec="int8",
-                       close={"aggregate_s": 60.0})
+    cfg = small_config(f"settled-{optimizer}", organizer_key=identity.public(keys["org"]), chunks_per_part=2,
+                       codec="int8", close={"aggregate_s": 60.0}, **(LAMB if optimizer == "lamb" else {}))
     run = init_run(s3_bucket, cfg, organizer=keys["org"])
     identity.update_roster(run.bucket, run.name, keys["org"], aggregate=["x", "y"],
                            enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
@@ -368,8 +370,9 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     shards = len(close.accepted)
     want = lay.checked_finish(polls=3) + lay.prune_volunteers(lay.volunteer_objects(shards, 2, 1), 0)
     assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}
-    # x, meanwhile: two view reads (a worker's bill has them) and its share, every part here
-    want = lay.aggregating(shards, run.n_parts) + Requests(get=2)
+    # x, meanwhile: a view read for each stage the view says (a worker's bill has them: closed
+    # and the reveal; with LAMB the sums and the norms too) and its share, every part here
+    want = lay.aggregating(shards, run.n_parts) + Requests(get=2 + 2 * (optimizer == "lamb"))
     assert {k: v for k, v in x.items() if v} == {k: v for k, v in want.as_dict().items() if v}
 
 

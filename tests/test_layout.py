@@ -47,6 +47,11 @@ def test_everything_a_volunteer_writes_lies_below_its_own_prefix():
     assert keys.of_round(listed, 5, "progress") == [keys.progress(5, "alice"), keys.progress(5, "bob")]
     assert keys.of_round(listed, 5, "manifest") == [keys.manifest(shard)]
     assert keys.frozen(shard) == f"{keys.round(5)}/frozen/alice/0001-ab"  # the organizer's copy, outside it
+    aggregating = {keys.claim(5, "alice", 3): "claim", keys.result(5, "alice", 3): "result",
+                   keys.sum_claim(5, "alice", 3): "sum_claim", keys.sums(5, "alice", 3): "sums"}
+    for key, kind in aggregating.items():
+        assert key.startswith(own) and keys.written(key) == ("alice", 5, kind, "00003", "")
+        assert keys.of_round([*listed, *aggregating], 5, kind) == [key]
 
 
 def _fill(bucket, keys, counts: dict[str, int]) -> None:

@@ -167,14 +167,15 @@ def _shard_objects() -> set[str]:
 def _volunteer_writes(keys: RunLayout, peer: str = ME, parts: tuple[str, ...] = (PART,)) -> set[str]:
     """The keys the code has a volunteer write (worker.py: heartbeats; shard.py: a shard's
     objects, vector.write_vector, and its manifest; aggregating.py: an aggregator's offer, and a
-    part's claim, answer objects and result)."""
+    part's claim, answer objects and result, with LAMB its sums' claim and sums)."""
     out = set()
     for r in ROUNDS:
         for part in parts:
             own = keys.shard(r, peer, part)
             out |= {f"{own}/{obj}" for obj in _shard_objects()} | {keys.manifest(own)}
         out.add(keys.progress(r, peer))
-        out |= {keys.offer(r, peer), keys.claim(r, peer, 3), keys.result(r, peer, 3),
+        out |= {keys.offer(r, peer), keys.claim(r, peer, 3), keys.result(r, peer, 3), keys.sum_claim(r, peer, 3),
+                keys.sums(r, peer, 3),
                 *(keys.answer_object(r, peer, 3, path) for path in ("params/values/c/7", "optim/exp_avg/values/c/7"))}
     return out
 

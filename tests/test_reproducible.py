@@ -51,7 +51,7 @@ for root in sys.argv[1:]:
     norms, opt = None, run.config.aggregator_optimizer
     if opt.name == "lamb":
         norms = optim.merge_partials([optim.partials(opt, run.flat, run.part_bounds(k)[0],
-                                                     *aggregator._read_state(run, 1, k, False)[:2], grads[k], 2)
+                                                     *aggregator.read_state(run, 1, k, False)[:2], grads[k], 2)
                                       for k in range(run.n_parts)])
     for k in range(run.n_parts):
         aggregator.write_part(Bucket(f"file://{root}"), "out", run, k, aggregator.next_part(run, 1, k, grads[k], norms))

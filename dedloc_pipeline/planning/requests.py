@@ -179,24 +179,31 @@ class Traffic:
         the claims sealed, the reveal (its listing, the organizer's STOP read, the view), per part
         two claims and two results read, each state object copied server-side (a CopyObject,
         billed as a PUT) and the applied marker; then the commit. (The offers are read at CLOSE:
-        a GET each.)"""
+        a GET each.) With LAMB the partial sums' exchange comes first, as many polls, the same
+        sealing, reveal and reads of two claims and two results a part, then the norms
+        recorded and the view saying so (its listing, STOP, the view)."""
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
         total = Requests(get=3, list=2 + polls, put=2)
         for c in self.parts:
             total += Requests(get=4, put=objects * c + 1)
+        if self.lamb:
+            total += Requests(get=2 + 4 * len(self.parts), list=1 + polls, put=2) + Requests(get=2, list=1, put=2)
         return total + Requests(get=5 + len(self.parts), put=3)
 
     def aggregating(self, shards: int, parts: float) -> Requests:
         """A volunteer aggregator's round, ``parts`` of the run's parts its share (the average
         part's chunks): its offer, CLOSE, per part CLOSE again (the reduction reads it), that
         range of every shard (a checksummed read) and of the state (parameters, optimizer slots,
-        the residual), then its claim, its answer's objects and its result. Its view reads are
-        its worker's (``estimate``)."""
+        the residual), then its claim, its answer's objects and its result. With LAMB also the
+        claim and the reveal of the part's partial sums (from the same reads, kept for the step),
+        and the norms recorded (a GET a round). Its view reads are its worker's (``estimate``)."""
         c = sum(self.parts) / len(self.parts)
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
         per_part = Requests(get=1 + shards * _reads(self.grad, round(c)) + (2 + self.slots) * c,
                             put=objects * c + 2)
-        return Requests(put=1, get=1) + per_part * parts
+        if self.lamb:
+            per_part += Requests(put=2)
+        return Requests(put=1, get=1 + int(self.lamb)) + per_part * parts
 
     def between_rounds(self) -> Requests:
         """The round loop's own poll after a commit: LATEST, the next COMMIT's absence, CLOSE, STOP."""

@@ -54,6 +54,7 @@ class AggregatorRole:
         self.lamb = run.config.aggregator_optimizer.name == "lamb"
         self.offered: set[int] = set()
         self.grads: dict[tuple[int, int], np.ndarray] = {}  # LAMB: (round, part) -> its mean gradient, kept to step
+        self.states: dict[tuple[int, int], tuple] = {}  # LAMB: (round, part) -> state r over it, read once
         self.sums: dict[tuple[int, int], dict] = {}  # LAMB: (round, part) -> its partial sums, until revealed
         self.norms: dict[int, dict] = {}  # LAMB: round -> the norms the scheduler recorded
         self.answers: dict[tuple[int, int], dict[str, dict]] = {}  # (round, part) -> next_part's vectors
@@ -72,7 +73,7 @@ class AggregatorRole:
         if v.stopped or v.ended:
             return
         r, keys = v.round, self.run.keys
-        for kept in (self.grads, self.sums, self.answers):
+        for kept in (self.grads, self.states, self.sums, self.answers):
             for rk in [rk for rk in kept if rk[0] < r]:
                 del kept[rk]
         self._offer(r + 1 if v.closed else r)  # while a round is reduced, already for the next: a short round
@@ -118,17 +119,21 @@ class AggregatorRole:
 
     def part_sums(self, r: int, k: int) -> dict[str, list[float]]:
         """LAMB: part k's partial sums of round r, which its trust ratios need whole."""
-        return aggregator.part_sums(self.run, r, k, self.gradient(r, k))
+        return aggregator.part_sums(self.run, r, k, self.gradient(r, k), self.states.get((r, k)))
 
     def compute(self, r: int, k: int) -> dict[str, dict]:
         """Part k of state r+1: round r's mean gradient over it, and the optimizer step (with
-        LAMB, by the norms the scheduler recorded)."""
-        return aggregator.next_part(self.run, r, k, self.gradient(r, k), self.norms.get(r))
+        LAMB, by the norms the scheduler recorded, on the state read for the partial sums)."""
+        kept = self.states.get((r, k))
+        state = None if kept is None else (kept[0].copy(), {n: a.copy() for n, a in kept[1].items()},
+                                           None if kept[2] is None else kept[2].copy())
+        return aggregator.next_part(self.run, r, k, self.gradient(r, k), self.norms.get(r), state)
 
     def _claim_sums(self, r: int, k: int) -> None:
         """LAMB: reduce part k of round r and commit to its partial sums; the gradient is kept."""
         t0 = time.perf_counter()
         self.grads[(r, k)] = aggregator.mean_gradient(self.run, r, k)
+        self.states[(r, k)] = aggregator.read_state(self.run, r, k)  # its step needs it again
         self.sums[(r, k)] = self.part_sums(r, k)
         self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
         self._write(self.run.keys.sum_claim(r, self.peer, k), {

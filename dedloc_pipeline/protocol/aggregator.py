@@ -73,11 +73,12 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     return marker
 
 
-def part_sums(run: Run, r: int, part: int, grad: np.ndarray) -> dict[str, list[float]]:
+def part_sums(run: Run, r: int, part: int, grad: np.ndarray, state: tuple | None = None) -> dict[str, list[float]]:
     """LAMB: this part's share of each tensor's [sum p^2, sum u^2], which its trust ratio needs
-    whole (``optim.partials``): the reduction's second result."""
-    p, state, _ = _read_state(run, r, part, residual=False)
-    return optim.partials(run.config.aggregator_optimizer, run.flat, run.part_bounds(part)[0], p, state, grad,
+    whole (``optim.partials``): the reduction's second result. ``state``: state r over the part
+    as ``read_state`` gives it, already read (left unchanged)."""
+    p, slots, _ = read_state(run, r, part, residual=False) if state is None else state
+    return optim.partials(run.config.aggregator_optimizer, run.flat, run.part_bounds(part)[0], p, slots, grad,
                           step=r + 1)
 
 
@@ -94,7 +95,9 @@ def norms(run: Run, r: int) -> dict[str, list[float]]:
     return optim.merge_partials([json.loads(v)["partials"] for v in markers.values()])
 
 
-def _read_state(run: Run, r: int, part: int, residual: bool = True):
+def read_state(run: Run, r: int, part: int, residual: bool = True) -> tuple:
+    """State r over this part: its parameters, optimizer slots by name, and the download codec's
+    residual (None unless ``residual``), each a fresh array."""
     chunks = run.part_chunks(part)
     fmt, keys = run.dense_format, run.keys
     p = vector.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
@@ -104,12 +107,14 @@ def _read_state(run: Run, r: int, part: int, residual: bool = True):
     return p, state, res
 
 
-def next_part(run: Run, r: int, part: int, grad: np.ndarray, norms: dict | None = None) -> dict[str, dict]:
+def next_part(run: Run, r: int, part: int, grad: np.ndarray, norms: dict | None = None,
+              state: tuple | None = None) -> dict[str, dict]:
     """The optimizer step on this part of state r: state r+1's vectors over the part's chunks,
     by name (``params``, ``delta`` and each optimizer slot, ``residual`` with a lossy delta), as
-    arrays of their formats (``next_formats``), not yet written anywhere."""
+    arrays of their formats (``next_formats``), not yet written anywhere. ``state``: as
+    ``read_state`` gives it, already read (its arrays are stepped in place)."""
     lo, _ = run.part_bounds(part)
-    p_old, state, residual = _read_state(run, r, part)
+    p_old, state, residual = read_state(run, r, part) if state is None else state
     p = p_old.copy()
     optim.apply(run.config.aggregator_optimizer, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
     # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.

@@ -40,12 +40,12 @@ def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: 
 @task(retries=1, retry_delay_seconds=2)
 def settle(bucket: str, run: str, r: int, poll_s: float | None) -> Settlement:
     """The parts round r's volunteer aggregators settle by agreeing, until its deadline."""
-    return scheduler(bucket, run, poll_s, True).settle(closed(open_run(bucket, run), r))
+    return scheduler(bucket, run, poll_s, True).settle(closed(open_run(bucket, run), r, counted=False))
 
 
 @task(retries=3, retry_delay_seconds=2)
 def flag_liars(bucket: str, run: str, r: int, poll_s: float | None, settled: Settlement) -> None:
-    scheduler(bucket, run, poll_s, True).flag_liars(closed(open_run(bucket, run), r), settled)
+    scheduler(bucket, run, poll_s, True).flag_liars(closed(open_run(bucket, run), r, counted=False), settled)
 
 
 @task(retries=3, retry_delay_seconds=2)

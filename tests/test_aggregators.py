@@ -141,6 +141,94 @@ def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_pa
         _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
 
 
+def _shards(run, r: int, peer: str) -> set[str]:
+    return {e.key for e in Close.read(run, r).accepted if e.peer == peer}
+
+
+@pytest.mark.parametrize("checks", ["on", "control: off"])
+@pytest.mark.parametrize("fault", ["scaled", "corrupt"])
+def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket, monkeypatch, fault, checks):
+    """The scheduler admits shards on their manifests and copies them unread; x and y check
+    each part of every one as they read it for the reduction, and the scheduler rejects what
+    their agreed checks refuse: b's gradient scaled past ``max_grad_norm``, or b's frozen copy
+    with one bit flipped (its manifest's checksums no longer match). Every state
+    is the organizer's answer without b's shards, all parts the aggregators'. Control, the
+    checks' verdicts ignored: b's scaled shards count; its corrupt copy stops the round (the
+    reduction refuses it: no state at all)."""
+    run, keys = _run(tmp_path, bucket)
+    if fault == "scaled":
+        tamper = {"b": lambda g: g * 1e9}
+    else:
+        from dedloc_pipeline.protocol import shard
+        tamper, freeze = {}, shard.freeze
+
+        def corrupt(run_, key):
+            frozen = freeze(run_, key)
+            if run_.keys.shard_parts(key)[1] == "b":
+                key = f"{frozen}/{sorted(vector.chunk_objects(run_.grad_format))[0]}"
+                data = run_.bucket.read_bytes(key)
+                run_.bucket.write_bytes(key, data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped
+            return frozen
+        monkeypatch.setattr(shard, "freeze", corrupt)
+    if checks != "on":
+        monkeypatch.setattr(checked.admission, "contents",
+                            lambda accepted, verdicts, max_norm, factor: (accepted, []))
+    with LockStep(run, volunteers=True) as c:
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n], tamper=tamper.get(n))
+        for n in ("x", "y"):
+            c.aggregate(n, keys[n])
+        if checks != "on" and fault == "corrupt":  # the organizer's reduction refuses it: no state at all
+            with pytest.raises(vector.CorruptShard):
+                c.until(lambda: run.latest() > 0, 400, "state 1")
+            return
+        c.until(lambda: run.latest() > 0, 400, "state 1")
+    close, commit = Close.read(run, 0), run.commit_of(1)
+    assert close.accepted and all(e.norm is None for e in close.accepted)  # admitted unread
+    screened = run.read_record(run.keys.screened(0), "checks", round=0)
+    assert screened["parts"] == list(range(run.n_parts))  # every part checked by both aggregators
+    if checks != "on":  # b's scaled gradient counts
+        assert "b" in commit["contributors"]
+        return
+    assert {x["key"] for x in screened["rejected"]} == _shards(run, 0, "b")
+    why = "above the bound" if fault == "scaled" else "not its manifest's"
+    assert all(why in x["reason"] for x in commit["rejected"] if x["key"] in _shards(run, 0, "b"))
+    assert commit["contributors"] == ["a"] and commit["checksums"] == _organizers(run, 0)
+    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and verify.flagged(run) == {}
+
+
+def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch):
+    """x reports every shard corrupt in its parts: y disagrees, the organizer checks those parts
+    itself, rejects nothing and flags x (only x); every state is the organizer's answer with
+    every shard."""
+    run, keys = _run(tmp_path, bucket)
+
+    def liar(roles):
+        x = roles["x"]
+        honest = x.check
+        x.check = lambda close, k: [-1.0] * len(honest(close, k))
+    states, _, _ = _collaborate(run, keys, tamper=liar)
+    assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"] == []
+    assert states[0]["contributors"] == ["a", "b"]
+    assert list(verify.flagged(run)) == ["x"] and "checks" in verify.flagged(run)["x"]["reason"]
+
+
+def test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards(tmp_path, bucket, monkeypatch):
+    """The damage without the cross-check: one aggregator a part, x's false checks reject the
+    honest shards of every part it was given."""
+    monkeypatch.setattr(checked, "PER_PART", 1)
+    run, keys = _run(tmp_path, bucket)
+    with LockStep(run, volunteers=True) as c:
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n])
+        x = c.aggregate("x", keys["x"])
+        c.aggregate("y", keys["y"])
+        honest = x.check
+        x.check = lambda close, k: [-1.0] * len(honest(close, k))
+        c.until(lambda: run.latest() > 0, 400, "state 1")
+    assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"]
+
+
 def test_control_without_volunteer_aggregators_the_organizer_computes_every_part(tmp_path, bucket):
     run, keys = _run(tmp_path, bucket)
     states, roles, _ = _collaborate(run, keys, volunteers=False)
@@ -204,7 +292,7 @@ def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, buck
 
         def step():
             v = view.read(run.bucket, run.keys, run.config.organizer_key)
-            if v is None or not v.reveal:
+            if v is None or v.reveal != "parts":
                 return claim()
             for (r, k), done in x.done.items():
                 theirs = run.bucket.read_json(run.keys.result(r, "y", k))
@@ -293,7 +381,9 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", "mallory")}
     org = keys["org"]
     cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
-                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 30.0}, **LAMB)
+                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 120.0}, **LAMB)
+    # generous: each of the three exchanges seals its claims at half its share of that time, and no
+    # answer of an honest process on a loaded machine may miss it (agreeing answers settle at once)
     run = init_run(s3_bucket, cfg, organizer=org)
     identity.update_roster(run.bucket, name, org, aggregate=["carol", "mallory"],
                            enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
@@ -370,9 +460,10 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     shards = len(close.accepted)
     want = lay.checked_finish(polls=3) + lay.prune_volunteers(lay.volunteer_objects(shards, 2, 1), 0)
     assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}
-    # x, meanwhile: a view read for each stage the view says (a worker's bill has them: closed
-    # and the reveal; with LAMB the sums and the norms too) and its share, every part here
-    want = lay.aggregating(shards, run.n_parts) + Requests(get=2 + 2 * (optimizer == "lamb"))
+    # x, meanwhile: a view read for each stage the view says (a worker's bill has them: closed,
+    # the checks and their record, the reveal; with LAMB the sums and the norms too) and its
+    # share, every part here
+    want = lay.aggregating(shards, run.n_parts) + Requests(get=4 + 2 * (optimizer == "lamb"))
     assert {k: v for k, v in x.items() if v} == {k: v for k, v in want.as_dict().items() if v}
 
 
@@ -430,6 +521,10 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
 PADDED = b'{"pad": "' + b"p" * (2 << 20) + b'"}'  # 2 MB: far over any record's bound
 
 
+def _results_of_x(run, key: str) -> bool:
+    return (w := run.keys.written(key)) is not None and w.peer == "x" and w.kind == "result"
+
+
 @pytest.mark.parametrize("when", ["listed", "raced"])
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "control: unbounded"])
 def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bounded, when):
@@ -440,11 +535,11 @@ def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bo
     scheduler downloads the 2 MB before its schema refuses them."""
     run, keys = _run(tmp_path, bucket)
     if not bounded:
-        monkeypatch.setattr(checked, "bound", lambda run, model: 2 * len(PADDED))
+        monkeypatch.setattr(checked, "bound", lambda run, model, shards=0: 2 * len(PADDED))
     read, original = {}, run.bucket.read_if_changed
 
     def reading(key, tag, limit=None):
-        if when == "raced" and "/volunteers/x/" in key and "/results/" in key:
+        if when == "raced" and _results_of_x(run, key):
             run.bucket.write_bytes(key, PADDED)  # rewritten just after the scheduler listed it
         got = original(key, tag, limit)
         read[key] = len(got.data or b"")
@@ -462,7 +557,7 @@ def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bo
         x.step = then_bloat
     states, _, _ = _collaborate(run, keys, tamper=bloat)
     assert all(c["aggregated_by"] == [["organizer"]] * run.n_parts for c in states)
-    downloaded = {k: n for k, n in read.items() if "/volunteers/x/" in k and "/results/" in k}
+    downloaded = {k: n for k, n in read.items() if _results_of_x(run, k)}
     most = max(downloaded.values(), default=0)
     if not bounded:
         assert most >= len(PADDED)

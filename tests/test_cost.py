@@ -265,8 +265,8 @@ def test_a_planned_round_adds_up_from_its_parts():
 
 
 def test_volunteer_aggregators_take_the_state_off_the_organizers_machine():
-    """With 4 volunteer aggregators (two to a part) the organizer reads only the shards'
-    validation and writes records; each aggregator reads half the parts of every shard and of
+    """With 4 volunteer aggregators (two to a part) the organizer reads no shard (they check
+    them) and writes records; each aggregator reads half the parts of every shard and of
     the fp32 state (LAMB: params, two slots, the int4 delta's residual) and writes them back
     with the delta. One aggregator is no check: refused."""
     from dedloc_pipeline.planning.estimate import DELTA_BYTES_PER_PARAM, DENSE_BYTES_PER_PARAM, SHARD_BYTES_PER_PARAM
@@ -279,9 +279,10 @@ def test_volunteer_aggregators_take_the_state_off_the_organizers_machine():
     assert agg.bytes_down * per_round == pytest.approx(0.5 * (shards + 4 * dense))
     assert agg.bytes_up * per_round == pytest.approx(0.5 * (4 * dense + DELTA_BYTES_PER_PARAM["int4"] * n))
     saved = (alone.scheduler_hour.bytes_down - helped.scheduler_hour.bytes_down) * per_round
-    # the reduction's reads of the shards, and the state's: the organizer's eight dense reads a round
-    # with LAMB (parameters, the residual, the reduced gradient and its scratch, the slots twice)
-    assert saved == pytest.approx(shards + 8 * dense)
+    # the validation's and the reduction's reads of the shards, and the state's: the organizer's eight
+    # dense reads a round with LAMB (parameters, the residual, the reduced gradient and its scratch, the
+    # slots twice)
+    assert saved == pytest.approx(2 * shards + 8 * dense)
     assert helped.scheduler_hour.bytes_up < alone.scheduler_hour.bytes_up / 1000
     s3 = helped.cost["s3"]
     assert s3.run == pytest.approx(40 * 14 * s3.volunteer_day.total + 14 * s3.scheduler_day.total

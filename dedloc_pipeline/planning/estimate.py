@@ -170,23 +170,26 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     view_writes = min(polls, 2 * (beats + 1) + round_s / view.keepalive_s(timeout, cad, round_s))
     roster = int(config.organizer_key is not None) * min(polls, peers)  # read when manifests are new
     listed = traffic.volunteer_objects(peers, peers)
-    # with volunteer aggregators, the scheduler lists every 2 s while they compute and reveal
+    # with volunteer aggregators, the scheduler lists every 2 s while they compute and reveal, and
+    # in the gradient mode they check the shards' contents too: it reads none of their chunks
+    unread = bool(aggregators) and config.algorithm != "diloco"
     finish = (traffic.checked_finish(max(1.0, reduce_s / 2.0)) + Requests(get=aggregators)  # and their offers
               if aggregators else traffic.finish(peers))
     sched = (traffic.scheduler_poll(0, 0, view=False, listed=listed) * polls + Requests(put=view_writes, get=roster)
-             + Requests(get=1 + changed + peers) + traffic.closing(peers) + finish
+             + Requests(get=1 + changed + peers) + traffic.closing(peers, unread) + finish
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
              + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW)))
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
     state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)
     optim_writes = traffic.slots + int(traffic.lossy_delta)
-    # the shards' validation; the reduction's reads of them and the state's reads and writes are
-    # the organizer's, or the volunteer aggregators' (each part twice: two to a part)
+    # the reduction's reads of the shards and the state's reads and writes are the organizer's, or
+    # the volunteer aggregators' (each part twice: two to a part), as is the shards' validation
+    # in the gradient mode (checked part by part as they are read for the reduction)
     aggregation_down = peers * shard_b + state_reads * dense
     aggregation_up = (2 + optim_writes) * dense + delta_b
     sched_down = (traffic.commit_bytes(peers) + changed * HEARTBEAT_BYTES + peers * traffic.manifest_bytes()
-                  + peers * shard_b + (0 if aggregators else aggregation_down))
+                  + (0 if unread else peers * shard_b) + (0 if aggregators else aggregation_down))
     close_b = 200 + peers * traffic.manifest_bytes()
     sched_up = view_writes * view_b + close_b + (0 if aggregators else aggregation_up) + traffic.commit_bytes(peers)
     share = 2 / aggregators if aggregators else 0.0  # of the parts, each aggregator's

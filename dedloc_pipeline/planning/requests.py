@@ -135,10 +135,11 @@ class Traffic:
             r += Requests(get=int(first))
         return r
 
-    def closing(self, shards: int) -> Requests:
+    def closing(self, shards: int, unread: bool = False) -> Requests:
         """What closing adds to its poll: each new shard frozen (a server-side copy of each of its
-        objects, billed as a PUT) and validated there (every chunk read and checksummed; its
-        objects' sizes came with the listing), the roster (signed runs) and the validator's
+        objects, billed as a PUT) and validated there (every chunk read and checksummed, unless
+        ``unread``: volunteer aggregators check them after CLOSE; its objects' sizes came with
+        the listing), the roster (signed runs) and the validator's
         flags read again, and CLOSE created and read back. In the local-steps mode the loss
         screen (``protocol/probe.py``) reads the round's state once, its COMMIT and snapshot
         (the state before is still in memory from the previous round), plus the data blocks
@@ -147,7 +148,8 @@ class Traffic:
         cfg = self.config
         signed = int(cfg.organizer_key is not None)
         probe = 1 + _reads(self.dense) if cfg.algorithm == "diloco" and cfg.close.probe_samples else 0
-        return (Requests(list=1, get=shards * _reads(self.grad) + signed + probe, put=shards * _objects(self.grad))
+        reads = 0 if unread else shards * _reads(self.grad)
+        return (Requests(list=1, get=reads + signed + probe, put=shards * _objects(self.grad))
                 + Requests(put=1, get=1))
 
     def lease_renewal(self) -> Requests:
@@ -179,31 +181,36 @@ class Traffic:
         the claims sealed, the reveal (its listing, the organizer's STOP read, the view), per part
         two claims and two results read, each state object copied server-side (a CopyObject,
         billed as a PUT) and the applied marker; then the commit. (The offers are read at CLOSE:
-        a GET each.) With LAMB the partial sums' exchange comes first, as many polls, the same
-        sealing, reveal and reads of two claims and two results a part, then the norms
-        recorded and the view saying so (its listing, STOP, the view)."""
+        a GET each.) Before that, in the gradient mode, the exchange of the shards' checks, and
+        with LAMB that of the partial sums: each as many polls, the same sealing, reveal and
+        reads of two claims and two results a part, then its record written (signed: the checks,
+        the norms; a sealed one read first) and the view saying so (its listing, STOP, the
+        view); the commit reads the checks' record once more."""
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
         total = Requests(get=3, list=2 + polls, put=2)
         for c in self.parts:
             total += Requests(get=4, put=objects * c + 1)
-        if self.lamb:
-            total += Requests(get=2 + 4 * len(self.parts), list=1 + polls, put=2) + Requests(get=2, list=1, put=2)
+        exchange = Requests(get=2 + 4 * len(self.parts), list=1 + polls, put=2) + Requests(get=2, list=1, put=2)
+        screened = self.config.algorithm != "diloco"
+        total += exchange * (int(screened) + int(self.lamb)) + Requests(get=int(screened))
         return total + Requests(get=5 + len(self.parts), put=3)
 
     def aggregating(self, shards: int, parts: float) -> Requests:
         """A volunteer aggregator's round, ``parts`` of the run's parts its share (the average
         part's chunks): its offer, CLOSE, per part CLOSE again (the reduction reads it), that
         range of every shard (a checksummed read) and of the state (parameters, optimizer slots,
-        the residual), then its claim, its answer's objects and its result. With LAMB also the
-        claim and the reveal of the part's partial sums (from the same reads, kept for the step),
-        and the norms recorded (a GET a round). Its view reads are its worker's (``estimate``)."""
+        the residual), then its claim, its answer's objects and its result. In the gradient mode
+        also the claim and the reveal of its check of the part of every shard (from the same
+        reads of them, kept for the reduction), the checks recorded (a GET a round, and one a
+        part as the reduction reads CLOSE); with LAMB the claim and the reveal of the part's
+        partial sums (from the same reads of the state, kept for the step), and the norms recorded
+        (a GET a round). Its view reads are its worker's (``estimate``)."""
         c = sum(self.parts) / len(self.parts)
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
+        screened = int(self.config.algorithm != "diloco")
         per_part = Requests(get=1 + shards * _reads(self.grad, round(c)) + (2 + self.slots) * c,
-                            put=objects * c + 2)
-        if self.lamb:
-            per_part += Requests(put=2)
-        return Requests(put=1, get=1 + int(self.lamb)) + per_part * parts
+                            put=objects * c + 2) + Requests(get=screened, put=2 * screened + 2 * int(self.lamb))
+        return Requests(put=1, get=1 + screened + int(self.lamb)) + per_part * parts
 
     def between_rounds(self) -> Requests:
         """The round loop's own poll after a commit: LATEST, the next COMMIT's absence, CLOSE, STOP."""

@@ -58,6 +58,7 @@ def screened_norms(accepted: list[Entry]) -> tuple[dict[str, float], float]:
     volunteers (each its shards' median), so one volunteer's many parts move them no more than one
     part would. Nothing with fewer than three volunteers."""
     by_volunteer: dict[str, list[Entry]] = {}
+    accepted = [s for s in accepted if s.norm is not None]  # the others are screened after CLOSE (checked.py)
     for s in accepted:
         by_volunteer.setdefault(volunteer_of(s.peer), []).append(s)
     if len(by_volunteer) < 3:
@@ -77,13 +78,34 @@ def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], li
     bound = factor * median
     kept, out = [], []
     for s in accepted:
-        z = scaled[s.key]
-        if z <= bound:
+        z = scaled.get(s.key)
+        if z is None or z <= bound:  # None: not yet checked, screened after CLOSE
             kept.append(s)
         else:
             out.append(Rejection(key=s.key, reason=f"gradient norm {s.norm:.3g} ({z:.3g} at the typical shard's "
                                  f"samples) above {factor:g}x the round's median volunteer ({bound:.3g})"))
     return kept, out
+
+
+def contents(accepted: list[Entry], verdicts: dict[str, float | str], max_norm: float,
+             factor: float | None) -> tuple[list[Entry], list[Rejection]]:
+    """The shards whose contents were checked only after they were admitted (``verdicts``: each
+    one's norm, or why its contents are refused), their norms set: those refused, above
+    ``max_norm``, or far above the round's median volunteer (``screen``), rejected, with the
+    samples their peers spent on them."""
+    kept, out = [], []
+    for s in accepted:
+        v = verdicts.get(s.key, s.norm)
+        if isinstance(v, str) or v is None:
+            out.append(Rejection(key=s.key, reason=v or "its contents were not checked", data=s.data))
+        elif v > max_norm:
+            out.append(Rejection(key=s.key, reason=f"gradient norm {v:.3g} above the bound {max_norm:.3g}",
+                                 data=s.data))
+        else:
+            kept.append(s.model_copy(update={"norm": v}))
+    kept, screened = screen(kept, factor)
+    data = {s.key: s.data for s in accepted}
+    return kept, out + [x.model_copy(update={"data": data[x.key]}) for x in screened]
 
 
 def agree(accepted: list[Entry], min_agreement: float | None) -> tuple[list[Entry], list[Rejection]]:

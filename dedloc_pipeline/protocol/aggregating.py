@@ -53,6 +53,9 @@ class AggregatorRole:
         self.clock = run.clock if clock is None else clock
         self.lamb = run.config.aggregator_optimizer.name == "lamb"
         self.offered: set[int] = set()
+        self.found: dict[tuple[int, int], dict] = {}  # (round, part) -> its shards' arrays, read for its check
+        self.checks: dict[tuple[int, int], list[float]] = {}  # (round, part) -> its check, until revealed
+        self._checking: dict[int, list[int]] = {}  # round -> its parts, checked, awaiting the scheduler's record
         self.grads: dict[tuple[int, int], np.ndarray] = {}  # LAMB: (round, part) -> its mean gradient, kept to step
         self.states: dict[tuple[int, int], tuple] = {}  # LAMB: (round, part) -> state r over it, read once
         self.sums: dict[tuple[int, int], dict] = {}  # LAMB: (round, part) -> its partial sums, until revealed
@@ -73,7 +76,7 @@ class AggregatorRole:
         if v.stopped or v.ended:
             return
         r, keys = v.round, self.run.keys
-        for kept in (self.grads, self.states, self.sums, self.answers):
+        for kept in (self.found, self.checks, self.grads, self.states, self.sums, self.answers):
             for rk in [rk for rk in kept if rk[0] < r]:
                 del kept[rk]
         self._offer(r + 1 if v.closed else r)  # while a round is reduced, already for the next: a short round
@@ -83,8 +86,25 @@ class AggregatorRole:
             self._closed.add(r)
             close = Close.read(self.run, r)
             mine = [k for k, peers in enumerate(close.aggregators or []) if self.peer in peers] if close else []
-            for k in mine:
-                (self._claim_sums if self.lamb else self._claim)(r, k)
+            if mine and any(e.norm is None for e in close.accepted):  # shards admitted unread: checked first
+                for k in mine:
+                    self._claim_check(close, k)
+                self._checking[r] = mine
+            for k in [] if r in self._checking else mine:
+                self._begin(r, k)
+        if v.reveal == "screen":
+            for (rr, k), checks in sorted(self.checks.items()):
+                if rr == r:
+                    self._write(keys.screen(r, self.peer, k), {"round": r, "peer": self.peer, "part": k,
+                                                                "checks": checks})
+                    log.info("round %d: check of part %d revealed", r, k)
+            self.checks = {rk: x for rk, x in self.checks.items() if rk[0] != r}
+        if r in self._checking and v.reveal in ("screened", "sums", "norms", "parts"):
+            found = self.run.read_record(keys.screened(r), f"checks of round {r}'s shards", round=r)
+            if found is None:  # the view is ahead of its listing: the next poll
+                return
+            for k in set(self._checking.pop(r)) & set(found["parts"]):
+                self._begin(r, k)
         if v.reveal == "sums":
             for (rr, k), sums in sorted(self.sums.items()):
                 if rr == r:
@@ -114,8 +134,30 @@ class AggregatorRole:
             self.offered = {x for x in self.offered if x >= r - 1} | {r}
 
     def gradient(self, r: int, k: int) -> np.ndarray:
-        """Round r's mean gradient over part k (kept from the partial sums' claim, with LAMB)."""
-        return self.grads[(r, k)] if (r, k) in self.grads else aggregator.mean_gradient(self.run, r, k)
+        """Round r's mean gradient over part k (kept from the partial sums' claim, with LAMB; from
+        the shards read for its check, where it checked them)."""
+        if (r, k) in self.grads:
+            return self.grads[(r, k)]
+        return aggregator.mean_gradient(self.run, r, k, self.found.pop((r, k), None))
+
+    def check(self, close: Close, k: int) -> list[float]:
+        """Part k of every shard CLOSE admitted, checked (``aggregator.part_checks``); the shards
+        read are kept for the reduction."""
+        found = self.found[(close.round, k)] = aggregator.read_part(self.run, close.accepted, k)
+        return aggregator.part_checks(self.run, k, close.accepted, found)
+
+    def _claim_check(self, close: Close, k: int) -> None:
+        """Check part k of the shards of round ``close.round`` and commit to the checks."""
+        r, t0 = close.round, time.perf_counter()
+        self.checks[(r, k)] = self.check(close, k)
+        self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
+        self._write(self.run.keys.screen_claim(r, self.peer, k), {
+            "round": r, "peer": self.peer, "part": k, "digest": checked.digest(self.peer, self.checks[(r, k)])})
+        log.info("round %d: part %d of the shards checked and claimed", r, k)
+
+    def _begin(self, r: int, k: int) -> None:
+        """Reduce part k of round r: with LAMB, claim its partial sums; else step and claim it."""
+        (self._claim_sums if self.lamb else self._claim)(r, k)
 
     def part_sums(self, r: int, k: int) -> dict[str, list[float]]:
         """LAMB: part k's partial sums of round r, which its trust ratios need whole."""
@@ -132,10 +174,11 @@ class AggregatorRole:
     def _claim_sums(self, r: int, k: int) -> None:
         """LAMB: reduce part k of round r and commit to its partial sums; the gradient is kept."""
         t0 = time.perf_counter()
-        self.grads[(r, k)] = aggregator.mean_gradient(self.run, r, k)
+        self.grads[(r, k)] = self.gradient(r, k)
         self.states[(r, k)] = aggregator.read_state(self.run, r, k)  # its step needs it again
         self.sums[(r, k)] = self.part_sums(r, k)
-        self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
+        done = self.done.setdefault((r, k), Done(r, k, 0.0))
+        done.seconds += time.perf_counter() - t0
         self._write(self.run.keys.sum_claim(r, self.peer, k), {
             "round": r, "peer": self.peer, "part": k, "digest": checked.digest(self.peer, self.sums[(r, k)])})
         log.info("round %d: partial sums of part %d computed and claimed", r, k)

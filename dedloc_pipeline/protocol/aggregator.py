@@ -26,10 +26,42 @@ log = logging.getLogger(__name__)
 READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, memory stays bounded
 
 
-def mean_gradient(run: Run, r: int, part: int) -> np.ndarray:
+def read_part(run: Run, accepted: list, part: int) -> dict[str, dict | vector.CorruptShard]:
+    """Each of ``accepted``'s shards over this part's chunks, by key, from its frozen copy, held
+    to its manifest's checksums there (a CorruptShard where it is not)."""
+    out = {}
+    for i in range(0, len(accepted), READ_BATCH):
+        batch = accepted[i:i + READ_BATCH]
+        found = vector.read_vectors(run.bucket, [run.keys.frozen(s.key) for s in batch], run.grad_format,
+                                    run.part_chunks(part), [s.checksums for s in batch])
+        out.update({s.key: arrays for s, arrays in zip(batch, found)})
+    return out
+
+
+def part_checks(run: Run, part: int, accepted: list, found: dict) -> list[float]:
+    """The check of this part of each of ``accepted``'s shards (``found``: ``read_part``), in
+    their order: its sum of squares there, the same on any machine (decoded, then summed in
+    numpy's pairwise order), or -1 where its chunks are not its manifest's, are malformed, or
+    hold non-finite values (checked.py merges the parts' checks into each shard's verdict)."""
+    fmt, (lo, hi) = run.grad_format, run.part_bounds(part)
+    out = []
+    for s in accepted:
+        arrays = found[s.key]
+        try:
+            if isinstance(arrays, vector.CorruptShard):
+                raise ValueError(arrays)
+            x = codec.decode(arrays, fmt.codec, fmt.block, hi - lo)
+            out.append(optim.sum_squares(x) if np.isfinite(x).all() else -1.0)
+        except (ValueError, IndexError):  # a sparse position out of its block, arrays of other sizes
+            out.append(-1.0)
+    return out
+
+
+def mean_gradient(run: Run, r: int, part: int, found: dict | None = None) -> np.ndarray:
     """Round r's mean gradient over this part's chunks (or its robust estimate), from the frozen
     copies of CLOSE's accepted shards, in CLOSE's order: a fixed summation order, so the same
-    bytes on any machine (``optim``)."""
+    bytes on any machine (``optim``). ``found``: those shards' arrays there, read already
+    (``read_part``)."""
     keys, bucket = run.keys, run.bucket
     accepted = closed(run, r).accepted
     chunks = run.part_chunks(part)
@@ -45,9 +77,9 @@ def mean_gradient(run: Run, r: int, part: int) -> np.ndarray:
     stacked = np.zeros((len(volunteers) if robust_mode else 0, hi - lo), np.float32)  # a row per volunteer
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
-        found = vector.read_vectors(bucket, [keys.frozen(s.key) for s in batch], fmt, chunks,
-                                    [s.checksums for s in batch])
-        for shard, arrays in zip(batch, found):
+        arrays_of = [found[s.key] for s in batch] if found is not None else vector.read_vectors(
+            bucket, [keys.frozen(s.key) for s in batch], fmt, chunks, [s.checksums for s in batch])
+        for shard, arrays in zip(batch, arrays_of):
             if isinstance(arrays, vector.CorruptShard):  # only the organizer writes frozen copies: refuse, never skip
                 raise arrays
             if robust_mode:  # the volunteer's parts, sample-weighted
@@ -57,6 +89,8 @@ def mean_gradient(run: Run, r: int, part: int) -> np.ndarray:
                 codec.accumulate(total, arrays, fmt.codec, fmt.block, shard.weight)
     if robust_mode:
         return robust.aggregate(stacked, weights.tolist(), run.config)
+    if not accepted:  # the checks after CLOSE left no shard (checked.py): the step has no gradient
+        return total.astype(np.float32)
     return (total / float(np.add.reduce(weights))).astype(np.float32)
 
 

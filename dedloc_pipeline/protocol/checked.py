@@ -47,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import aggregator, optim
+from . import admission, aggregator, optim
 from .clock import Clock
 from .close import Close
 from .run import Run
@@ -87,6 +87,14 @@ class Result(_Record):
     checksums: dict[str, dict[str, list[str]]]
 
 
+class Screen(_Record):
+    """An aggregator's revealed check of a part of every shard of its round, in CLOSE's order:
+    each one's sum of squares there, or -1 (``aggregator.part_checks``)."""
+
+    part: int
+    checks: list[float]
+
+
 class Sums(_Record):
     """LAMB: an aggregator's revealed partial sums for a part, per tensor [sum p^2, sum u^2]."""
 
@@ -109,6 +117,7 @@ class Stage:
     field: str
 
 
+SCREEN = Stage("screen", "screen_claim", "screen_claim", "screen", "sealed_screens", Screen, "checks")
 SUMS = Stage("sums", "sum_claim", "sum_claim", "sums", "sealed_sums", Sums, "sums")
 PARTS = Stage("parts", "claim", "claim", "result", "sealed_claims", Result, "checksums")
 
@@ -149,11 +158,14 @@ def eligible(run: Run) -> str | None:
     return None
 
 
-def bound(run: Run, model: type[BaseModel]) -> int:
+def bound(run: Run, model: type[BaseModel], shards: int = 0) -> int:
     """The most bytes an aggregator's record of ``model`` may take: a result lists a checksum
     (64 bytes, generously) per chunk of each array of a state's vectors over a part, partial
-    sums a name and two numbers per tensor (256 bytes); the others are a few fields. A larger one
-    is refused unread: no record slows the scheduler."""
+    sums a name and two numbers per tensor (256 bytes), a check a number per shard of the round
+    (``shards``, 32 bytes); the others are a few fields. A larger one is refused unread: no
+    record slows the scheduler."""
+    if model is Screen:
+        return 4096 + 32 * shards
     if model is Sums:
         return 4096 + 256 * max(len(list(run.flat.pieces(*run.part_bounds(k)))) for k in range(run.n_parts))
     if model is not Result:
@@ -162,12 +174,12 @@ def bound(run: Run, model: type[BaseModel]) -> int:
     return 4096 + 64 * arrays * max(len(run.part_chunks(k)) for k in range(run.n_parts))
 
 
-def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, listed: dict, **place):
+def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, listed: dict, shards: int = 0, **place):
     """A volunteer's record at ``key``, signed with the key the roster has for its peer and naming
     its run and ``place``; None if absent, larger than its ``bound`` (in ``listed``, the listing
     it was found in: not read at all; or once read, if rewritten since: never more than the bound
     and a byte is downloaded), unreadable, forged or copied (logged)."""
-    limit = bound(run, model)
+    limit = bound(run, model, shards)
     size = listed.get(key, (0, None))[0]
     if size > limit:
         log.warning("%s refused unread: %d bytes, more than %d", what, size, limit)
@@ -204,6 +216,8 @@ class Settlement:
     agreed: dict[int, list[str]] = field(default_factory=dict)
     left: dict[int, str] = field(default_factory=dict)
     results: dict[tuple[int, str], Result] = field(default_factory=dict)
+    screened: dict[int, list[str]] = field(default_factory=dict)  # parts whose checks of the shards two agreed on
+    screens: dict[tuple[int, str], Screen] = field(default_factory=dict)
     summed: dict[int, list[str]] = field(default_factory=dict)  # LAMB: parts whose sums two agreed on
     sums: dict[tuple[int, str], Sums] = field(default_factory=dict)
     fingerprints: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
@@ -238,10 +252,20 @@ class Referee:
             if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
         start, parts = close.closed_at, list(range(len(close.aggregators)))
-        if run.config.aggregator_optimizer.name == "lamb":
-            start, parts = self._norms(close, roster, reveal, out)
+        unchecked = any(e.norm is None for e in close.accepted)
+        lamb = run.config.aggregator_optimizer.name == "lamb"
+        stages = 1 + unchecked + lamb  # the time left is shared among the exchanges left
+        if unchecked:
+            start, parts = self._screen(close, roster, reveal, out, start + (close.aggregate_by - start) / stages)
+            stages -= 1
             for k in set(range(len(close.aggregators))) - set(parts):
+                out.left[k] = "its check of the shards was the organizer's"
+        if lamb:
+            start, steps = self._norms(close, roster, reveal, out, parts, start,
+                                       start + (close.aggregate_by - start) / stages)
+            for k in set(parts) - set(steps):
                 out.left[k] = "its partial sums were the organizer's"
+            parts = steps
         self._exchange(close, PARTS, [k for k in parts if k not in out.agreed], start, close.aggregate_by, roster,
                        reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
                        lambda k: k in out.agreed or k in out.left)
@@ -321,7 +345,7 @@ class Referee:
                 return None
             if (k, peer) not in seen:
                 res = _signed(run, key, stage.model, roster, f"{stage.reveal} of part {k} by {peer}", listed,
-                              round=r, peer=peer, part=k)
+                              len(close.accepted), round=r, peer=peer, part=k)
                 if res is None:
                     left[k] = f"{peer}'s result unusable"
                     return None
@@ -366,22 +390,83 @@ class Referee:
         out.agreed[k] = list(peers)
         log.info("round %d: part %d agreed by %s", r, k, " and ".join(peers))
 
-    def _norms(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement) -> tuple[float, list[int]]:
-        """LAMB: settle each part's partial sums (``SUMS``) in the first half of the time, sum
-        those not agreed on here (the organizer's reduction of the part), flag whoever revealed
-        other sums than the organizer's, record the merged norms (signed: what every part's step
-        takes) and ``reveal("norms")``. When the steps' exchange starts, and its parts: those
-        whose sums two aggregators agreed on (read back from the record after a restart)."""
+    def _screen(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement,
+                by: float) -> tuple[float, list[int]]:
+        """Check the shards CLOSE admitted unread (``SCREEN``) by ``by``: each part of every one
+        by its two aggregators, the organizer checking the parts they do not agree on (and
+        flagging whoever revealed other checks than its own); record which shards the checks
+        reject and every norm (signed: ``close.screened``, what every reader of the round takes)
+        and ``reveal("screened")``. When the next exchange starts, and its parts: those whose
+        checks two aggregators agreed on (read back from the record after a restart)."""
+        run, r, keys = self.run, close.round, self.run.keys
+        what = f"checks of round {r}'s shards"
+        found = run.read_record(keys.screened(r), what, round=r)
+        if found is None:
+            left: dict[int, str] = {}
+            parts = list(range(len(close.aggregators)))
+            self._exchange(close, SCREEN, parts, close.closed_at, by, roster, reveal,
+                           lambda k, listed, claims: self._try_screen(close, k, listed, roster, claims, out, left),
+                           lambda k: k in out.screened or k in left)
+            mine = [k for k in parts if k not in out.screened]
+            for k in mine:
+                log.warning("round %d: the check of part %d left to the organizer: %s", r, k,
+                            left.get(k, "no agreement by the deadline"))
+            with ThreadPoolExecutor(self.parallel) as pool:
+                own = dict(zip(mine, pool.map(lambda k: aggregator.part_checks(
+                    run, k, close.accepted, aggregator.read_part(run, close.accepted, k)), mine)))
+            checks = {k: out.screens[(k, peers[0])].checks for k, peers in out.screened.items()} | own
+            for (k, peer), res in sorted(out.screens.items()):
+                if k in own and res.checks != own[k] and peer not in out.liars:
+                    out.liars[peer] = f"its checks of part {k} of round {r}'s shards differ from the organizer's"
+            verdicts: dict[str, float | str] = {}
+            for i, e in enumerate(close.accepted):
+                bad = [k for k in sorted(checks) if not checks[k][i] >= 0]
+                verdicts[e.key] = (f"its chunks of part {bad[0]} are not its manifest's, malformed or not "
+                                   "finite (checked after CLOSE)") if bad else math.sqrt(sum(checks[k][i]
+                                                                                             for k in sorted(checks)))
+            kept, rejected = admission.contents(close.accepted, verdicts, run.config.max_grad_norm,
+                                                run.config.norm_screen)
+            for x in rejected:
+                log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
+            found = {"round": r, "rejected": [x.dump() for x in rejected], "norms": {e.key: e.norm for e in kept},
+                     "parts": sorted(out.screened), "at": self.clock.time()}
+            run.bucket.write_json(keys.screened(r), run.record(what, found, round=r))
+        reveal("screened")
+        return found["at"], found["parts"]
+
+    def _try_screen(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement,
+                    left: dict) -> None:
+        """Part k's checks agreed, if both its aggregators' are in, agree, and hold a sum of
+        squares or -1 for each shard of CLOSE."""
+        found = self._revealed(close, SCREEN, k, listed, roster, claims, out.screens, left, out.liars)
+        if found is None:
+            return
+        peers = close.aggregators[k]
+        checks = found[peers[0]].checks
+        if any(found[p].checks != checks for p in peers[1:]):
+            left[k] = f"{' and '.join(peers)} disagree on its checks"
+            return
+        if len(checks) != len(close.accepted) or not all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks):
+            left[k] = "checks not one a shard of CLOSE, or not sums of squares"
+            return
+        out.screened[k] = list(peers)
+
+    def _norms(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement, parts: list[int],
+               start: float, by: float) -> tuple[float, list[int]]:
+        """LAMB: settle the partial sums (``SUMS``) of ``parts`` by ``by``, sum the others here (the
+        organizer's reduction of the part), flag whoever revealed other sums than the
+        organizer's, record the merged norms (signed: what every part's step takes) and
+        ``reveal("norms")``. When the steps' exchange starts, and its parts: those whose sums two
+        aggregators agreed on (read back from the record after a restart)."""
         run, r, keys = self.run, close.round, self.run.keys
         what = f"norms of round {r}"
         found = run.read_record(keys.norms(r), what, round=r)
         if found is None:
             left: dict[int, str] = {}
-            parts, by = list(range(len(close.aggregators))), (close.closed_at + close.aggregate_by) / 2
-            self._exchange(close, SUMS, parts, close.closed_at, by, roster, reveal,
+            self._exchange(close, SUMS, parts, start, by, roster, reveal,
                            lambda k, listed, claims: self._try_sums(close, k, listed, roster, claims, out, left),
                            lambda k: k in out.summed or k in left)
-            mine = [k for k in parts if k not in out.summed]
+            mine = [k for k in range(len(close.aggregators)) if k not in out.summed]
             for k in mine:
                 log.warning("round %d: the partial sums of part %d left to the organizer: %s", r, k,
                             left.get(k, "no agreement by the deadline"))

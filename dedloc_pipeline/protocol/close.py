@@ -96,12 +96,40 @@ def committed(commit: dict) -> tuple[list[Counted], list[Rejection]]:
             [Rejection.model_validate(x) for x in commit.get("rejected", [])])
 
 
-def closed(run: Run, r: int) -> Close:
-    """Round r's CLOSE, which a reduction or a commit needs: RunError while the round is open."""
+def closed(run: Run, r: int, counted: bool = True) -> Close:
+    """Round r's CLOSE as a reduction or a commit needs it (``screened``; ``counted`` False: as
+    written, what its volunteer aggregators are assigned by): RunError while the round is open,
+    or its shards' contents are not checked yet."""
     close = Close.read(run, r)
     if close is None:
         raise RunError(f"round {r} is not closed")
-    return close
+    return screened(run, close) if counted else close
+
+
+def screened(run: Run, close: Close) -> Close:
+    """``close`` as its shards are counted: where CLOSE left their contents to be checked after
+    it (entries without a norm: volunteer aggregators check them, checked.py), amended by the
+    scheduler's signed record of those checks (one GET): the shards they rejected moved to the
+    rejected, with their reason, every norm known, the counted samples those left. RunError
+    while that record is not written."""
+    if all(e.norm is not None for e in close.accepted):
+        return close
+    r = close.round
+    found = run.read_record(run.keys.screened(r), f"checks of round {r}'s shards", round=r)
+    if found is None:
+        raise RunError(f"round {r}: its shards' contents are not checked yet")
+    out = [Rejection.model_validate(x) for x in found["rejected"]]
+    gone = {x.key for x in out}
+    return amended(close, [e.model_copy(update={"norm": found["norms"][e.key]})
+                           for e in close.accepted if e.key not in gone], out)
+
+
+def amended(close: Close, kept: list[Entry], out: list[Rejection]) -> Close:
+    """``close`` with only ``kept`` accepted and ``out`` rejected besides, its counted samples
+    those ``kept`` count for (their capped weights)."""
+    samples = close.samples if not out else round(sum(e.weight if e.weight is not None else e.samples for e in kept))
+    return close.model_copy(update={"accepted": kept, "samples": samples,
+                                    "rejected": sorted(close.rejected + out, key=lambda x: x.key)})
 
 
 def close_summary(close: Close) -> dict:

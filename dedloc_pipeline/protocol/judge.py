@@ -20,10 +20,10 @@ from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import admission, direction, verify
-from .close import Close, Rejection
+from .close import Close, Rejection, amended
 from .probe import LossProbe
 from .run import Run, RunError
-from .shard import DataRef, Entry, Rejected, commit_hash, manifest_limit, validate
+from .shard import DataRef, Entry, Rejected, check_contents, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,11 @@ class Opening:
 
 
 class Judge:
-    def __init__(self, run: Run, parallel: int = 2) -> None:
-        self.run, self.parallel = run, parallel
+    def __init__(self, run: Run, parallel: int = 2, defer: bool = False) -> None:
+        """``defer``: while two volunteers or more offer to aggregate a round, its shards'
+        contents are left for them to check after CLOSE (checked.py): a shard is admitted on
+        its manifest and its objects' sizes, and copied to its frozen key server-side, unread."""
+        self.run, self.parallel, self.defer = run, parallel, defer
         self.seen: dict[str, tuple[object, Entry | Rejection]] = {}  # manifest key -> (version, verdict)
         self._opened: dict[int, Opening] = {}
         self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
@@ -132,8 +135,11 @@ class Judge:
         new = [k for k, v in raw.items() if not known(k, manifests[k][1] or v)]
         if new:
             stored, opening = self._stored(r, listed), self.opening(r)
+            contents = not (self.defer and len({volunteer_of(keys.written(k).peer)
+                                                for k in keys.of_round(listed, r, "offer")}) >= 2)
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
-                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), opening)  # noqa: E731
+                check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), opening,  # noqa: E731
+                                              contents)
                 for mkey, verdict in zip(new, pool.map(check, new)):
                     self.seen[mkey] = (manifests[mkey][1] or raw[mkey], verdict)
         accepted, rejected = [], []
@@ -174,12 +180,14 @@ class Judge:
         return self._opened[r]
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
-               stored: dict[str, int], opening: Opening) -> Entry | Rejection:
-        """The shard's verdict: its CLOSE entry, or why it is rejected (logged)."""
+               stored: dict[str, int], opening: Opening, contents: bool = True) -> Entry | Rejection:
+        """The shard's verdict: its CLOSE entry, or why it is rejected (logged); ``contents``
+        False: admitted unread (``defer``)."""
         shard = self.run.keys.shard_of(mkey)
         try:
             end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
-            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end, self._inspector(r))
+            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end, self._inspector(r),
+                            contents)
         except Rejected as exc:
             return self.reject(r, shard, str(exc), exc.data)
         except StorageError:
@@ -205,6 +213,23 @@ class Judge:
                                    f"gradient is {z:.3g} times a random direction's spread, below "
                                    f"close.min_descent={least:g}")
         return inspect
+
+    def contents(self, close: Close) -> Close:
+        """``close`` with the contents of the shards it admitted unread checked here (each read
+        whole: ``shard.check``), as when no volunteer aggregators are left to check them: those
+        refused, above the norm bound or the norm screen's, rejected (logged)."""
+        verdicts: dict[str, float | str] = {}
+
+        def check(e: Entry) -> None:
+            try:
+                verdicts[e.key] = check_contents(self.run, self.run.keys.frozen(e.key), e.checksums)[1]
+            except Rejected as exc:
+                verdicts[e.key] = str(exc)
+        with ThreadPoolExecutor(2 * self.parallel) as pool:
+            list(pool.map(check, [e for e in close.accepted if e.norm is None]))
+        cfg = self.run.config
+        kept, out = admission.contents(close.accepted, verdicts, cfg.max_grad_norm, cfg.norm_screen)
+        return amended(close, kept, self.logged(close.round, out))
 
     @staticmethod
     def logged(r: int, rejected: list[Rejection]) -> list[Rejection]:

@@ -75,7 +75,8 @@ def _write_commit(run: Run, r: int) -> dict:
         shards = [e.model_dump(mode="json", include=LEDGER_FIELDS) for e in close.accepted]
         bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
             "state": r + 1, "ends": stream_ends(run.stream_ends(r), close)}, state=r + 1))
-        loss = round_loss(close.accepted)
+        # the checks after CLOSE may leave no shard (checked.py): no loss measured, the last one stands
+        loss = round_loss(close.accepted) if close.accepted else run.commit_of(r)["loss"]
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close.samples,
             "loss": loss, "contributors": sorted({e.peer for e in close.accepted}), "shards": shards,

@@ -129,12 +129,12 @@ class Run:
     def per_volunteer(self) -> int:
         """The most keys one peer's prefix may hold for the scheduler to read it: its rounds
         still kept (``LIVE_ROUNDS``), each a heartbeat and twice ``max_parts`` shards with their
-        manifests, and an aggregator's offer, claims, results, sums and answers for every part
+        manifests, and an aggregator's offer, and per part its claims and results of each exchange and its answer
         (``checked.py``). A prefix holding more is not read at all, so a volunteer filling its
         own prefix slows no one's poll."""
         shard = len(vector.chunk_objects(self.grad_format)) + 1
         arrays = 2 + len(self.delta_format.stored()) + len(self.config.aggregator_optimizer.slots)  # + params, residual
-        aggregating = 1 + 4 * self.n_parts + arrays * self.dense_format.n_chunks  # LAMB: claims and sums too
+        aggregating = 1 + 6 * self.n_parts + arrays * self.dense_format.n_chunks  # two records each exchange
         return LIVE_ROUNDS * (1 + 2 * self.config.close.max_parts * shard + aggregating)
 
     def written(self) -> tuple[dict[str, tuple[int, str | None]], frozenset[str]]:

@@ -81,7 +81,7 @@ class Scheduler:
         if volunteers and (why := checked.eligible(run)):
             raise RunError(f"run {run.name!r} cannot take volunteer aggregators: {why}")
         self.referee = checked.Referee(run, self.clock, poll_s or 2.0, parallel) if volunteers else None
-        self.judge = Judge(run, parallel)
+        self.judge = Judge(run, parallel, defer=volunteers and run.config.algorithm != "diloco")
         self.lease = Lease(run.bucket, run.keys, self.clock, holder, lease_s)
         self._beats = heartbeat.Heartbeats()
         self._ahead = heartbeat.Heartbeats()  # the next round's: peers computing ahead, for displays
@@ -153,6 +153,8 @@ class Scheduler:
             offers = self.referee.offers(r, listed, self.judge.roster(), self.judge.flags)
             if assigned := checked.assign(checked.seed(close), self.run.n_parts, offers):
                 close = close.model_copy(update={"aggregators": assigned, "aggregate_by": now + rule.aggregate_s})
+            elif any(e.norm is None for e in close.accepted):  # admitted unread, and nobody left to check them
+                close = self.judge.contents(close)
         if not bucket.create_json(keys.close(r), self.run.record(f"CLOSE of round {r}", close.dump(), round=r)):
             log.warning("round %d: a CLOSE was there already, not this scheduler's", r)
         self._unclosed = None
@@ -281,7 +283,7 @@ class Scheduler:
         gave volunteer aggregators are theirs until its deadline (``settle``); the organizer
         computes the others, then flags the aggregators that lied (``flag_liars``)."""
         run = self.run
-        close = close or closed(run, r)
+        close = close or closed(run, r, counted=False)
         settled = self.settle(close)
         parts = [k for k in range(run.n_parts) if k not in settled.agreed]
         list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))

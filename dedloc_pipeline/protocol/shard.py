@@ -98,7 +98,7 @@ class Entry(BaseModel):
     precision: Literal["fp32", "bf16"] = "fp32"
     checksums: dict[str, list[str]]
     data: DataRef
-    norm: float
+    norm: float | None = None  # None: its contents not checked before CLOSE (volunteer aggregators check them)
     late: bool = False  # folded from the round before (close.late_shards="fold")
     manifest_sha: str
     weight: float | None = None  # its samples, capped (admission.weigh): set before CLOSE is written
@@ -170,14 +170,17 @@ def max_claim(run: Run) -> int:
 def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
              stored: dict[str, int] | None = None, state_hash: str | None = None,
              stream_end: int | None = None,
-             inspect: Callable[[Entry, dict[str, np.ndarray]], None] | None = None) -> Entry:
+             inspect: Callable[[Entry, dict[str, np.ndarray]], None] | None = None,
+             contents: bool = True) -> Entry:
     """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
     that needs only the manifest and the shard's stored objects (``stored``: their sizes by
     name under the shard, from a listing the caller made of many shards at once; listed here
     if not given). ``stream_end``: where the peer's stream was counted to as of state r (its
     streams record; read here if not given). ``inspect(entry, arrays)``: what the caller
     measures of the shard's values (the local-steps mode's screens), on the arrays read here,
-    so it costs no request; it may raise Rejected."""
+    so it costs no request; it may raise Rejected. ``contents`` False: no chunk is read, the
+    entry's ``norm`` is None, and its contents are checked after CLOSE (``check_contents``, or
+    by volunteer aggregators part by part: checked.py)."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:
@@ -198,13 +201,13 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     if m.data.stream != m.peer:
         raise Rejected(f"data of stream {m.data.stream!r}: a volunteer counts only its own stream")
     try:
-        return _admit(run, r, key, raw, m, stored, state_hash, stream_end, inspect)
+        return _admit(run, r, key, raw, m, stored, state_hash, stream_end, inspect, contents)
     except Rejected as exc:  # the manifest is its peer's own: its samples are spent either way
         raise Rejected(str(exc), data=m.data) from exc
 
 
 def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str, int] | None,
-           state_hash: str | None, stream_end: int | None, inspect) -> Entry:
+           state_hash: str | None, stream_end: int | None, inspect, contents: bool) -> Entry:
     fmt = run.grad_format
     if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
         raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
@@ -227,15 +230,7 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     if stored > stored_limit(fmt):
         raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
     frozen = freeze(run, key)
-    try:
-        arrays = vector.read_vector(run.bucket, frozen, fmt, checksums=m.checksums, raw=True)
-    except vector.CorruptShard as exc:
-        raise Rejected(str(exc)) from exc
-    if not all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f"):
-        raise Rejected("non-finite gradient values")
-    norm = math.sqrt(codec.squared_norm(arrays, fmt.codec, fmt.block))
-    if norm > run.config.max_grad_norm:
-        raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
+    arrays, norm = check_contents(run, frozen, m.checksums) if contents else (None, None)
     entry = Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
                   stale_samples=m.stale_samples, inner_steps=m.inner_steps, precision=m.precision,
                   checksums=m.checksums, data=m.data, norm=norm,
@@ -243,6 +238,23 @@ def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str
     if inspect is not None:
         inspect(entry, arrays)
     return entry
+
+
+def check_contents(run: Run, frozen: str, checksums: dict[str, list[str]]) -> tuple[dict[str, np.ndarray], float]:
+    """A frozen shard's contents: its arrays and norm, or Rejected if its chunks are not those
+    its manifest's checksums name, or hold non-finite values, or its norm is above the run's
+    ``max_grad_norm``."""
+    fmt = run.grad_format
+    try:
+        arrays = vector.read_vector(run.bucket, frozen, fmt, checksums=checksums, raw=True)
+    except vector.CorruptShard as exc:
+        raise Rejected(str(exc)) from exc
+    if not all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f"):
+        raise Rejected("non-finite gradient values")
+    norm = math.sqrt(codec.squared_norm(arrays, fmt.codec, fmt.block))
+    if norm > run.config.max_grad_norm:
+        raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
+    return arrays, norm
 
 
 def freeze(run: Run, key: str) -> str:

@@ -44,7 +44,7 @@ import numpy as np
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from .close import Close
+from .close import Close, screened
 from .recompute import (
     COPY_COSINE,
     COPY_OVERLAP,
@@ -123,6 +123,7 @@ class Verifier:
         close = Close.read(self.run, r)
         if commit is None or close is None:
             return None
+        close = screened(self.run, close)  # committed: its shards' checks are recorded
         t0 = time.perf_counter()
         state_hash = commit_hash(commit)
         accepted = close.accepted

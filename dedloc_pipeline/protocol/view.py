@@ -64,9 +64,11 @@ class View(BaseModel):
     ahead_samples_per_s: float = Field(0.0, ge=0, allow_inf_nan=False, description="their speed, summed")
     ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
     closed: bool = False
-    reveal: Literal["sums", "norms", "parts"] | None = Field(
-        None, description="what the closed round's volunteer aggregators may do (checked.py): with LAMB, show "
-        "their parts' partial sums (sums), then step with the norms recorded (norms); show their answers (parts)")
+    reveal: Literal["screen", "screened", "sums", "norms", "parts"] | None = Field(
+        None, description="what the closed round's volunteer aggregators may do (checked.py): show their checks "
+        "of the shards CLOSE admitted unread (screen), then reduce the shards the checks kept (screened); with "
+        "LAMB, show their parts' partial sums (sums), then step with the norms recorded (norms); show their "
+        "answers (parts)")
     stopped: bool = False
     ended: str | None = Field(None, max_length=200, description="why no scheduler will close this round: the "
                               "last one ended (its --until-round reached, its wall time, STOP, or it exited); "

@@ -39,6 +39,7 @@ def volunteer_of(peer: str) -> str:
 
 _NUMBER = re.compile(r"\d{8}")
 _PART = re.compile(r"\d{5}\.json")  # an aggregator part's record
+_EXCHANGES = {"screens": ("screen_claim", "screen"), "sums": ("sum_claim", "sums")}  # folder: its kinds
 _STATE_CHUNK = re.compile(r"(?:params|delta|optim/[^/]+)/[^/]+/c/(\d+)")  # a state vector's chunk object
 
 
@@ -50,7 +51,7 @@ class Written(NamedTuple):
     """A key a volunteer writes, parsed: whose, which round, and what (``progress``: its
     heartbeat; ``manifest``; ``shard``: a shard's folder; ``object``: one of its objects, ``path``
     below the folder; an aggregator's ``offer``, and per part its ``claim``, ``result`` and
-    ``answer`` objects, and with LAMB its ``sum_claim`` and ``sums``)."""
+    ``answer`` objects, its ``screen_claim`` and ``screen``, and with LAMB its ``sum_claim`` and ``sums``)."""
 
     peer: str
     round: int
@@ -197,6 +198,14 @@ class RunLayout:
         """An aggregator's record of its revealed answer (its checksums), written after it."""
         return f"{self._own(peer, r)}/results/{part:05d}.json"
 
+    def screen_claim(self, r: int, peer: str, part: int) -> str:
+        """An aggregator's commitment to its check of a part of every shard of round r (checked.py)."""
+        return f"{self._own(peer, r)}/screens/claims/{part:05d}.json"
+
+    def screen(self, r: int, peer: str, part: int) -> str:
+        """An aggregator's revealed check of a part of every shard: each one's sum of squares there."""
+        return f"{self._own(peer, r)}/screens/results/{part:05d}.json"
+
     def sum_claim(self, r: int, peer: str, part: int) -> str:
         """LAMB: an aggregator's commitment to a part's partial sums, before anyone's is shown."""
         return f"{self._own(peer, r)}/sums/claims/{part:05d}.json"
@@ -242,8 +251,8 @@ class RunLayout:
             return Written(peer, r, "offer")
         if len(what) == 2 and what[0] in ("claims", "results") and _PART.fullmatch(what[1]):
             return Written(peer, r, what[0][:-1], what[1][:-5])
-        if len(what) == 3 and what[:2] in (["sums", "claims"], ["sums", "results"]) and _PART.fullmatch(what[2]):
-            return Written(peer, r, "sum_claim" if what[1] == "claims" else "sums", what[2][:-5])
+        if len(what) == 3 and what[0] in _EXCHANGES and what[1] in ("claims", "results") and _PART.fullmatch(what[2]):
+            return Written(peer, r, _EXCHANGES[what[0]][what[1] == "results"], what[2][:-5])
         if len(what) >= 3 and what[0] == "parts" and _PART.fullmatch(what[1] + ".json"):
             return Written(peer, r, "answer", what[1], "/".join(what[2:]))
         return None
@@ -302,6 +311,14 @@ class RunLayout:
         """The aggregators' claims of round r as the scheduler read them before it let them reveal
         (checked.py): what their results are held to, by a scheduler restarted after too."""
         return f"{self.round(r)}/claims.json"
+
+    def sealed_screens(self, r: int) -> str:
+        """The aggregators' claims of their checks of round r's shards, sealed before their reveal."""
+        return f"{self.round(r)}/screen_claims.json"
+
+    def screened(self, r: int) -> str:
+        """Round r's shards as checked after CLOSE: which the checks rejected, and every norm (checked.py)."""
+        return f"{self.round(r)}/screened.json"
 
     def sealed_sums(self, r: int) -> str:
         """LAMB: the aggregators' claims of round r's partial sums, sealed before their reveal."""

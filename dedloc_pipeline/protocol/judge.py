@@ -135,8 +135,7 @@ class Judge:
         new = [k for k, v in raw.items() if not known(k, manifests[k][1] or v)]
         if new:
             stored, opening = self._stored(r, listed), self.opening(r)
-            contents = not (self.defer and len({volunteer_of(keys.written(k).peer)
-                                                for k in keys.of_round(listed, r, "offer")}) >= 2)
+            contents = not (self.defer and len(self.aggregators(r, listed, roster)) >= 2)
             with ThreadPoolExecutor(2 * self.parallel) as pool:  # reads overlap; checks use every core
                 check = lambda k: self._check(r, k, raw[k], roster, stored.get(keys.shard_of(k), {}), opening,  # noqa: E731
                                               contents)
@@ -178,6 +177,14 @@ class Judge:
                                       frozenset(volunteer_of(p) for p in commit.get("contributors", [])))
             self._flags = verify.flagged(self.run)
         return self._opened[r]
+
+    def aggregators(self, r: int, listed: Listing, roster: identity.Roster | None) -> set[str]:
+        """The volunteers whose offers to aggregate round r ``listed`` shows, the roster letting
+        them and no flag shutting them out (not yet read: CLOSE reads them, ``checked.Referee``)."""
+        keys = self.run.keys
+        offered = {keys.written(k).peer for k in keys.of_round(listed, r, "offer")}
+        return {volunteer_of(p) for p in offered if roster is not None and roster.may_aggregate(p)
+                and volunteer_of(p) not in self._flags}
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
                stored: dict[str, int], opening: Opening, contents: bool = True) -> Entry | Rejection:

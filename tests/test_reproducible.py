@@ -2,7 +2,8 @@
 reproducible aggregation"): the same inputs give the same bytes in another process, on one thread
 or two, with numpy's and torch's machine-dependent kernels turned off (as a CPU without AVX2 or
 AVX-512 would run them), for the codecs ``none``, ``int8`` and ``sparse``, the robust aggregations
-and LAMB's two passes. Two aggregators' answers can then be compared bit for bit.
+and LAMB's two passes, and so are the checks of each part of the shards (``part_checks``). Two
+aggregators' answers can then be compared bit for bit.
 
 The controls show that the environments really differ where code is machine-dependent: torch's
 AdamW, and numpy's selection among ties, give other bits there.
@@ -10,6 +11,7 @@ AdamW, and numpy's selection among ties, give other bits there.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, small_config
@@ -42,6 +46,7 @@ CASES = {
 COMPUTE = """
 import json, sys
 from dedloc_pipeline.protocol import aggregator, optim
+from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 out = {}
@@ -55,6 +60,11 @@ for root in sys.argv[1:]:
                                       for k in range(run.n_parts)])
     for k in range(run.n_parts):
         aggregator.write_part(Bucket(f"file://{root}"), "out", run, k, aggregator.next_part(run, 1, k, grads[k], norms))
+    accepted = closed(run, 1).accepted  # and each part's checks of the shards (checked.py)
+    checks = [aggregator.part_checks(run, k, accepted, aggregator.read_part(run, accepted, k))
+              for k in range(run.n_parts)]
+    with open(f"{root}/checks.json", "w") as f:
+        json.dump(checks, f)
     out[root] = True
 print(json.dumps(out))
 """
@@ -86,12 +96,17 @@ def test_a_part_is_the_same_bytes_in_another_process_and_on_a_plain_cpu(runs):
     roots = [root for root, _ in runs.values()]
     _compute(roots, WIDE_CPU)
     wide = {root: _objects(root / "out") for root in roots}
+    wide_checks = {root: (root / "checks.json").read_text() for root in roots}
     for root in roots:
         (root / "out").rename(root / "wide")
     _compute(roots, PLAIN_CPU)
     for name, (root, run) in runs.items():
         plain = _objects(root / "out")
         assert plain and plain == wide[root], f"{name}: another environment wrote other bytes"
+        accepted = closed(run, 1).accepted
+        here = [aggregator.part_checks(run, k, accepted, aggregator.read_part(run, accepted, k))
+                for k in range(run.n_parts)]
+        assert json.loads(wide_checks[root]) == json.loads((root / "checks.json").read_text()) == here, name
         state = run.keys.state(2)
         committed = {k: v for k, v in _objects(root / "bucket" / state).items()
                      if not k.startswith(("applied", "COMMIT", "streams"))}

@@ -20,9 +20,9 @@ from prefect.artifacts import (
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.protocol import ledger, scheduler as engine
-from dedloc_pipeline.protocol.checked import Settlement
 from dedloc_pipeline.protocol.close import close_summary, closed
 from dedloc_pipeline.protocol.config import recipe_config
+from dedloc_pipeline.protocol.referee import Settlement
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 from flows.aggregators import apply_part, reduce_part, run_parts

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol import aggregator, checked, optim, verify, view
+from dedloc_pipeline.protocol import aggregator, checked, optim, referee, verify, view
 from dedloc_pipeline.protocol.aggregating import AggregatorRole
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
@@ -171,7 +171,7 @@ def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket,
             return frozen
         monkeypatch.setattr(shard, "freeze", corrupt)
     if checks != "on":
-        monkeypatch.setattr(checked.admission, "contents",
+        monkeypatch.setattr(referee.admission, "contents",
                             lambda accepted, verdicts, max_norm, factor: (accepted, []))
     with LockStep(run, volunteers=True) as c:
         for n, mb in (("a", 4), ("b", 3)):
@@ -480,7 +480,7 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
     from dedloc_pipeline.protocol.scheduler import Scheduler
     run, keys = _run(tmp_path, bucket, **(LAMB if lamb else {}))
     if not sealed:
-        monkeypatch.setattr(checked.Referee, "_sealed", lambda self, close, stage: None)
+        monkeypatch.setattr(referee.Referee, "_sealed", lambda self, close, stage: None)
 
     class Killed(Exception):
         pass

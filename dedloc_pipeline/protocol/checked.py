@@ -25,30 +25,28 @@ same bytes, and one that lies is found by the other. A round, once closed:
    aggregators, and flags an aggregator whose revealed answer differs from its own.
 
 So what aggregators write reaches a state only through that agreement, and a round never
-waits on them past the deadline. LAMB's trust ratios need every tensor's sums before any step,
-so a LAMB round has two such exchanges (``Stage``): first each part's partial sums are claimed,
-revealed and settled the same way in the first half of the time (the organizer sums the parts
-they do not agree on), and the scheduler records their merged norms, signed
-(``rounds/R/norms.json``); then every part's step takes those norms, and its answer is claimed,
-revealed and settled as above.
+waits on them past the deadline. Claim, reveal and settle make one exchange (``Stage``); a
+round may have two before the answers', each in its share of the time, each settled the same
+way and recorded by the scheduler, signed, for what follows: the checks of the shards that
+CLOSE admitted unread (each part of every shard: ``aggregator.part_checks``; recorded in
+``rounds/R/screened.json``, which amends CLOSE for every reader), and with LAMB, whose trust
+ratios need every tensor's sums before any step, each part's partial sums (their merged norms
+in ``rounds/R/norms.json``). The organizer computes what an exchange leaves, and that part
+stays its own. This module holds the records, the assignment and the bounds; the scheduler's
+side is ``referee.py``, the volunteer's ``aggregating.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import math
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import admission, aggregator, optim
-from .clock import Clock
+from . import aggregator
 from .close import Close
 from .run import Run
 
@@ -174,7 +172,7 @@ def bound(run: Run, model: type[BaseModel], shards: int = 0) -> int:
     return 4096 + 64 * arrays * max(len(run.part_chunks(k)) for k in range(run.n_parts))
 
 
-def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, listed: dict, shards: int = 0, **place):
+def read_signed(run: Run, key: str, model: type[BaseModel], roster, what: str, listed: dict, shards: int = 0, **place):
     """A volunteer's record at ``key``, signed with the key the roster has for its peer and naming
     its run and ``place``; None if absent, larger than its ``bound`` (in ``listed``, the listing
     it was found in: not read at all; or once read, if rewritten since: never more than the bound
@@ -201,331 +199,8 @@ def _signed(run: Run, key: str, model: type[BaseModel], roster, what: str, liste
         return None
 
 
-def _fingerprints(run: Run, base: str, listed: dict) -> dict[tuple[str, int], str]:
+def fingerprints(run: Run, base: str, listed: dict) -> dict[tuple[str, int], str]:
     """The fingerprints (``Bucket.fingerprints``) of the chunk objects of a state's vectors that
     ``listed`` holds below ``base`` (a state, or an answer), by their path there and chunk."""
     found = {key: at for key in listed if (at := run.keys.state_path(base, key))}
     return {found[key]: tag for key, tag in run.bucket.fingerprints({k: listed[k] for k in found}).items()}
-
-
-@dataclass
-class Settlement:
-    """How round r's parts were settled: by the two aggregators (``agreed``), or left to the
-    organizer (``left``, why), with every result revealed (for the flags after)."""
-
-    agreed: dict[int, list[str]] = field(default_factory=dict)
-    left: dict[int, str] = field(default_factory=dict)
-    results: dict[tuple[int, str], Result] = field(default_factory=dict)
-    screened: dict[int, list[str]] = field(default_factory=dict)  # parts whose checks of the shards two agreed on
-    screens: dict[tuple[int, str], Screen] = field(default_factory=dict)
-    summed: dict[int, list[str]] = field(default_factory=dict)  # LAMB: parts whose sums two agreed on
-    sums: dict[tuple[int, str], Sums] = field(default_factory=dict)
-    fingerprints: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
-    liars: dict[str, str] = field(default_factory=dict)  # peer -> why, found without the organizer's answer
-
-
-class Referee:
-    """The scheduler's side: which offers count, and how a closed round's parts settle."""
-
-    def __init__(self, run: Run, clock: Clock, poll_s: float = 2.0, parallel: int = 2):
-        self.run, self.clock, self.poll_s, self.parallel = run, clock, poll_s, parallel
-
-    def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
-        """The peers whose offers for round r are in ``listed``, signed, of volunteers the
-        roster lets aggregate and no flag shuts out (one GET an offer)."""
-        out = []
-        for key in self.run.keys.of_round(listed, r, "offer"):
-            peer = self.run.keys.written(key).peer
-            if roster is None or not roster.may_aggregate(peer) or volunteer_of(peer) in flagged:
-                continue
-            if _signed(self.run, key, Offer, roster, f"offer {key}", listed, round=r, peer=peer) is not None:
-                out.append(peer)
-        return out
-
-    def settle(self, close: Close, roster, reveal: Callable[[str], None]) -> Settlement:
-        """Settle round ``close.round``'s parts that its aggregators agree on by ``close.aggregate_by``
-        (the run's clock), calling ``reveal(stage)`` when the round view is to say what they may
-        show; with LAMB their partial sums first (``_norms``)."""
-        run, r, keys = self.run, close.round, self.run.keys
-        out = Settlement()
-        for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
-            if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
-                out.agreed[k] = close.aggregators[k]
-        start, parts = close.closed_at, list(range(len(close.aggregators)))
-        unchecked = any(e.norm is None for e in close.accepted)
-        lamb = run.config.aggregator_optimizer.name == "lamb"
-        stages = 1 + unchecked + lamb  # the time left is shared among the exchanges left
-        if unchecked:
-            start, parts = self._screen(close, roster, reveal, out, start + (close.aggregate_by - start) / stages)
-            stages -= 1
-            for k in set(range(len(close.aggregators))) - set(parts):
-                out.left[k] = "its check of the shards was the organizer's"
-        if lamb:
-            start, steps = self._norms(close, roster, reveal, out, parts, start,
-                                       start + (close.aggregate_by - start) / stages)
-            for k in set(parts) - set(steps):
-                out.left[k] = "its partial sums were the organizer's"
-            parts = steps
-        self._exchange(close, PARTS, [k for k in parts if k not in out.agreed], start, close.aggregate_by, roster,
-                       reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
-                       lambda k: k in out.agreed or k in out.left)
-        for k in range(len(close.aggregators)):
-            if k not in out.agreed:
-                out.left.setdefault(k, "no agreement by the deadline")
-                log.warning("round %d: part %d left to the organizer: %s", r, k, out.left[k])
-        return out
-
-    def _exchange(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
-                  reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool]) -> None:
-        """One ``stage`` of ``parts``, from ``start`` to ``by``: wait for their aggregators'
-        claims; once all are in or half the time is out, read and seal them and ``reveal``; then
-        ``try_part`` each part not yet ``decided``, polling, until all are or ``by`` passes."""
-        if not parts:
-            return
-        run, r, keys = self.run, close.round, self.run.keys
-        claims = self._sealed(close, stage)
-        if claims is not None:  # sealed before a restart: the answers may be revealed already, and are again
-            reveal(stage.reveal)
-        wanted = {(k, p) for k in parts for p in close.aggregators[k]}
-        half = start + (by - start) / 2
-        while True:
-            listed, _ = run.written()
-            now = self.clock.time()
-            if claims is None:
-                claimed = {(int(w.part), w.peer) for key in keys.of_round(listed, r, stage.claim_kind)
-                           if (w := keys.written(key))}
-                if wanted <= claimed or now >= half:
-                    # read and sealed before anyone may reveal: a claim written after could copy an answer
-                    claims = self._seal(close, stage, sorted(wanted & claimed), listed, roster)
-                    reveal(stage.reveal)
-            if claims is not None:
-                for k in parts:
-                    if not decided(k):
-                        try_part(k, listed, claims)
-            if all(decided(k) for k in parts) or now >= by:
-                return
-            self.clock.sleep(min(self.poll_s, max(0.0, by - now)))
-
-    def _seal(self, close: Close, stage: Stage, claimed: list[tuple[int, str]], listed: dict, roster) -> dict:
-        """The ``claimed`` claims of ``stage``, read and sealed (one signed record) before the reveal."""
-        run, r = self.run, close.round
-        claims = {(k, p): c for k, p in claimed if (c := _signed(
-            run, getattr(run.keys, stage.claim)(r, p, k), Claim, roster, f"{stage.reveal} claim of part {k} by {p}",
-            listed, round=r, peer=p, part=k)) is not None}
-        body = {"round": r, "claims": [c.model_dump() for c in claims.values()]}
-        run.bucket.write_json(getattr(run.keys, stage.sealed)(r),
-                              run.record(f"sealed {stage.reveal} claims of round {r}", body, round=r))
-        return claims
-
-    def _sealed(self, close: Close, stage: Stage) -> dict[tuple[int, str], Claim] | None:
-        """The claims of ``stage`` this round's scheduler sealed before revealing (a restart finds
-        them), by part and peer; None before that (one GET)."""
-        r = close.round
-        found = self.run.read_record(getattr(self.run.keys, stage.sealed)(r),
-                                     f"sealed {stage.reveal} claims of round {r}", round=r)
-        if found is None:
-            return None
-        claims = [Claim.model_validate(c) for c in found["claims"]]
-        return {(c.part, c.peer): c for c in claims}
-
-    def _revealed(self, close: Close, stage: Stage, k: int, listed: dict, roster, claims: dict, seen: dict,
-                  left: dict, liars: dict) -> dict | None:
-        """Part k's revealed results of ``stage`` by peer, each held to its sealed claim (``seen``
-        keeps those read); None while one is not in, or with the part ``left`` (why: an aggregator
-        that had not claimed, a result unusable, or other than its claim: a liar)."""
-        run, r = self.run, close.round
-        out = {}
-        for peer in close.aggregators[k]:
-            claim = claims.get((k, peer))
-            if claim is None:
-                left[k] = f"{peer} had not claimed part {k} when the answers were revealed"
-                return None
-            key = getattr(run.keys, stage.result)(r, peer, k)
-            if key not in listed:
-                return None
-            if (k, peer) not in seen:
-                res = _signed(run, key, stage.model, roster, f"{stage.reveal} of part {k} by {peer}", listed,
-                              len(close.accepted), round=r, peer=peer, part=k)
-                if res is None:
-                    left[k] = f"{peer}'s result unusable"
-                    return None
-                seen[(k, peer)] = res
-                if claim.digest != digest(peer, getattr(res, stage.field)):
-                    liars[peer] = f"revealed for part {k} of round {r} {stage.reveal} other than it claimed"
-                    left[k] = f"{peer} revealed other than it claimed"
-                    return None
-            out[peer] = seen[(k, peer)]
-        return out
-
-    def _try(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement) -> None:
-        """Settle part k if both its aggregators' results are in and agree: copy, then mark."""
-        run, r, keys = self.run, close.round, self.run.keys
-        peers = close.aggregators[k]
-        for peer in peers:  # a result is written after its objects: a listing with it has them
-            if (k, peer) not in out.fingerprints and keys.result(r, peer, k) in listed:
-                found = _fingerprints(run, keys.answer(r, peer, k), listed)
-                out.fingerprints[(k, peer)] = {path: tag for (path, _), tag in found.items()}
-        if (results := self._revealed(close, PARTS, k, listed, roster, claims, out.results, out.left,
-                                      out.liars)) is None:
-            return
-        a = peers[0]
-        if any(results[p].checksums != results[a].checksums or out.fingerprints[(k, p)] != out.fingerprints[(k, a)]
-               for p in peers[1:]):
-            out.left[k] = f"{' and '.join(peers)} disagree"
-            return
-        if set(results[a].checksums) != set(aggregator.next_formats(run)):
-            out.left[k] = "an answer without every vector of a state, or with others"
-            return
-        copied = []
-        try:
-            for path, tag in sorted(out.fingerprints[(k, a)].items()):
-                copied.append(keys.state_object(r + 1, path))
-                run.bucket.copy(keys.answer_object(r, a, k, path), copied[-1], tag)
-        except FileNotFoundError as exc:  # changed or deleted since it was listed: not the answer agreed on
-            for key in copied:  # the organizer's answer may leave a chunk of zeros unstored there
-                run.bucket.delete(key)
-            out.left[k] = f"{a}'s answer changed while it was copied ({exc})"
-            return
-        run.bucket.write_json(keys.applied(r + 1, k), aggregator.applied_marker(k, results[a].checksums, peers))
-        out.agreed[k] = list(peers)
-        log.info("round %d: part %d agreed by %s", r, k, " and ".join(peers))
-
-    def _screen(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement,
-                by: float) -> tuple[float, list[int]]:
-        """Check the shards CLOSE admitted unread (``SCREEN``) by ``by``: each part of every one
-        by its two aggregators, the organizer checking the parts they do not agree on (and
-        flagging whoever revealed other checks than its own); record which shards the checks
-        reject and every norm (signed: ``close.screened``, what every reader of the round takes)
-        and ``reveal("screened")``. When the next exchange starts, and its parts: those whose
-        checks two aggregators agreed on (read back from the record after a restart)."""
-        run, r, keys = self.run, close.round, self.run.keys
-        what = f"checks of round {r}'s shards"
-        found = run.read_record(keys.screened(r), what, round=r)
-        if found is None:
-            left: dict[int, str] = {}
-            parts = list(range(len(close.aggregators)))
-            self._exchange(close, SCREEN, parts, close.closed_at, by, roster, reveal,
-                           lambda k, listed, claims: self._try_screen(close, k, listed, roster, claims, out, left),
-                           lambda k: k in out.screened or k in left)
-            mine = [k for k in parts if k not in out.screened]
-            for k in mine:
-                log.warning("round %d: the check of part %d left to the organizer: %s", r, k,
-                            left.get(k, "no agreement by the deadline"))
-            with ThreadPoolExecutor(self.parallel) as pool:
-                own = dict(zip(mine, pool.map(lambda k: aggregator.part_checks(
-                    run, k, close.accepted, aggregator.read_part(run, close.accepted, k)), mine)))
-            checks = {k: out.screens[(k, peers[0])].checks for k, peers in out.screened.items()} | own
-            for (k, peer), res in sorted(out.screens.items()):
-                if k in own and res.checks != own[k] and peer not in out.liars:
-                    out.liars[peer] = f"its checks of part {k} of round {r}'s shards differ from the organizer's"
-            verdicts: dict[str, float | str] = {}
-            for i, e in enumerate(close.accepted):
-                bad = [k for k in sorted(checks) if not checks[k][i] >= 0]
-                verdicts[e.key] = (f"its chunks of part {bad[0]} are not its manifest's, malformed or not "
-                                   "finite (checked after CLOSE)") if bad else math.sqrt(sum(checks[k][i]
-                                                                                             for k in sorted(checks)))
-            kept, rejected = admission.contents(close.accepted, verdicts, run.config.max_grad_norm,
-                                                run.config.norm_screen)
-            for x in rejected:
-                log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
-            found = {"round": r, "rejected": [x.dump() for x in rejected], "norms": {e.key: e.norm for e in kept},
-                     "parts": sorted(out.screened), "at": self.clock.time()}
-            run.bucket.write_json(keys.screened(r), run.record(what, found, round=r))
-        reveal("screened")
-        return found["at"], found["parts"]
-
-    def _try_screen(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement,
-                    left: dict) -> None:
-        """Part k's checks agreed, if both its aggregators' are in, agree, and hold a sum of
-        squares or -1 for each shard of CLOSE."""
-        found = self._revealed(close, SCREEN, k, listed, roster, claims, out.screens, left, out.liars)
-        if found is None:
-            return
-        peers = close.aggregators[k]
-        checks = found[peers[0]].checks
-        if any(found[p].checks != checks for p in peers[1:]):
-            left[k] = f"{' and '.join(peers)} disagree on its checks"
-            return
-        if len(checks) != len(close.accepted) or not all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks):
-            left[k] = "checks not one a shard of CLOSE, or not sums of squares"
-            return
-        out.screened[k] = list(peers)
-
-    def _norms(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement, parts: list[int],
-               start: float, by: float) -> tuple[float, list[int]]:
-        """LAMB: settle the partial sums (``SUMS``) of ``parts`` by ``by``, sum the others here (the
-        organizer's reduction of the part), flag whoever revealed other sums than the
-        organizer's, record the merged norms (signed: what every part's step takes) and
-        ``reveal("norms")``. When the steps' exchange starts, and its parts: those whose sums two
-        aggregators agreed on (read back from the record after a restart)."""
-        run, r, keys = self.run, close.round, self.run.keys
-        what = f"norms of round {r}"
-        found = run.read_record(keys.norms(r), what, round=r)
-        if found is None:
-            left: dict[int, str] = {}
-            self._exchange(close, SUMS, parts, start, by, roster, reveal,
-                           lambda k, listed, claims: self._try_sums(close, k, listed, roster, claims, out, left),
-                           lambda k: k in out.summed or k in left)
-            mine = [k for k in range(len(close.aggregators)) if k not in out.summed]
-            for k in mine:
-                log.warning("round %d: the partial sums of part %d left to the organizer: %s", r, k,
-                            left.get(k, "no agreement by the deadline"))
-            with ThreadPoolExecutor(self.parallel) as pool:
-                list(pool.map(lambda k: aggregator.reduce_part(run, r, k), mine))
-            markers = run.bucket.read_many([keys.reduced_marker(r, k) for k in mine])
-            sums = {k: out.sums[(k, peers[0])].sums for k, peers in out.summed.items()}
-            sums |= {k: json.loads(markers[keys.reduced_marker(r, k)])["partials"] for k in mine}
-            for (k, peer), res in sorted(out.sums.items()):
-                if k in mine and res.sums != sums[k] and peer not in out.liars:
-                    out.liars[peer] = f"its partial sums for part {k} of round {r} differ from the organizer's"
-            found = {"round": r, "norms": optim.merge_partials([sums[k] for k in sorted(sums)]),
-                     "steps": sorted(out.summed), "at": self.clock.time()}
-            run.bucket.write_json(keys.norms(r), run.record(what, found, round=r))
-        reveal("norms")
-        return found["at"], found["steps"]
-
-    def _try_sums(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement,
-                  left: dict) -> None:
-        """Part k's partial sums agreed, if both its aggregators' are in, agree, and name
-        exactly the part's tensors, each two finite sums of squares."""
-        if (found := self._revealed(close, SUMS, k, listed, roster, claims, out.sums, left, out.liars)) is None:
-            return
-        peers = close.aggregators[k]
-        sums = found[peers[0]].sums
-        if any(found[p].sums != sums for p in peers[1:]):
-            left[k] = f"{' and '.join(peers)} disagree on its partial sums"
-            return
-        tensors = {t.name for t, _, _ in self.run.flat.pieces(*self.run.part_bounds(k))}
-        if set(sums) != tensors or not all(len(v) == 2 and all(math.isfinite(x) and x >= 0 for x in v)
-                                           for v in sums.values()):
-            left[k] = "partial sums not of the part's tensors, or not sums of squares"
-            return
-        out.summed[k] = list(peers)
-
-    def judge(self, close: Close, out: Settlement) -> None:
-        """Once the organizer has computed the parts left: flag each aggregator whose revealed
-        answer for one of them differs from the organizer's (its checksums, or its objects'
-        fingerprints), and each found lying before (a result that is not its claim)."""
-        run, r, keys = self.run, close.round, self.run.keys
-        liars = dict(out.liars)
-        checked = [(k, peer) for (k, peer) in out.results if k in out.left and peer not in liars]
-        own = _fingerprints(run, keys.state(r + 1), run.bucket.listing(keys.state(r + 1))) if checked else {}
-        for k, peer in checked:
-            marker = run.bucket.read_json(keys.applied(r + 1, k))
-            mine = {path: tag for (path, chunk), tag in own.items() if chunk in run.part_chunks(k)}
-            if out.results[(k, peer)].checksums != marker["vectors"]:
-                liars[peer] = f"its answer for part {k} of round {r} differs from the organizer's"
-            elif out.fingerprints[(k, peer)] != mine:
-                liars[peer] = f"its objects for part {k} of round {r} are not the bytes of the organizer's answer"
-        for peer, why in sorted(liars.items()):
-            flag(run, peer, r, why)
-
-
-def flag(run: Run, peer: str, r: int, reason: str) -> None:
-    """Shut a volunteer out, as the validator's flags do (``verify.flagged``): its offers and
-    its shards are refused from then on. The first flag of a volunteer stays."""
-    volunteer = volunteer_of(peer)
-    body = {"volunteer": volunteer, "peer": peer, "round": r, "verdict": "wrong part", "reason": reason,
-            "flagged_at": run.clock.time()}
-    if run.bucket.create_json(run.keys.flag(volunteer), run.record(f"flag of {volunteer}", body, volunteer=volunteer)):
-        log.warning("round %d: aggregator %s flagged: %s", r, peer, reason)

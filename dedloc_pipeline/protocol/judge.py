@@ -180,7 +180,7 @@ class Judge:
 
     def aggregators(self, r: int, listed: Listing, roster: identity.Roster | None) -> set[str]:
         """The volunteers whose offers to aggregate round r ``listed`` shows, the roster letting
-        them and no flag shutting them out (not yet read: CLOSE reads them, ``checked.Referee``)."""
+        them and no flag shutting them out (not yet read: CLOSE reads them, ``referee.Referee``)."""
         keys = self.run.keys
         offered = {keys.written(k).peer for k in keys.of_round(listed, r, "offer")}
         return {volunteer_of(p) for p in offered if roster is not None and roster.may_aggregate(p)

@@ -26,7 +26,7 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..trust import identity
-from . import admission, aggregator, checked, heartbeat, view
+from . import admission, aggregator, checked, heartbeat, referee, view
 from .clock import Clock
 from .close import Close, closed
 from .judge import Judge, Listing
@@ -80,7 +80,7 @@ class Scheduler:
         self.clock = run.clock if clock is None else clock
         if volunteers and (why := checked.eligible(run)):
             raise RunError(f"run {run.name!r} cannot take volunteer aggregators: {why}")
-        self.referee = checked.Referee(run, self.clock, poll_s or 2.0, parallel) if volunteers else None
+        self.referee = referee.Referee(run, self.clock, poll_s or 2.0, parallel) if volunteers else None
         self.judge = Judge(run, parallel, defer=volunteers and run.config.algorithm != "diloco")
         self.lease = Lease(run.bucket, run.keys, self.clock, holder, lease_s)
         self._beats = heartbeat.Heartbeats()
@@ -291,24 +291,24 @@ class Scheduler:
         self.flag_liars(close, settled)
         return commit(run, r)
 
-    def settle(self, close: Close) -> checked.Settlement:
+    def settle(self, close: Close) -> referee.Settlement:
         """The parts of a closed round its volunteer aggregators settle by agreeing (none if its
         CLOSE assigned none); the round view says when they may reveal their answers."""
         if not close.aggregators:
-            return checked.Settlement()
+            return referee.Settlement()
         return self._referee.settle(close, self.judge.roster(), reveal=lambda stage: self._publish(
             close.round, self.clock.time(), self._written(), close=close, reveal=stage))
 
-    def flag_liars(self, close: Close, settled: checked.Settlement) -> None:
+    def flag_liars(self, close: Close, settled: referee.Settlement) -> None:
         """Once the organizer computed the parts its aggregators left: flag those that lied."""
         if settled.results or settled.liars:
             self._referee.judge(close, settled)
 
     @property
-    def _referee(self) -> checked.Referee:
+    def _referee(self) -> referee.Referee:
         """This scheduler's referee; a plain one for a CLOSE that another scheduler, run with
         volunteer aggregators, wrote."""
-        return self.referee or checked.Referee(self.run, self.clock, parallel=self.parallel)
+        return self.referee or referee.Referee(self.run, self.clock, parallel=self.parallel)
 
     def step(self, pool: Executor) -> bool:
         """One unit of progress; False when the open round is still filling."""

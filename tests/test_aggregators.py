@@ -110,7 +110,7 @@ def test_lamb_two_honest_aggregators_agree_on_the_sums_then_on_the_steps(tmp_pat
     states, roles, _ = _collaborate(run, keys)
     for r, commit in enumerate(states):
         norms = run.read_record(run.keys.norms(r), "norms", round=r)
-        assert norms["steps"] == list(range(run.n_parts))
+        assert norms["parts"] == list(range(run.n_parts))
         assert commit["aggregated_by"] == Close.read(run, r).aggregators
     assert all(d.revealed for role in roles.values() for d in role.done.values())
     assert verify.flagged(run) == {}
@@ -126,7 +126,7 @@ def test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged(tmp_
     part itself, x, only x, is flagged; every state is the organizer's answer."""
     run, keys = _run(tmp_path, bucket, **LAMB)
     states, _, _ = _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
-    assert run.read_record(run.keys.norms(0), "norms", round=0)["steps"] == []
+    assert run.read_record(run.keys.norms(0), "norms", round=0)["parts"] == []
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert list(verify.flagged(run)) == ["x"]
     assert "partial sums" in verify.flagged(run)["x"]["reason"]

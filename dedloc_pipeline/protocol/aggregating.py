@@ -116,7 +116,7 @@ class AggregatorRole:
             if found is None:  # the view is ahead of its listing: the next poll
                 return
             self.norms = {r: found["norms"]}
-            for k in found["steps"]:
+            for k in found["parts"]:
                 if (r, k) in self.grads:
                     self._claim(r, k)
         if v.reveal == "parts":

@@ -104,7 +104,9 @@ class Sums(_Record):
 class Stage:
     """One commit/reveal exchange of a closed round: the ``RunLayout`` methods of its claims'
     and results' keys and of its sealed claims, its results' model and the field a claim's
-    digest is of, and what the round view says once its claims are sealed (``reveal``)."""
+    digest is of, what the round view says once its claims are sealed (``reveal``), and for an
+    exchange before the answers', the ``RunLayout`` method of the scheduler's record of it and
+    what the view says once that is written (``recorded``); ``noun``: what a log line calls its results."""
 
     reveal: str
     claim_kind: str
@@ -113,10 +115,15 @@ class Stage:
     sealed: str
     model: type[_Record]
     field: str
+    record: str = ""
+    recorded: str = ""
+    noun: str = "answer"
 
 
-SCREEN = Stage("screen", "screen_claim", "screen_claim", "screen", "sealed_screens", Screen, "checks")
-SUMS = Stage("sums", "sum_claim", "sum_claim", "sums", "sealed_sums", Sums, "sums")
+SCREEN = Stage("screen", "screen_claim", "screen_claim", "screen", "sealed_screens", Screen, "checks",
+               record="screened", recorded="screened", noun="checks of the shards")
+SUMS = Stage("sums", "sum_claim", "sum_claim", "sums", "sealed_sums", Sums, "sums",
+             record="norms", recorded="norms", noun="partial sums")
 PARTS = Stage("parts", "claim", "claim", "result", "sealed_claims", Result, "checksums")
 
 

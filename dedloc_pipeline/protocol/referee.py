@@ -160,14 +160,14 @@ class Referee:
             if key not in listed:
                 return None
             if (k, peer) not in seen:
-                res = read_signed(run, key, stage.model, roster, f"{stage.reveal} of part {k} by {peer}", listed,
+                res = read_signed(run, key, stage.model, roster, f"{stage.noun} of part {k} by {peer}", listed,
                               len(close.accepted), round=r, peer=peer, part=k)
                 if res is None:
                     left[k] = f"{peer}'s result unusable"
                     return None
                 seen[(k, peer)] = res
                 if claim.digest != digest(peer, getattr(res, stage.field)):
-                    liars[peer] = f"revealed for part {k} of round {r} {stage.reveal} other than it claimed"
+                    liars[peer] = f"revealed {stage.noun} for part {k} of round {r} other than it claimed"
                     left[k] = f"{peer} revealed other than it claimed"
                     return None
             out[peer] = seen[(k, peer)]
@@ -209,114 +209,102 @@ class Referee:
     def _screen(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement,
                 by: float) -> tuple[float, list[int]]:
         """Check the shards CLOSE admitted unread (``SCREEN``) by ``by``: each part of every one
-        by its two aggregators, the organizer checking the parts they do not agree on (and
-        flagging whoever revealed other checks than its own); record which shards the checks
-        reject and every norm (signed: ``close.screened``, what every reader of the round takes)
-        and ``reveal("screened")``. When the next exchange starts, and its parts: those whose
-        checks two aggregators agreed on (read back from the record after a restart)."""
-        run, r, keys = self.run, close.round, self.run.keys
-        what = f"checks of round {r}'s shards"
-        found = run.read_record(keys.screened(r), what, round=r)
-        if found is None:
-            left: dict[int, str] = {}
-            parts = list(range(len(close.aggregators)))
-            self._exchange(close, SCREEN, parts, close.closed_at, by, roster, reveal,
-                           lambda k, listed, claims: self._try_screen(close, k, listed, roster, claims, out, left),
-                           lambda k: k in out.screened or k in left)
-            mine = [k for k in parts if k not in out.screened]
-            for k in mine:
-                log.warning("round %d: the check of part %d left to the organizer: %s", r, k,
-                            left.get(k, "no agreement by the deadline"))
+        by its two aggregators, the organizer checking the parts they do not agree on; record
+        which shards the checks reject and every norm (``close.screened``: what every reader of
+        the round takes). When the next exchange starts, and its parts."""
+        run, r = self.run, close.round
+
+        def own(parts: list[int]) -> dict[int, list[float]]:
             with ThreadPoolExecutor(self.parallel) as pool:
-                own = dict(zip(mine, pool.map(lambda k: aggregator.part_checks(
-                    run, k, close.accepted, aggregator.read_part(run, close.accepted, k)), mine)))
-            checks = {k: out.screens[(k, peers[0])].checks for k, peers in out.screened.items()} | own
-            for (k, peer), res in sorted(out.screens.items()):
-                if k in own and res.checks != own[k] and peer not in out.liars:
-                    out.liars[peer] = f"its checks of part {k} of round {r}'s shards differ from the organizer's"
+                return dict(zip(parts, pool.map(lambda k: aggregator.part_checks(
+                    run, k, close.accepted, aggregator.read_part(run, close.accepted, k)), parts)))
+
+        def record(checks: dict[int, list[float]]) -> dict:
             verdicts: dict[str, float | str] = {}
             for i, e in enumerate(close.accepted):
                 bad = [k for k in sorted(checks) if not checks[k][i] >= 0]
-                verdicts[e.key] = (f"its chunks of part {bad[0]} are not its manifest's, malformed or not "
-                                   "finite (checked after CLOSE)") if bad else math.sqrt(sum(checks[k][i]
-                                                                                             for k in sorted(checks)))
+                norm = math.sqrt(sum(checks[k][i] for k in sorted(checks))) if not bad else 0.0
+                verdicts[e.key] = (f"its chunks of part {bad[0]} are not its manifest's, malformed or not finite "
+                                   "(checked after CLOSE)") if bad else norm
             kept, rejected = admission.contents(close.accepted, verdicts, run.config.max_grad_norm,
                                                 run.config.norm_screen)
             for x in rejected:
                 log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
-            found = {"round": r, "rejected": [x.dump() for x in rejected], "norms": {e.key: e.norm for e in kept},
-                     "parts": sorted(out.screened), "at": self.clock.time()}
-            run.bucket.write_json(keys.screened(r), run.record(what, found, round=r))
-        reveal("screened")
+            return {"rejected": [x.dump() for x in rejected], "norms": {e.key: e.norm for e in kept}}
+
+        def valid(checks: list[float]) -> bool:
+            return len(checks) == len(close.accepted) and all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks)
+        return self._recorded(close, SCREEN, list(range(len(close.aggregators))), close.closed_at, by, roster,
+                              reveal, out, out.screened, out.screens, lambda k: valid, own, record)
+
+    def _recorded(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
+                  reveal: Callable[[str], None], out: Settlement, agreed: dict, seen: dict,
+                  valid: Callable[[int], Callable], own: Callable[[list[int]], dict], record: Callable[[dict], dict]
+                  ) -> tuple[float, list[int]]:
+        """An exchange before the answers' (``stage``) over ``parts``, from ``start`` to ``by``:
+        what two aggregators agree on (``agreed``, each part's results ``valid(k)``), the
+        organizer's ``own`` for every other part, and whoever revealed other than that flagged;
+        then the scheduler's record of it (``record`` of every part's value, signed) and
+        ``reveal(stage.recorded)``. When the next exchange starts, and its parts: those agreed
+        on (read back from the record after a restart)."""
+        run, r = self.run, close.round
+        key, what = getattr(run.keys, stage.record)(r), f"{stage.record} of round {r}"
+        found = run.read_record(key, what, round=r)
+        if found is None:
+            left: dict[int, str] = {}
+
+            def settle(k: int, listed: dict, claims: dict) -> None:
+                if self._agreed(close, stage, k, listed, roster, claims, seen, left, out.liars, valid(k)):
+                    agreed[k] = list(close.aggregators[k])
+            self._exchange(close, stage, parts, start, by, roster, reveal, settle, lambda k: k in agreed or k in left)
+            mine = [k for k in range(len(close.aggregators)) if k not in agreed]
+            for k in mine:
+                log.warning("round %d: the %s of part %d left to the organizer: %s", r, stage.noun, k,
+                            left.get(k, "no agreement by the deadline"))
+            values = {k: getattr(seen[(k, peers[0])], stage.field) for k, peers in agreed.items()} | own(mine)
+            for (k, peer), res in sorted(seen.items()):
+                if k in mine and getattr(res, stage.field) != values[k] and peer not in out.liars:
+                    out.liars[peer] = f"its {stage.noun} for part {k} of round {r} differ from the organizer's"
+            found = {"round": r, **record(values), "parts": sorted(agreed), "at": self.clock.time()}
+            run.bucket.write_json(key, run.record(what, found, round=r))
+        reveal(stage.recorded)
         return found["at"], found["parts"]
 
-    def _try_screen(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement,
-                    left: dict) -> None:
-        """Part k's checks agreed, if both its aggregators' are in, agree, and hold a sum of
-        squares or -1 for each shard of CLOSE."""
-        found = self._revealed(close, SCREEN, k, listed, roster, claims, out.screens, left, out.liars)
-        if found is None:
-            return
+    def _agreed(self, close: Close, stage: Stage, k: int, listed: dict, roster, claims: dict, seen: dict,
+                left: dict, liars: dict, valid: Callable[[object], bool]) -> bool:
+        """Whether part k's results of ``stage`` (``_revealed``) are all in, the same, and
+        ``valid``; else, once decided, why not in ``left``."""
+        if (found := self._revealed(close, stage, k, listed, roster, claims, seen, left, liars)) is None:
+            return False
         peers = close.aggregators[k]
-        checks = found[peers[0]].checks
-        if any(found[p].checks != checks for p in peers[1:]):
-            left[k] = f"{' and '.join(peers)} disagree on its checks"
-            return
-        if len(checks) != len(close.accepted) or not all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks):
-            left[k] = "checks not one a shard of CLOSE, or not sums of squares"
-            return
-        out.screened[k] = list(peers)
+        value = getattr(found[peers[0]], stage.field)
+        if any(getattr(found[p], stage.field) != value for p in peers[1:]):
+            left[k] = f"{' and '.join(peers)} disagree on its {stage.noun}"
+            return False
+        if not valid(value):
+            left[k] = f"its {stage.noun} agreed on, but malformed"
+            return False
+        return True
 
     def _norms(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement, parts: list[int],
                start: float, by: float) -> tuple[float, list[int]]:
-        """LAMB: settle the partial sums (``SUMS``) of ``parts`` by ``by``, sum the others here (the
-        organizer's reduction of the part), flag whoever revealed other sums than the
-        organizer's, record the merged norms (signed: what every part's step takes) and
-        ``reveal("norms")``. When the steps' exchange starts, and its parts: those whose sums two
-        aggregators agreed on (read back from the record after a restart)."""
+        """LAMB: settle the partial sums (``SUMS``) of ``parts`` by ``by``, the organizer summing
+        every other part (its reduction of the part); record the merged norms (what every part's
+        step takes). When the steps' exchange starts, and its parts."""
         run, r, keys = self.run, close.round, self.run.keys
-        what = f"norms of round {r}"
-        found = run.read_record(keys.norms(r), what, round=r)
-        if found is None:
-            left: dict[int, str] = {}
-            self._exchange(close, SUMS, parts, start, by, roster, reveal,
-                           lambda k, listed, claims: self._try_sums(close, k, listed, roster, claims, out, left),
-                           lambda k: k in out.summed or k in left)
-            mine = [k for k in range(len(close.aggregators)) if k not in out.summed]
-            for k in mine:
-                log.warning("round %d: the partial sums of part %d left to the organizer: %s", r, k,
-                            left.get(k, "no agreement by the deadline"))
+
+        def own(mine: list[int]) -> dict[int, dict]:
             with ThreadPoolExecutor(self.parallel) as pool:
                 list(pool.map(lambda k: aggregator.reduce_part(run, r, k), mine))
             markers = run.bucket.read_many([keys.reduced_marker(r, k) for k in mine])
-            sums = {k: out.sums[(k, peers[0])].sums for k, peers in out.summed.items()}
-            sums |= {k: json.loads(markers[keys.reduced_marker(r, k)])["partials"] for k in mine}
-            for (k, peer), res in sorted(out.sums.items()):
-                if k in mine and res.sums != sums[k] and peer not in out.liars:
-                    out.liars[peer] = f"its partial sums for part {k} of round {r} differ from the organizer's"
-            found = {"round": r, "norms": optim.merge_partials([sums[k] for k in sorted(sums)]),
-                     "steps": sorted(out.summed), "at": self.clock.time()}
-            run.bucket.write_json(keys.norms(r), run.record(what, found, round=r))
-        reveal("norms")
-        return found["at"], found["steps"]
+            return {k: json.loads(markers[keys.reduced_marker(r, k)])["partials"] for k in mine}
 
-    def _try_sums(self, close: Close, k: int, listed: dict, roster, claims: dict, out: Settlement,
-                  left: dict) -> None:
-        """Part k's partial sums agreed, if both its aggregators' are in, agree, and name
-        exactly the part's tensors, each two finite sums of squares."""
-        if (found := self._revealed(close, SUMS, k, listed, roster, claims, out.sums, left, out.liars)) is None:
-            return
-        peers = close.aggregators[k]
-        sums = found[peers[0]].sums
-        if any(found[p].sums != sums for p in peers[1:]):
-            left[k] = f"{' and '.join(peers)} disagree on its partial sums"
-            return
-        tensors = {t.name for t, _, _ in self.run.flat.pieces(*self.run.part_bounds(k))}
-        if set(sums) != tensors or not all(len(v) == 2 and all(math.isfinite(x) and x >= 0 for x in v)
-                                           for v in sums.values()):
-            left[k] = "partial sums not of the part's tensors, or not sums of squares"
-            return
-        out.summed[k] = list(peers)
+        def valid(k: int) -> Callable[[dict], bool]:
+            tensors = {t.name for t, _, _ in run.flat.pieces(*run.part_bounds(k))}
+            return lambda sums: set(sums) == tensors and all(
+                len(v) == 2 and all(math.isfinite(x) and x >= 0 for x in v) for v in sums.values())
+        return self._recorded(close, SUMS, parts, start, by, roster, reveal, out, out.summed, out.sums, valid, own,
+                              lambda sums: {"norms": optim.merge_partials([sums[k] for k in sorted(sums)])})
 
     def judge(self, close: Close, out: Settlement) -> None:
         """Once the organizer has computed the parts left: flag each aggregator whose revealed

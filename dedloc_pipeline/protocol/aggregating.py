@@ -5,11 +5,14 @@ It reads the round view as a worker does (one GET a poll). It offers once a roun
 round is open or already while the one before it is reduced; when the view shows a round
 closed, it reads the CLOSE (one GET), computes each part assigned to it from the frozen shards
 and state r (the same code as the organizer's aggregators), and writes a claim per part; when
-the view says reveal, it writes each answer's objects, then the result. With LAMB it first
-claims each part's partial sums, reveals them when the view says ``sums``, and once it says
-``norms`` reads the norms the scheduler recorded (one GET), steps the parts it is left and
-claims their answers. Everything it writes lies below its own prefix and is signed with its
-key. It keeps a round's gradients and answers in memory until they are revealed or the round
+the view says reveal, it writes each answer's objects, then the result. Where CLOSE admitted
+shards unread, it first checks its parts of them (kept for the reduction), claims the checks,
+reveals them when the view says ``screen``, and once it says ``screened`` reads the scheduler's
+record of them (one GET) and reduces the parts it is left. With LAMB it then claims each
+part's partial sums, reveals them when the view says ``sums``, and once it says ``norms``
+reads the norms the scheduler recorded (one GET), steps the parts it is left and claims their
+answers. Everything it writes lies below its own prefix and is signed with its key. It keeps a
+round's shards, gradients and answers in memory until they are used or revealed, or the round
 is past.
 """
 

@@ -103,13 +103,13 @@ class Sums(_Record):
 @dataclass(frozen=True)
 class Stage:
     """One commit/reveal exchange of a closed round: the ``RunLayout`` methods of its claims'
-    and results' keys and of its sealed claims, its results' model and the field a claim's
-    digest is of, what the round view says once its claims are sealed (``reveal``), and for an
-    exchange before the answers', the ``RunLayout`` method of the scheduler's record of it and
-    what the view says once that is written (``recorded``); ``noun``: what a log line calls its results."""
+    and results' keys (their names are their kinds in ``RunLayout.written`` too) and of its
+    sealed claims, its results' model and the field a claim's digest is of, what the round view
+    says once its claims are sealed (``reveal``), and for an exchange before the answers', the
+    ``RunLayout`` method of the scheduler's record of it and what the view says once that is
+    written (``recorded``); ``noun``: what a log line calls its results."""
 
     reveal: str
-    claim_kind: str
     claim: str
     result: str
     sealed: str
@@ -120,11 +120,11 @@ class Stage:
     noun: str = "answer"
 
 
-SCREEN = Stage("screen", "screen_claim", "screen_claim", "screen", "sealed_screens", Screen, "checks",
+SCREEN = Stage("screen", "screen_claim", "screen", "sealed_screens", Screen, "checks",
                record="screened", recorded="screened", noun="checks of the shards")
-SUMS = Stage("sums", "sum_claim", "sum_claim", "sums", "sealed_sums", Sums, "sums",
+SUMS = Stage("sums", "sum_claim", "sums", "sealed_sums", Sums, "sums",
              record="norms", recorded="norms", noun="partial sums")
-PARTS = Stage("parts", "claim", "claim", "result", "sealed_claims", Result, "checksums")
+PARTS = Stage("parts", "claim", "result", "sealed_claims", Result, "checksums")
 
 
 def digest(peer: str, answer: dict) -> str:

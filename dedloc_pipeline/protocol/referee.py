@@ -108,7 +108,7 @@ class Referee:
             listed, _ = run.written()
             now = self.clock.time()
             if claims is None:
-                claimed = {(int(w.part), w.peer) for key in keys.of_round(listed, r, stage.claim_kind)
+                claimed = {(int(w.part), w.peer) for key in keys.of_round(listed, r, stage.claim)
                            if (w := keys.written(key))}
                 if wanted <= claimed or now >= half:
                     # read and sealed before anyone may reveal: a claim written after could copy an answer

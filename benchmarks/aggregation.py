@@ -7,7 +7,7 @@ decompression, int8 codes times per-block scales, and the sample-weighted sum in
 core). Timed, best of ``repeats`` after one warm-up, page cache warm for all of them:
 
 - ``lower_bound``: the plain-numpy read, decode and weighted sum;
-- ``reduce_parallel`` / ``reduce_serial``: ``aggregator.reduce_part`` for every part of the closed
+- ``reduce_parallel`` / ``reduce_serial``: ``aggregation.reduce_part`` for every part of the closed
   round, on a pool of 2 threads as ``Scheduler.finish`` runs it, and one part after the other;
 - ``validate``: ``Scheduler.try_close`` of the round (every shard read in full and checked), with
   a fresh Scheduler each time so no verdict is cached;
@@ -31,9 +31,9 @@ import numcodecs.blosc
 import numpy as np
 
 from benchmarks.synthetic_round import io_delta, peer_samples, synthetic_gradient, vector_run
-from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.compute import aggregation
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import DataRef, upload
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
@@ -170,9 +170,9 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
 
         with ThreadPoolExecutor(2) as pool:
             reduce_parallel = best_of(
-                lambda: list(pool.map(lambda k: aggregator.reduce_part(vrun, ROUND, k), parts)),
+                lambda: list(pool.map(lambda k: aggregation.reduce_part(vrun, ROUND, k), parts)),
                 repeats, reset=reset_reduced, bucket=bucket)
-            reduce_serial = best_of(lambda: [aggregator.reduce_part(vrun, ROUND, k) for k in parts],
+            reduce_serial = best_of(lambda: [aggregation.reduce_part(vrun, ROUND, k) for k in parts],
                                     repeats, reset=reset_reduced, bucket=bucket)
             reduced = vector.read_vector(bucket, vrun.keys.reduced(ROUND), vrun.dense_format)
             expected = numpy_reduce(root, vrun, close["accepted"])
@@ -190,9 +190,9 @@ def run(n: int = 10_000_000, shards: int = 16, repeats: int = 3) -> dict:
         timings = {
             "lower_bound": {**lower, "what": "plain file reads of every shard chunk, Blosc-lz4 decode, "
                             "codes x block scales, float64 sample-weighted sum; one core, no bucket"},
-            "reduce_parallel": {**reduce_parallel, "what": "aggregator.reduce_part for every part, "
+            "reduce_parallel": {**reduce_parallel, "what": "aggregation.reduce_part for every part, "
                                 "2 threads as Scheduler.finish (writes the reduced gradient too)"},
-            "reduce_serial": {**reduce_serial, "what": "aggregator.reduce_part for every part, "
+            "reduce_serial": {**reduce_serial, "what": "aggregation.reduce_part for every part, "
                               "one after the other"},
             "validate": {**validated, "what": "Scheduler.try_close: list, read every manifest, "
                          "read+checksum+decode every shard, finiteness and norm, write CLOSE"},

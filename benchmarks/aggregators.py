@@ -24,13 +24,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dedloc_pipeline.protocol.aggregating import AggregatorRole
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import TINY, DrivenClock, small_config
 from dedloc_pipeline.trust import identity
+from dedloc_pipeline.volunteer.aggregator import AggregatorRole
+from dedloc_pipeline.volunteer.worker import Worker
 
 COMPUTING, AGGREGATING = ("a", "b", "c"), ("x", "y")
 

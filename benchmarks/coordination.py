@@ -2,7 +2,7 @@
 volunteers at 20 s and 100 s rounds, the scheduler's requests shared among them).
 
 4, 16 and 64 simulated volunteers against moto's S3 server on loopback. Each runs the real
-worker (``protocol/worker.py``: round view, cadence, heartbeats, the upload decision, shard
+worker (``volunteer/worker.py``: round view, cadence, heartbeats, the upload decision, shard
 uploads and state downloads on its transfer thread) with one thing replaced: ``Worker.train``
 sleeps for the time a micro-batch would take (``step_s``) and adds a constant to the gradients,
 so that shards have real chunks to upload. Volunteers run as threads of a few host processes
@@ -65,8 +65,8 @@ def scheduler_main(url: str, endpoint: str, run_name: str, until: int, out: str)
     """``Scheduler.serve``'s loop, recording its own request counts at every commit."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from dedloc_pipeline.organizer.scheduler import Scheduler, stop_reason
     from dedloc_pipeline.protocol.run import Run
-    from dedloc_pipeline.protocol.scheduler import Scheduler, stop_reason
 
     sched = Scheduler(Run(_bucket(url, endpoint), run_name))
     marks = []
@@ -84,7 +84,7 @@ def volunteers_main(url: str, endpoint: str, run_name: str, names: list[str], st
     import torch
 
     from dedloc_pipeline.protocol.run import Run
-    from dedloc_pipeline.protocol.worker import Worker
+    from dedloc_pipeline.volunteer.worker import Worker
 
     class Simulated(Worker):
         def train(self, cursor: int, n: int) -> float:

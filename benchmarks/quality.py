@@ -47,10 +47,10 @@ def one_process(run, states: list[int], threads: int, micro_batch: int = 16) -> 
     """Parameters at ``states`` of the same pretraining in one process at the same samples."""
     import torch
 
+    from dedloc_pipeline.compute.optim import lr_at
     from dedloc_pipeline.model.albert import pretraining_loss_sum
     from dedloc_pipeline.model.data import make_source
     from dedloc_pipeline.model.flat import FlatLayout
-    from dedloc_pipeline.protocol.optim import lr_at
 
     torch.set_num_threads(threads)
     oc = run.config.optimizer

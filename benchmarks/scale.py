@@ -145,7 +145,7 @@ def _sum_io(a: dict, b: dict) -> dict:
 
 def measure(bucket: Bucket, writers, threads: ThreadPoolExecutor, peers: int, n: int) -> dict:
     """One round of ``peers`` shards of ``n`` parameters: write, validate, finish."""
-    from dedloc_pipeline.protocol.scheduler import Scheduler
+    from dedloc_pipeline.organizer.scheduler import Scheduler
 
     name = f"scale-{peers}p-{n}"
     vrun = vector_run(bucket, name, n, target_batch_size=sum(peer_samples(i) for i in range(peers)))

@@ -111,8 +111,8 @@ def measure() -> dict:
     import numpy as np
     import torch
 
+    from dedloc_pipeline.compute import optim
     from dedloc_pipeline.model.flat import Tensor
-    from dedloc_pipeline.protocol import optim
     from dedloc_pipeline.protocol.config import Outer
     from dedloc_pipeline.storage import codec, vector
     from dedloc_pipeline.storage.bucket import Bucket

@@ -124,10 +124,10 @@ def soak(rounds: int = 300, sample_every: int = 1, seed: int = 0, peers: int = 3
     memory still in use, not the allocator's retention."""
     import torch
 
+    from dedloc_pipeline.organizer.scheduler import Scheduler
     from dedloc_pipeline.protocol.run import init_run
-    from dedloc_pipeline.protocol.scheduler import Scheduler
-    from dedloc_pipeline.protocol.worker import Worker
     from dedloc_pipeline.storage.bucket import Bucket
+    from dedloc_pipeline.volunteer.worker import Worker
 
     torch.set_num_threads(1)
     code = _code_version()  # what this process imported, whatever is committed meanwhile

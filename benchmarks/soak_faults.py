@@ -38,14 +38,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from dedloc_pipeline.compute import aggregation
 from dedloc_pipeline.faults import Faults, Kill, Killed, Stretches, inject
-from dedloc_pipeline.protocol import aggregator, ledger
+from dedloc_pipeline.organizer import ledger
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
 from dedloc_pipeline.storage.retry import RetryPolicy
 from dedloc_pipeline.testing import on_clock
+from dedloc_pipeline.volunteer.worker import Worker
 
 from . import soak_verdict
 
@@ -63,7 +64,7 @@ RETRY = RetryPolicy(attempts=6, wait_s=0.0, max_wait_s=0.0)  # the default attem
 FLOW_PHASES = ("try_close", "reduce_part", "apply_part", "commit")
 # where a kill or a failure happened: the innermost of these frames (module.function) in its traceback
 FRAMES = {"scheduler.try_close": "try_close", "scheduler._publish": "view",
-          "aggregator.reduce_part": "reduce_part", "aggregator.apply_part": "apply_part",
+          "aggregation.reduce_part": "reduce_part", "aggregation.apply_part": "apply_part",
           "ledger._write_commit": "commit", "ledger.prune": "prune", "lease.hold": "lease",
           "transfers._send": "upload", "follower.load": "download", "worker._report": "heartbeat",
           "follower.read": "view", "run.latest": "poll"}
@@ -297,7 +298,7 @@ class Soak:
         kill.disarm()
         if plan is None or plan.phase != "try_close":
             self.requests["try_close"] = max(5, kill.requests - before)
-        for fn in (aggregator.reduce_part, aggregator.apply_part):
+        for fn in (aggregation.reduce_part, aggregation.apply_part):
             for k in range(self.auditor.n_parts):
                 self.on_aggregator(fn, r, k, plan)
         self.phase(kill, plan, "commit", lambda: ledger.commit(sched.run, r))

@@ -219,7 +219,7 @@ class Replay:
         """Replay round ``state`` and compare with state ``state + 1``."""
         import numpy as np
 
-        from dedloc_pipeline.protocol import optim
+        from dedloc_pipeline.compute import optim
         from dedloc_pipeline.protocol.close import closed
         from dedloc_pipeline.storage import codec, vector
         from dedloc_pipeline.storage.layout import volunteer_of
@@ -253,7 +253,7 @@ def faults_verdict(run, replay: Replay, facts: dict) -> dict:
     the replay; ``verdict`` holds one boolean a check, ``ok`` whether all passed."""
     import inspect
 
-    from dedloc_pipeline.protocol import ledger
+    from dedloc_pipeline.organizer import ledger
 
     b, k, rounds = run.bucket, run.keys, facts["reached"]
     checks = verify(run, rounds, run.config)

@@ -43,16 +43,16 @@ import time
 
 import numpy as np
 
-from dedloc_pipeline.protocol import admission, recompute, verify
+from dedloc_pipeline.checks import admission, recompute, verify
+from dedloc_pipeline.checks.probe import LossProbe
 from dedloc_pipeline.protocol.close import Close
-from dedloc_pipeline.protocol.probe import LossProbe
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.shard import DataRef, Entry, Manifest
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import volunteer_of
 from dedloc_pipeline.testing import TINY, LockStep, collaborate, small_config
+from dedloc_pipeline.volunteer.worker import Worker
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 

@@ -1,6 +1,6 @@
 """Benchmark 10 (GPU, not in `make bench`): one volunteer of a diloco run of the 1B preset.
 
-The real worker (``protocol/worker.py``) on a CUDA device, in a run of ``causal-1b`` with sparse
+The real worker (``volunteer/worker.py``) on a CUDA device, in a run of ``causal-1b`` with sparse
 pseudo-gradients on a local bucket and synthetic running text, fills one round of ``h`` inner
 steps of ``inner_batch`` sequences alone (no scheduler: with no round view a volunteer's round
 fills from its own samples) and uploads its shard. Measured: tokens per second of computing
@@ -30,8 +30,8 @@ def main(preset: str = "causal-1b", device: str = "cuda", precision: str = "bf16
 
     from dedloc_pipeline.protocol.config import recipe_config
     from dedloc_pipeline.protocol.run import init_run
-    from dedloc_pipeline.protocol.worker import Worker
     from dedloc_pipeline.storage.bucket import Bucket
+    from dedloc_pipeline.volunteer.worker import Worker
 
     t0 = time.monotonic()
     bucket = Bucket(f"file://{tempfile.mkdtemp(prefix='dedloc-gpu-')}/bucket")

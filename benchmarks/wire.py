@@ -20,10 +20,10 @@ CASES = [("none", None), ("fp16", None), ("int8", "int8"), ("int8", None), ("int
 
 def _lockstep(url: str, name: str, peers: int, rounds: int, warmup: int):
     """Each peer one micro-batch, the scheduler one step every other turn, until ``rounds``."""
+    from dedloc_pipeline.organizer.scheduler import Scheduler
     from dedloc_pipeline.protocol.run import Run
-    from dedloc_pipeline.protocol.scheduler import Scheduler
-    from dedloc_pipeline.protocol.worker import Worker
     from dedloc_pipeline.storage.bucket import Bucket
+    from dedloc_pipeline.volunteer.worker import Worker
 
     def opened() -> Run:
         return Run(Bucket(url), name)

@@ -57,7 +57,7 @@ class _Group(TyperGroup):
             typer.echo(f"error: {msg}", err=True)
             raise typer.Exit(exc.exit_code or 2)
         except Damaged as exc:  # a record `dedloc repair` sees says so: the way back
-            from .protocol.repair import advice
+            from .organizer.repair import advice
             typer.echo(f"error: {describe(exc)}{advice(exc.key)}", err=True)
             raise typer.Exit(2)
         except _ERRORS as exc:
@@ -162,7 +162,7 @@ def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional
               verbose: bool = True):
     """Schedule rounds: close, reduce, apply, commit (no Prefect needed)."""
     _setup(verbose)
-    from .protocol.scheduler import Scheduler
+    from .organizer.scheduler import Scheduler
     r = _open(bucket, run, endpoint_url, organizer_key)
     state = Scheduler(r, parallel, poll, volunteers=volunteers).serve(until_round, standby=standby)
     typer.echo(f"state {state} committed")
@@ -316,7 +316,7 @@ def repair(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
            organizer_key: Optional[str] = _organizer_key("LATEST")):
     """Check the newest states against their COMMITs; repair a damaged run (exit 1: damage not repaired)."""
     _setup(False)
-    from .protocol.repair import repair as repair_run
+    from .organizer.repair import repair as repair_run
     org = identity.load(organizer_key) if organizer_key else None
     if not repair_run(Run(Bucket(bucket, endpoint_url=endpoint_url), run, organizer=org), apply, typer.echo):
         raise typer.Exit(1)
@@ -409,7 +409,7 @@ def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Validate a run: recompute a random share of each committed round's shards, flag the
     volunteers whose shards do not match their data or copy another's (docs/verification.md)."""
     _setup(verbose)
-    from .protocol.verify import Verifier, summary
+    from .checks.verify import Verifier, summary
     org = identity.load(organizer_key) if organizer_key else None
     if revoke and org is None:
         raise typer.BadParameter("--revoke needs --organizer-key", param_hint="--revoke")

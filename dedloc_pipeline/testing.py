@@ -16,13 +16,13 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
+from .organizer.scheduler import Scheduler
 from .protocol import shard
-from .protocol.aggregating import AggregatorRole
 from .protocol.clock import Clock
 from .protocol.config import CloseRule, OptimizerConfig, RunConfig
 from .protocol.run import Run
-from .protocol.scheduler import Scheduler
-from .protocol.worker import Worker
+from .volunteer.aggregator import AggregatorRole
+from .volunteer.worker import Worker
 
 # The micro preset (~0.3M parameters) in chunks of 10 blocks: quick on 2 cores, and cut as tiny is
 # in chunks of 2^18 (8 chunks, 3 aggregator parts, one straddling tensors). Benchmarks take TINY.

@@ -36,7 +36,7 @@ from prefect import task
 from prefect.futures import PrefectDistributedFuture
 from prefect.settings import get_current_settings
 
-from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.compute import aggregation
 from flows.common import open_run
 
 STORAGE_SETTING = "PREFECT_TASKS_SCHEDULING_DEFAULT_STORAGE_BLOCK"
@@ -47,12 +47,12 @@ DONE: Counter[str] = Counter()  # task runs this process finished, by task and o
 
 @task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
 def reduce_part(bucket: str, run: str, r: int, part: int) -> str:
-    return aggregator.reduce_part(open_run(bucket, run), r, part)
+    return aggregation.reduce_part(open_run(bucket, run), r, part)
 
 
 @task(retries=3, retry_delay_seconds=2, tags=["dedloc-aggregator"])
 def apply_part(bucket: str, run: str, r: int, part: int) -> str:
-    return aggregator.apply_part(open_run(bucket, run), r, part)
+    return aggregation.apply_part(open_run(bucket, run), r, part)
 
 
 def identity() -> str:

@@ -8,8 +8,8 @@ import re
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
 
 

@@ -1,6 +1,6 @@
 """The round loop as Prefect flows: each round is its own subflow of tens of tasks.
 
-The loop and its steps are the library's round engine (``dedloc_pipeline/protocol/scheduler.py``),
+The loop and its steps are the library's round engine (``dedloc_pipeline/organizer/scheduler.py``),
 the same that ``dedloc aggregate`` drives; this module only makes the steps tasks (with retries),
 maps the aggregation tasks (flows/aggregators.py) over the parts, and publishes artifacts.
 """
@@ -19,10 +19,10 @@ from prefect.artifacts import (
 
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol import ledger, scheduler as engine
+from dedloc_pipeline.organizer import ledger, scheduler as engine
+from dedloc_pipeline.organizer.referee import Settlement
 from dedloc_pipeline.protocol.close import close_summary, closed
 from dedloc_pipeline.protocol.config import recipe_config
-from dedloc_pipeline.protocol.referee import Settlement
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 from flows.aggregators import apply_part, reduce_part, run_parts

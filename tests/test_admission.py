@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dedloc_pipeline.protocol import admission
+from dedloc_pipeline.checks import admission
 from dedloc_pipeline.protocol.close import Rejection
 from dedloc_pipeline.protocol.shard import DataRef, Entry
 
@@ -165,11 +165,11 @@ def test_a_large_shard_is_sketched_on_chunks_no_volunteer_can_know():
     import subprocess
     import sys
 
-    from dedloc_pipeline.protocol import direction
+    from dedloc_pipeline.checks import direction
     assert direction.sampled(5, 3) == [0, 1, 2, 3, 4]
     here = direction.sampled(120, 3)
     assert len(here) == 8 == len(set(here)) and here == direction.sampled(120, 3) != direction.sampled(120, 4)
-    code = "from dedloc_pipeline.protocol import direction; print(direction.sampled(120, 3))"
+    code = "from dedloc_pipeline.checks import direction; print(direction.sampled(120, 3))"
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert there.strip() != str(here)
 

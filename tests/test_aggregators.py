@@ -19,16 +19,19 @@ import numpy as np
 import pytest
 from rich.console import Console
 
+from dedloc_pipeline.checks import exchange, verify
+from dedloc_pipeline.compute import aggregation, optim
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import status
-from dedloc_pipeline.protocol import aggregator, checked, optim, referee, verify, view
-from dedloc_pipeline.protocol.aggregating import AggregatorRole
+from dedloc_pipeline.organizer import referee
+from dedloc_pipeline.protocol import view
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import DrivenClock, LockStep, on_clock, run_processes, small_config
 from dedloc_pipeline.trust import identity
+from dedloc_pipeline.volunteer.aggregator import AggregatorRole
 
 ROUNDS = 2
 
@@ -49,13 +52,13 @@ def _run(tmp_path, bucket, **kw):
 def _organizers(run, r: int) -> dict[str, list[str]]:
     """State r+1's params and delta checksums as the organizer's own reduction and step give them."""
     sums: dict[str, list] = {"params": [], "delta": {}}
-    formats = aggregator.next_formats(run)
-    grads = [aggregator.mean_gradient(run, r, k) for k in range(run.n_parts)]
+    formats = aggregation.next_formats(run)
+    grads = [aggregation.mean_gradient(run, r, k) for k in range(run.n_parts)]
     norms = None
     if run.config.aggregator_optimizer.name == "lamb":  # every part's partial sums, merged in part order
-        norms = optim.merge_partials([aggregator.part_sums(run, r, k, g) for k, g in enumerate(grads)])
+        norms = optim.merge_partials([aggregation.part_sums(run, r, k, g) for k, g in enumerate(grads)])
     for k in range(run.n_parts):
-        vectors = aggregator.next_part(run, r, k, grads[k], norms)
+        vectors = aggregation.next_part(run, r, k, grads[k], norms)
         sums["params"] += vector.chunk_checksums(formats["params"], vectors["params"], run.part_chunks(k))["values"]
         for name, s in vector.chunk_checksums(formats["delta"], vectors["delta"], run.part_chunks(k)).items():
             sums["delta"].setdefault(name, []).extend(s)
@@ -135,7 +138,7 @@ def test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged(tmp_
 def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_path, bucket, monkeypatch):
     """The damage without the cross-check of the sums: one aggregator a part, x's false norms
     change every part's trust ratio, and the state is not the organizer's answer."""
-    monkeypatch.setattr(checked, "PER_PART", 1)
+    monkeypatch.setattr(exchange, "PER_PART", 1)
     run, keys = _run(tmp_path, bucket, **LAMB)
     with pytest.raises(AssertionError, match="is not the organizer's answer"):
         _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
@@ -216,7 +219,7 @@ def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch
 def test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards(tmp_path, bucket, monkeypatch):
     """The damage without the cross-check: one aggregator a part, x's false checks reject the
     honest shards of every part it was given."""
-    monkeypatch.setattr(checked, "PER_PART", 1)
+    monkeypatch.setattr(exchange, "PER_PART", 1)
     run, keys = _run(tmp_path, bucket)
     with LockStep(run, volunteers=True) as c:
         for n, mb in (("a", 4), ("b", 3)):
@@ -273,7 +276,7 @@ def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucke
 def test_control_with_one_aggregator_a_part_a_lie_is_committed(tmp_path, bucket, monkeypatch):
     """The damage without the cross-check: one aggregator a part (PER_PART 1), x's noise is
     committed wherever x was assigned."""
-    monkeypatch.setattr(checked, "PER_PART", 1)
+    monkeypatch.setattr(exchange, "PER_PART", 1)
     run, keys = _run(tmp_path, bucket)
     with pytest.raises(AssertionError, match="is not the organizer's answer"):
         _collaborate(run, keys, tamper=lambda roles: _noise(roles["x"]))
@@ -329,24 +332,24 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
 
 
 def test_volunteer_aggregators_need_a_signed_run(bucket, tmp_path):
-    from dedloc_pipeline.protocol.scheduler import Scheduler
+    from dedloc_pipeline.organizer.scheduler import Scheduler
     unsigned = init_run(bucket, small_config())
     with pytest.raises(RunError, match="no roster"):
         Scheduler(unsigned, volunteers=True)
-    assert checked.eligible(unsigned) is not None
+    assert exchange.eligible(unsigned) is not None
 
 
 def test_the_assignment_pairs_two_volunteers_and_follows_the_close():
     offers = ["x", "y", "z", "x.gpu2"]
-    one, other = checked.assign("seed-1", 8, offers), checked.assign("seed-2", 8, offers)
+    one, other = exchange.assign("seed-1", 8, offers), exchange.assign("seed-2", 8, offers)
     assert all(len(p) == 2 and len({q.split(".")[0] for q in p}) == 2 for p in one)
-    assert one != other and checked.assign("seed-1", 8, offers) == one
-    assert checked.assign("s", 4, ["x", "x.gpu2"]) is None
+    assert one != other and exchange.assign("seed-1", 8, offers) == one
+    assert exchange.assign("s", 4, ["x", "x.gpu2"]) is None
 
 
 MALLORY = """
 import sys
-from dedloc_pipeline.protocol.aggregating import AggregatorRole
+from dedloc_pipeline.volunteer.aggregator import AggregatorRole
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.trust import identity
@@ -421,10 +424,10 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     ``Traffic.checked_finish`` (three polls an exchange: no claims yet; the claims, then the
     reveal; the results; and the commit's pruning) and ``Traffic.aggregating``; with AdamW, and
     with LAMB (the partial sums' exchange and the norms' record first)."""
+    from dedloc_pipeline.organizer.scheduler import Scheduler
     from dedloc_pipeline.planning.planned import PlannedRun
     from dedloc_pipeline.planning.requests import Requests, Traffic
-    from dedloc_pipeline.protocol.scheduler import Scheduler
-    from dedloc_pipeline.protocol.worker import Worker
+    from dedloc_pipeline.volunteer.worker import Worker
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "a", "b", "x", "y")}
     cfg = small_config(f"settled-{optimizer}", organizer_key=identity.public(keys["org"]), chunks_per_part=2,
                        codec="int8", close={"aggregate_s": 60.0}, **(LAMB if optimizer == "lamb" else {}))
@@ -477,7 +480,7 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
     organizer's. With LAMB the restart also takes the norms it recorded before (the sums' stage
     is not run again). Control, nothing sealed: the restart reads the rewritten claim, and x is
     credited with parts it never computed (the state is still right: y's answer)."""
-    from dedloc_pipeline.protocol.scheduler import Scheduler
+    from dedloc_pipeline.organizer.scheduler import Scheduler
     run, keys = _run(tmp_path, bucket, **(LAMB if lamb else {}))
     if not sealed:
         monkeypatch.setattr(referee.Referee, "_sealed", lambda self, close, stage: None)
@@ -507,7 +510,7 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
             run.bucket.copy(key, key.replace("/volunteers/y/", "/volunteers/x/"))
         x._write(run.keys.result(0, "x", k), {"round": 0, "peer": "x", "part": k, "checksums": theirs})
         x._write(run.keys.claim(0, "x", k), {"round": 0, "peer": "x", "part": k,
-                                             "digest": checked.digest("x", theirs)})
+                                             "digest": exchange.digest("x", theirs)})
     with ThreadPoolExecutor(2) as pool:
         commit = Scheduler(run, 2, 0, volunteers=True).finish(0, pool, Close.read(run, 0))
     assert commit["checksums"] == _organizers(run, 0)
@@ -529,13 +532,13 @@ def _results_of_x(run, key: str) -> bool:
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "control: unbounded"])
 def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bounded, when):
     """x reveals, then rewrites its result as 2 MB of padding: ``listed``, before the scheduler
-    lists it (its listed size is over the record's bound, ``checked.bound``: never downloaded);
+    lists it (its listed size is over the record's bound, ``exchange.bound``: never downloaded);
     ``raced``, between the listing and the read (the read is ranged: at most the bound and a
     byte come down). Either way the parts are the organizer's. Control: without the bound the
     scheduler downloads the 2 MB before its schema refuses them."""
     run, keys = _run(tmp_path, bucket)
     if not bounded:
-        monkeypatch.setattr(checked, "bound", lambda run, model, shards=0: 2 * len(PADDED))
+        monkeypatch.setattr(exchange, "bound", lambda run, model, shards=0: 2 * len(PADDED))
     read, original = {}, run.bucket.read_if_changed
 
     def reading(key, tag, limit=None):
@@ -564,5 +567,5 @@ def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bo
     elif when == "listed":
         assert downloaded == {}
     else:
-        assert downloaded and most == checked.bound(run, checked.Result) + 1
+        assert downloaded and most == exchange.bound(run, exchange.Result) + 1
     assert verify.flagged(run) == {}

@@ -14,19 +14,27 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PKG = ROOT / "dedloc_pipeline"
 
-# Each subpackage and what it may import (besides itself): a layer never reaches upward.
+# Each subpackage and what it may import (besides itself): a layer never reaches upward. A shard's
+# life reads bottom to top: the records both sides read (protocol), the numerics both run bit for
+# bit (compute), the judgements of a volunteer's work (checks), then the two sides, which never
+# import each other (volunteer, organizer), and what watches, plans and evaluates a run.
+BELOW_SIDES = {"storage", "trust", "model", "protocol", "compute", "checks"}
 ALLOWED = {
     "storage": set(),
     "trust": {"storage"},
     "model": {"storage"},
     "protocol": {"storage", "trust", "model"},
-    "monitoring": {"storage", "trust", "model", "protocol"},
-    "planning": {"storage", "trust", "model", "protocol"},
+    "compute": {"storage", "trust", "model", "protocol"},
+    "checks": {"storage", "trust", "model", "protocol", "compute"},
+    "volunteer": BELOW_SIDES,
+    "organizer": BELOW_SIDES,
+    "monitoring": BELOW_SIDES | {"volunteer", "organizer"},
+    "planning": BELOW_SIDES | {"volunteer", "organizer"},
     "evaluation": {"storage", "model", "protocol"},
 }
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats", "storage.codec",
               "storage.vector", "storage.part", "protocol.config", "protocol.shard", "protocol.run",
-              "protocol.heartbeat", "protocol.upload_policy", "protocol.transfers", "monitoring.status",
+              "protocol.heartbeat", "volunteer.upload_policy", "volunteer.transfers", "monitoring.status",
               "planning.prices", "planning.planned", "planning.requests", "planning.estimate", "planning.display",
               "trust.identity", "trust.policy", "model.presets", "cli"]
 
@@ -174,6 +182,11 @@ def test_the_cycle_check_sees_a_cycle_closed_inside_a_function(tmp_path):
     assert _cycles(tmp_path) == [["benchmarks.a", "benchmarks.b", "benchmarks.a"]]
 
 
+def test_every_subpackage_has_a_floor():
+    """A new folder states which layers it may import, so none escapes the check below."""
+    assert {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()} == set(ALLOWED)
+
+
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_a_layer_imports_only_the_layers_below_it(layer):
     bad = {}
@@ -205,7 +218,7 @@ def test_light_commands_start_without_torch():
 @pytest.mark.slow
 def test_the_model_still_loads_torch_when_asked():
     """The other side: the worker's module does need torch (so the check above is not vacuous)."""
-    code = "import sys, dedloc_pipeline.protocol.worker; print('torch' in sys.modules)"
+    code = "import sys, dedloc_pipeline.volunteer.worker; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
 

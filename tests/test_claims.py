@@ -10,12 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from dedloc_pipeline.checks import admission, direction, verify
+from dedloc_pipeline.compute import aggregation
 from dedloc_pipeline.model.data import DataError, make_source
 from dedloc_pipeline.monitoring.volunteer import make_worker
-from dedloc_pipeline.protocol import admission, aggregator, direction, shard, verify, view
+from dedloc_pipeline.organizer.scheduler import Scheduler
+from dedloc_pipeline.protocol import shard, view
 from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, on_clock, stream_next
@@ -349,7 +351,7 @@ def test_forged_organizer_records_are_refused(signed_run, caplog, signer):
     # a CLOSE created before the scheduler's, accepting nothing: deleted, the round closes for real
     b.create_json(k.close(0), forge({"round": 0, "samples": 8, "accepted": [], "rejected": []}))
     with pytest.raises(identity.IdentityError, match="CLOSE of round 0 is not signed"):
-        aggregator.reduce_part(run, 0, 0)
+        aggregation.reduce_part(run, 0, 0)
     _shard(run, 0, "alice", _noise(run, 0), 8, signer=alice)
     with caplog.at_level(logging.ERROR):
         close = Scheduler(run, 1, 0).try_close(0)
@@ -388,7 +390,7 @@ def test_genuine_records_copied_to_another_place_are_refused(signed_run, caplog,
     for copied in (k.close(1), k.commit(2)):  # the control: genuine signatures
         identity.check_record(run.config.organizer_key, b.read_json(copied), copied)
     with pytest.raises(identity.IdentityError, match="CLOSE of round 1 is a signed record of round 0, not 1"):
-        aggregator.reduce_part(run, 1, 0)
+        aggregation.reduce_part(run, 1, 0)
     with pytest.raises(identity.IdentityError, match="COMMIT of state 2 is a signed record of state 1, not 2"):
         run.commit_of(2)
     assert run.latest() == 1

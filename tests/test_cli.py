@@ -24,11 +24,11 @@ import dedloc_pipeline.cli as dedloc_cli
 from dedloc_pipeline import init_options
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.model.presets import PRESETS
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.config import RECIPES, RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .conftest import small_config
 

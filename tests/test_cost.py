@@ -14,11 +14,12 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
+from dedloc_pipeline.organizer import ledger, scheduler
 from dedloc_pipeline.planning import prices
 from dedloc_pipeline.planning.estimate import SAMPLES_PER_S, _count, estimate, measured
 from dedloc_pipeline.planning.planned import PlannedRun, n_params
 from dedloc_pipeline.planning.requests import PRUNE_WINDOW, Requests, Traffic
-from dedloc_pipeline.protocol import ledger, scheduler, shard, view
+from dedloc_pipeline.protocol import shard, view
 from dedloc_pipeline.protocol.config import RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage import codec

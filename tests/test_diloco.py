@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from dedloc_pipeline.compute.optim import lr_at
 from dedloc_pipeline.model.albert import pretraining_loss_sum
 from dedloc_pipeline.model.data import make_source
 from dedloc_pipeline.model.flat import FlatLayout
-from dedloc_pipeline.protocol import ledger, shard
-from dedloc_pipeline.protocol.optim import lr_at
+from dedloc_pipeline.organizer import ledger
+from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.storage import vector
 from dedloc_pipeline.testing import collaborate
 
@@ -185,7 +186,7 @@ def test_the_sparse_codec_is_for_diloco_and_whole_blocks():
 def test_a_bf16_volunteer_sends_only_what_its_inner_steps_moved(make_run):
     """bfloat16 weights round state r; the pseudo-gradient is measured from the rounded start, so
     a volunteer that took no step sends zeros, and one that did sends about what an fp32 one does."""
-    from dedloc_pipeline.protocol.worker import Worker
+    from dedloc_pipeline.volunteer.worker import Worker
 
     run = make_run(run="bf16", algorithm="diloco", inner_batch=8, optimizer={"name": "sgd", "lr": 0.5})
     with pytest.raises(ValueError, match="bf16 is for diloco"):

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
+from dedloc_pipeline.compute.optim import lr_at
 from dedloc_pipeline.model.data import make_source
 from dedloc_pipeline.model.families import loss_sum
 from dedloc_pipeline.model.flat import FlatLayout
-from dedloc_pipeline.protocol.optim import lr_at
 from dedloc_pipeline.testing import collaborate
 
 

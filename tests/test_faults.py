@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from dedloc_pipeline.faults import Faults, FaultyStore, inject
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
 from dedloc_pipeline.storage.retry import RetryPolicy
 from dedloc_pipeline.testing import FakeClock, collaborate, on_clock, stream_next, written
 from dedloc_pipeline.trust import identity
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .conftest import small_config
 
@@ -166,7 +166,7 @@ def test_only_enrolled_volunteers_shards_count(signed, caplog, attack, reason):
         sched.judge.roster()
         b.write_bytes(k.roster, before)
         _upload(run, r, "bob", keys["bob"], part="0002")
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.organizer.scheduler"):
         close = sched.try_close(r)
     assert [s.key for s in close.accepted] == [k.shard(r, "alice", "good")]
     assert len(close.rejected) == 1 and close.rejected[0].key == bad
@@ -220,7 +220,7 @@ def test_oversized_and_outsized_shards_are_rejected_before_they_count(make_run, 
         b.write_bytes(k.manifest(bad), b.read_bytes(k.manifest(bad)) + b" " * (1 << 20))
     if fault == "stuffed_shard":
         b.write_bytes(f"{bad}/codes/c/junk", np.random.default_rng(0).bytes(4 * run.flat.n))
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.organizer.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert sorted(s.key for s in close.accepted) == honest
     assert [s.key for s in close.rejected] == [bad] and reason in close.rejected[0].reason
@@ -265,7 +265,7 @@ def test_byzantine_peers_cannot_stop_training(make_run, aggregation, attack, fal
 KILLED_AT_THE_MANIFEST = """
 import os, signal, sys
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.volunteer.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
 run = Run(Bucket(sys.argv[1]), sys.argv[2])
 write_json = run.bucket.write_json
@@ -370,7 +370,7 @@ def test_claimed_samples_in_many_parts_buy_no_robust_weight(make_run, aggregatio
         return float(x @ base / np.linalg.norm(x) / np.linalg.norm(base))
 
     assert cos(reduced) > 0.3
-    from dedloc_pipeline.protocol import robust
+    from dedloc_pipeline.compute import robust
     rows = np.stack(honest + [codec.decode(codec.encode(-base, run.config.codec, run.config.block_size),
                                            run.config.codec, run.config.block_size)] * 4)
     assert cos(robust.aggregate(rows, [8, 8, 8] + [50] * 4, run.config)) < 0
@@ -391,7 +391,7 @@ def test_a_prefix_filled_past_its_bound_is_left_out_until_pruned(make_run, caplo
         for i in range(run.per_volunteer + 1):
             run.bucket.write_bytes(f"{run.keys.volunteer_dir('mallory')}/junk/{i}", b"x")
     sched = Scheduler(run, 1, 0)
-    with caplog.at_level(logging.ERROR, logger="dedloc_pipeline.protocol.scheduler"):
+    with caplog.at_level(logging.ERROR, logger="dedloc_pipeline.organizer.scheduler"):
         close = sched.try_close(0)
         sched.try_close(0)
     accepted = sorted(e.peer for e in close.accepted)

@@ -13,8 +13,8 @@ import threading
 import pytest
 
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .conftest import CORPUS, SMALL
 
@@ -98,10 +98,10 @@ def test_the_pretrain_flow_takes_volunteer_aggregators_as_a_runner(harness, tmp_
     volunteer aggregators on threads (real clocks): every part of every round is settled by x
     and y and COMMIT names them; a round they do not settle would fall back to the flow's own
     reduce and apply tasks (tests/test_aggregators.py)."""
-    from dedloc_pipeline.protocol.aggregating import AggregatorRole
     from dedloc_pipeline.protocol.config import RunConfig
     from dedloc_pipeline.protocol.run import init_run
     from dedloc_pipeline.trust import identity
+    from dedloc_pipeline.volunteer.aggregator import AggregatorRole
     from flows.pretraining import pretrain
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "a", "b", "x", "y")}
     monkeypatch.setenv("DEDLOC_ORGANIZER_KEY", str(tmp_path / "org.pem"))

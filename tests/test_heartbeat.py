@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import heartbeat, view
 from dedloc_pipeline.protocol.heartbeat import Heartbeat
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.testing import assert_counted_once, on_clock
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .test_protocol import put_shard
 

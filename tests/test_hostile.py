@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import pytest
 
+from dedloc_pipeline.checks.verify import Verifier
 from dedloc_pipeline.evaluation.heldout import heldout_scores
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.verify import Verifier
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import LockStep, small_config
 from dedloc_pipeline.trust import identity

@@ -3,7 +3,7 @@
 `dedloc aggregate` and a `dedloc worker` per honest volunteer, as an organizer and volunteers run
 them; mallory runs the real worker with its pseudo-gradient reversed at 8x (inside the norm
 screen's 10x), with the default aggregation (the mean) and screens. The loss screen
-(``protocol/probe.py``) refuses each of mallory's shards by itself, whatever the other shards of
+(``checks/probe.py``) refuses each of mallory's shards by itself, whatever the other shards of
 its round, so the run ends no more than 3% above the held-out loss of the same four processes
 with mallory honest. Measured here: honest 4.90 to 5.08, attacked 4.87 to 4.97 (start 7.56). The
 attacked run tends lower: mallory's heartbeat counts until her shard is refused, so the others

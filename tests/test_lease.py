@@ -1,4 +1,4 @@
-"""One active scheduler per run (protocol/lease.py): a second one is refused naming the first,
+"""One active scheduler per run (organizer/lease.py): a second one is refused naming the first,
 or waits; a released lease is free at once, a dead one's after its time; a scheduler whose
 lease was taken over stops, and an idle poll costs no lease request. On the fake clock."""
 
@@ -14,10 +14,10 @@ from collections import Counter
 
 import pytest
 
-import dedloc_pipeline.protocol.lease as lease_module
-from dedloc_pipeline.protocol.lease import LEASE_S, RENEW, Lease, LeaseHeld, LeaseLost, Record, holder_of
+import dedloc_pipeline.organizer.lease as lease_module
+from dedloc_pipeline.organizer.lease import LEASE_S, RENEW, Lease, LeaseHeld, LeaseLost, Record, holder_of
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import on_clock
 

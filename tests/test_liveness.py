@@ -11,11 +11,11 @@ import pytest
 
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import scheduler_line, status
-from dedloc_pipeline.protocol import lease
+from dedloc_pipeline.organizer import lease
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config, written
+from dedloc_pipeline.volunteer.worker import Worker
 
 POLL_S = 1.0
 STEP_S = 1.0

@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import view
 from dedloc_pipeline.protocol.run import init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, written
 

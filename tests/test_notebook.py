@@ -15,7 +15,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
 from dedloc_pipeline.monitoring.volunteer import summary_text
-from dedloc_pipeline.protocol.scheduler import Scheduler
+from dedloc_pipeline.organizer.scheduler import Scheduler
 
 ROUNDS = 3
 

@@ -53,11 +53,11 @@ from botocore.exceptions import ClientError
 
 from dedloc_pipeline.protocol.config import Codec
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import DataLayout, RunLayout
 from dedloc_pipeline.trust import policy
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .conftest import _free_port, small_config
 
@@ -166,7 +166,7 @@ def _shard_objects() -> set[str]:
 
 def _volunteer_writes(keys: RunLayout, peer: str = ME, parts: tuple[str, ...] = (PART,)) -> set[str]:
     """The keys the code has a volunteer write (worker.py: heartbeats; shard.py: a shard's
-    objects, vector.write_vector, and its manifest; aggregating.py: an aggregator's offer, and a
+    objects, vector.write_vector, and its manifest; volunteer/aggregator.py: an aggregator's offer, and a
     part's claim, answer objects and result, with LAMB its sums' claim and sums)."""
     out = set()
     for r in ROUNDS:

@@ -16,9 +16,9 @@ import dedloc_pipeline
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.ledger import Ledger
 from dedloc_pipeline.monitoring.volunteer import summary, summary_text
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, written
 

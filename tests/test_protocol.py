@@ -10,13 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.protocol import aggregator, shard, upload_policy
+from dedloc_pipeline.compute import aggregation
+from dedloc_pipeline.organizer.scheduler import Scheduler
+from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, stream_next, written
+from dedloc_pipeline.volunteer import upload_policy
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .conftest import small_config
 
@@ -131,7 +133,7 @@ def test_bad_shards_are_rejected_and_logged(make_run, caplog, fault, reason):
         run.bucket.write_bytes(f"{key}/values/c/0", bytes(stored))
     if fault == "missing_chunk":  # zarr reads a missing chunk as zeros: the checksum catches it
         run.bucket.delete(f"{key}/values/c/0")
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.organizer.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert [s.peer for s in close.accepted] == ["honest"]
     assert len(close.rejected) == 1 and reason in close.rejected[0].reason
@@ -154,7 +156,7 @@ def test_a_shard_that_breaks_the_judge_is_rejected_and_the_round_goes_on(make_ru
         return norm(arrays, *a)
 
     monkeypatch.setattr(codec, "squared_norm", squared_norm)
-    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.protocol.scheduler"):
+    with caplog.at_level(logging.WARNING, logger="dedloc_pipeline.organizer.scheduler"):
         close = Scheduler(run, 1, 0).try_close(0)
     assert [s.peer for s in close.accepted] == ["honest"]
     assert close.rejected[0].reason == "could not be judged: MemoryError: out of memory"
@@ -228,10 +230,10 @@ def test_scheduler_killed_between_close_and_commit_gives_the_same_state(tmp_path
     parts = range(run.n_parts)
     if crash_after != "close":
         for k in (parts[:1] if crash_after == "one_reduce" else parts):
-            aggregator.reduce_part(run, 0, k)
+            aggregation.reduce_part(run, 0, k)
     if crash_after in ("one_apply", "all_apply"):
         for k in (parts[:1] if crash_after == "one_apply" else parts):
-            aggregator.apply_part(run, 0, k)
+            aggregation.apply_part(run, 0, k)
     assert not crashed.exists(run.keys.commit(1))
     # a new scheduler, knowing nothing but the bucket
     with ThreadPoolExecutor(2) as pool:
@@ -432,7 +434,7 @@ def test_when_a_worker_uploads(manifests, fresh, mine, first, upload):
 def test_a_round_closed_before_stop_is_still_committed(make_run):
     """STOP after a CLOSE: the loop commits the closed round, then ends (both drivers share
     stop_reason); a wall-time deadline behaves the same."""
-    from dedloc_pipeline.protocol.scheduler import stop_reason
+    from dedloc_pipeline.organizer.scheduler import stop_reason
     run = make_run()
     _fill_round(run, 0)
     sched = Scheduler(run, 1, 0)
@@ -448,13 +450,13 @@ def test_a_round_closed_before_stop_is_still_committed(make_run):
 def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run):
     """The Prefect flow runs the steps as separate tasks (never Scheduler.step): its long-lived
     scheduler still forgets verdicts of rounds that no close will ask about again."""
-    from dedloc_pipeline.protocol import ledger
+    from dedloc_pipeline.organizer import ledger
     run = make_run()
     sched = Scheduler(run, 1, 0)
     for r in range(4):
         _fill_round(run, r)
         assert sched.wait_close(r) is not None
-        for step in (aggregator.reduce_part, aggregator.apply_part):
+        for step in (aggregation.reduce_part, aggregation.apply_part):
             for k in range(run.n_parts):
                 step(run, r, k)
         ledger.commit(run, r)

@@ -13,10 +13,11 @@ import pytest
 from typer.testing import CliRunner
 
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.protocol import aggregator, repair
-from dedloc_pipeline.protocol.lease import Lease
+from dedloc_pipeline.compute import aggregation
+from dedloc_pipeline.organizer import repair
+from dedloc_pipeline.organizer.lease import Lease
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import FakeClock, LockStep, written
@@ -122,7 +123,7 @@ def test_a_healthy_run_has_nothing_to_repair(run):
     res = cli("repair", *where(run))
     assert res.exit_code == 0 and res.output == f"run r: state {NEWEST} is intact, nothing to repair\n", res.output
     close_round(run)  # a round in flight is no damage: closed, reduced in part
-    aggregator.reduce_part(run, NEWEST, 0)
+    aggregation.reduce_part(run, NEWEST, 0)
     assert repair.diagnose(run) == repair.Plan(NEWEST)
     assert repair.repair(run, True, lambda line: None)
 

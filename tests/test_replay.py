@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from benchmarks.verify import diloco_run
-from dedloc_pipeline.protocol import recompute, verify
+from dedloc_pipeline.checks import recompute, verify
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.testing import collaborate
 
@@ -65,7 +65,7 @@ def test_a_shard_all_stale_takes_its_last_short_step_on_the_state_that_arrived(m
     and its weight decay). The replay takes it there too. Control: taken before state 1 arrived,
     the pseudo-gradient would be another one, which the replay does not give."""
     from dedloc_pipeline.protocol.shard import DataRef, Entry
-    from dedloc_pipeline.protocol.worker import Worker
+    from dedloc_pipeline.volunteer.worker import Worker
 
     run = make_run(algorithm="diloco", inner_batch=8, keep_states=10,
                    optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2})

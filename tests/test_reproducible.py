@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dedloc_pipeline.protocol import aggregator
+from dedloc_pipeline.compute import aggregation
 from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
@@ -45,23 +45,24 @@ CASES = {
 # as the scheduler writes state 2 (LAMB's partial sums of every part merged first).
 COMPUTE = """
 import json, sys
-from dedloc_pipeline.protocol import aggregator, optim
+from dedloc_pipeline.compute import aggregation, optim
 from dedloc_pipeline.protocol.close import closed
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 out = {}
 for root in sys.argv[1:]:
     run = Run(Bucket(f"file://{root}/bucket"), "test")
-    grads = {k: aggregator.mean_gradient(run, 1, k) for k in range(run.n_parts)}
+    grads = {k: aggregation.mean_gradient(run, 1, k) for k in range(run.n_parts)}
     norms, opt = None, run.config.aggregator_optimizer
     if opt.name == "lamb":
         norms = optim.merge_partials([optim.partials(opt, run.flat, run.part_bounds(k)[0],
-                                                     *aggregator.read_state(run, 1, k, False)[:2], grads[k], 2)
+                                                     *aggregation.read_state(run, 1, k, False)[:2], grads[k], 2)
                                       for k in range(run.n_parts)])
     for k in range(run.n_parts):
-        aggregator.write_part(Bucket(f"file://{root}"), "out", run, k, aggregator.next_part(run, 1, k, grads[k], norms))
-    accepted = closed(run, 1).accepted  # and each part's checks of the shards (checked.py)
-    checks = [aggregator.part_checks(run, k, accepted, aggregator.read_part(run, accepted, k))
+        vectors = aggregation.next_part(run, 1, k, grads[k], norms)
+        aggregation.write_part(Bucket(f"file://{root}"), "out", run, k, vectors)
+    accepted = closed(run, 1).accepted  # and each part's checks of the shards (checks/exchange.py)
+    checks = [aggregation.part_checks(run, k, accepted, aggregation.read_part(run, accepted, k))
               for k in range(run.n_parts)]
     with open(f"{root}/checks.json", "w") as f:
         json.dump(checks, f)
@@ -104,7 +105,7 @@ def test_a_part_is_the_same_bytes_in_another_process_and_on_a_plain_cpu(runs):
         plain = _objects(root / "out")
         assert plain and plain == wide[root], f"{name}: another environment wrote other bytes"
         accepted = closed(run, 1).accepted
-        here = [aggregator.part_checks(run, k, accepted, aggregator.read_part(run, accepted, k))
+        here = [aggregation.part_checks(run, k, accepted, aggregation.read_part(run, accepted, k))
                 for k in range(run.n_parts)]
         assert json.loads(wide_checks[root]) == json.loads((root / "checks.json").read_text()) == here, name
         state = run.keys.state(2)

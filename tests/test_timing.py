@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, init_run
-from dedloc_pipeline.protocol.scheduler import Scheduler
 from dedloc_pipeline.protocol.shard import Manifest
 from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config, written
 

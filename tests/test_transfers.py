@@ -1,4 +1,4 @@
-"""Transfers off the compute path (protocol/worker.py): a shard uploads and a new state downloads
+"""Transfers off the compute path (volunteer/worker.py): a shard uploads and a new state downloads
 on the worker's transfer thread while it keeps computing; nothing is counted twice or lost, and
 a shard is whole or absent."""
 
@@ -8,10 +8,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dedloc_pipeline.protocol import heartbeat, shard, upload_policy
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
+from dedloc_pipeline.organizer.scheduler import Scheduler
+from dedloc_pipeline.protocol import heartbeat, shard
 from dedloc_pipeline.testing import written
+from dedloc_pipeline.volunteer import upload_policy
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .test_protocol import finish, put_shard
 

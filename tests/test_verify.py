@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from dedloc_pipeline.checks import recompute, verify
 from dedloc_pipeline.cli import app
-from dedloc_pipeline.protocol import recompute, shard, verify
+from dedloc_pipeline.organizer.scheduler import Scheduler
+from dedloc_pipeline.protocol import shard
 from dedloc_pipeline.protocol.close import Close
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.testing import collaborate
 from dedloc_pipeline.trust import identity
+from dedloc_pipeline.volunteer.worker import Worker
 
 PEERS = [("a", 4), ("b", 3), ("c", 5)]
 
@@ -212,7 +213,7 @@ def test_a_round_whose_state_was_pruned_is_skipped(make_run, caplog):
     run = make_run(keep_states=2, delayed_updates=False)
     collaborate(run, PEERS, rounds=4)
     v = verify.Verifier(run, fraction=1.0, device="cpu")
-    with caplog.at_level(logging.INFO, logger="dedloc_pipeline.protocol.verify"):
+    with caplog.at_level(logging.INFO, logger="dedloc_pipeline.checks.verify"):
         pruned, whole = v.verify_round(1), v.verify_round(3)
     n = len(pruned["shards"])
     assert n and all(s["verdict"] == "skipped" and not s["flag"] for s in pruned["shards"])

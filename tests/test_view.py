@@ -13,13 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.protocol import heartbeat, upload_policy, view
+from dedloc_pipeline.organizer.scheduler import Scheduler
+from dedloc_pipeline.protocol import heartbeat, view
 from dedloc_pipeline.protocol.run import Run
-from dedloc_pipeline.protocol.scheduler import Scheduler
-from dedloc_pipeline.protocol.worker import Worker
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.storage.layout import RunLayout
 from dedloc_pipeline.testing import assert_counted_once, on_clock, written
+from dedloc_pipeline.volunteer import upload_policy
+from dedloc_pipeline.volunteer.worker import Worker
 
 from .test_protocol import put_shard
 
@@ -166,7 +167,7 @@ def test_a_heartbeat_is_written_and_parsed_as_one_record(make_run):
 
 def test_the_view_module_needs_no_torch():
     code = ("import sys, dedloc_pipeline.protocol.view, dedloc_pipeline.protocol.heartbeat, "
-            "dedloc_pipeline.protocol.upload_policy; print('torch' in sys.modules)")
+            "dedloc_pipeline.volunteer.upload_policy; print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

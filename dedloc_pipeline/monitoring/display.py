@@ -32,7 +32,7 @@ from .ledger import Ledger
 from .stop import StopRequest
 
 if TYPE_CHECKING:  # the display needs no torch of its own
-    from ..protocol.worker import RoundView, Snapshot, Worker
+    from ..volunteer.worker import RoundView, Snapshot, Worker
 
 log = logging.getLogger(__name__)
 

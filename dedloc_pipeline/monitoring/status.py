@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 
-from ..protocol import heartbeat, lease, view
+from ..organizer import lease
+from ..protocol import heartbeat, view
 from ..protocol.clock import duration
 from ..protocol.close import committed
 from ..protocol.run import Run

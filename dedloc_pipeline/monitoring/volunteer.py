@@ -22,7 +22,7 @@ from .ledger import Ledger
 from .stop import StopRequest
 
 if TYPE_CHECKING:  # the display and the summary need no torch of their own
-    from ..protocol.worker import Worker
+    from ..volunteer.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
     """Serve with a display until ``until_round``, the run's STOP, ``event`` or a stop signal
     (Ctrl-C, SIGTERM, SIGHUP); then leave and return the summary (``ended`` says which, and
     ``signal`` which signal). ``aggregate``: serve as a volunteer aggregator too, on a thread of
-    its own (``protocol/aggregating.py``)."""
+    its own (``volunteer/aggregator.py``)."""
     request, interrupted, done = StopRequest(event), False, threading.Event()
     role = _aggregator(worker, lambda: done.is_set() or request()) if aggregate else None
     with request, Display(worker, request, plain, every, console, role) as display:
@@ -102,7 +102,7 @@ def volunteer(worker: Worker, until_round: int | None = None, event: threading.E
 
 def _aggregator(worker: Worker, stop):
     """The worker's volunteer's aggregator role, served on a daemon thread until ``stop()``."""
-    from ..protocol.aggregating import AggregatorRole
+    from ..volunteer.aggregator import AggregatorRole
     if worker.transfers.signer is None:
         raise ValueError("--aggregate needs your key (--key): an aggregator signs what it writes")
     role = AggregatorRole(worker.run, worker.peer, worker.transfers.signer, worker.clock)
@@ -132,10 +132,10 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
     read-write one, ``dedloc policy --format r2``); the first reads."""
     _import_tqdm_auto()
     from ..protocol.run import Run
-    from ..protocol.worker import Worker
     from ..storage.bucket import Bucket
     from ..storage.layout import name_problem
     from ..trust import identity, pins
+    from ..volunteer.worker import Worker
 
     if peer_id is not None and (problem := name_problem(peer_id)):
         raise ValueError(problem)

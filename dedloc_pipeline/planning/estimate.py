@@ -17,9 +17,9 @@ from typing import Mapping
 
 from pydantic import BaseModel, Field
 
+from ..organizer.lease import LEASE_S, RENEW
 from ..protocol import view
 from ..protocol.config import RunConfig
-from ..protocol.lease import LEASE_S, RENEW
 from ..protocol.view import View
 from .planned import PlannedRun
 from .prices import PRICES, Dollars, PriceTable, bill

@@ -141,7 +141,7 @@ class Traffic:
         ``unread``: volunteer aggregators check them after CLOSE; its objects' sizes came with
         the listing), the roster (signed runs) and the validator's
         flags read again, and CLOSE created and read back. In the local-steps mode the loss
-        screen (``protocol/probe.py``) reads the round's state once, its COMMIT and snapshot
+        screen (``checks/probe.py``) reads the round's state once, its COMMIT and snapshot
         (the state before is still in memory from the previous round), plus the data blocks
         holding its drawn samples (none for the embedded data; a data set's blocks are cached,
         8 of them)."""
@@ -176,7 +176,7 @@ class Traffic:
 
     def checked_finish(self, polls: float) -> Requests:
         """``Scheduler.finish`` with volunteer aggregators settling every part
-        (``protocol/checked.py``, a signed run): the roster, the sealed claims (none yet), the
+        (``checks/exchange.py``, a signed run): the roster, the sealed claims (none yet), the
         applied markers' listing, ``polls`` listings of the volunteers' prefixes while it waits,
         the claims sealed, the reveal (its listing, the organizer's STOP read, the view), per part
         two claims and two results read, each state object copied server-side (a CopyObject,

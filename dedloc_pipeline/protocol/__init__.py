@@ -1,2 +1,2 @@
-"""The collaboration: run config and state, gradient shards, the volunteer's worker, and the round
-engine (scheduler, aggregators, optimizer, robust estimators). Never imports monitoring or evaluation."""
+"""What both sides read: the run and its config, the clock, the records a round is made of
+(heartbeat, shard manifest, round view, CLOSE). Imports nothing above storage, trust and model."""

@@ -43,7 +43,7 @@ class Close(BaseModel):
     started_at: float | None = None  # the scheduler first saw work on it (a live heartbeat or a shard)
     closed_at: float
     reason: Literal["target", "timeout"]
-    # volunteer aggregators (checked.py): the two assigned to each part, and until when (the
+    # volunteer aggregators (checks/exchange.py): the two assigned to each part, and until when (the
     # scheduler's clock) their answers may settle it before the organizer computes it
     aggregators: list[list[str]] | None = None
     aggregate_by: float | None = None
@@ -108,7 +108,7 @@ def closed(run: Run, r: int, counted: bool = True) -> Close:
 
 def screened(run: Run, close: Close) -> Close:
     """``close`` as its shards are counted: where CLOSE left their contents to be checked after
-    it (entries without a norm: volunteer aggregators check them, checked.py), amended by the
+    it (entries without a norm: volunteer aggregators check them, checks/exchange.py), amended by the
     scheduler's signed record of those checks (one GET): the shards they rejected moved to the
     rejected, with their reason, every norm known, the counted samples those left. RunError
     while that record is not written."""

@@ -130,7 +130,7 @@ class Run:
         """The most keys one peer's prefix may hold for the scheduler to read it: its rounds
         still kept (``LIVE_ROUNDS``), each a heartbeat and twice ``max_parts`` shards with their
         manifests, and an aggregator's offer, and per part its claims and results of each exchange and its answer
-        (``checked.py``). A prefix holding more is not read at all, so a volunteer filling its
+        (``exchange.py``). A prefix holding more is not read at all, so a volunteer filling its
         own prefix slows no one's poll."""
         shard = len(vector.chunk_objects(self.grad_format)) + 1
         arrays = 2 + len(self.delta_format.stored()) + len(self.config.aggregator_optimizer.slots)  # + params, residual

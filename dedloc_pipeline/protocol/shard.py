@@ -180,7 +180,7 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     measures of the shard's values (the local-steps mode's screens), on the arrays read here,
     so it costs no request; it may raise Rejected. ``contents`` False: no chunk is read, the
     entry's ``norm`` is None, and its contents are checked after CLOSE (``check_contents``, or
-    by volunteer aggregators part by part: checked.py)."""
+    by volunteer aggregators part by part: checks/exchange.py)."""
     try:
         m = Manifest.model_validate(json.loads(raw))
     except (ValueError, ValidationError) as exc:

@@ -65,8 +65,8 @@ class View(BaseModel):
     ignored_heartbeats: int = Field(0, ge=0, description="heartbeats skipped: oversized or malformed")
     closed: bool = False
     reveal: Literal["screen", "screened", "sums", "norms", "parts"] | None = Field(
-        None, description="what the closed round's volunteer aggregators may do (checked.py): show their checks "
-        "of the shards CLOSE admitted unread (screen), then reduce the shards the checks kept (screened); with "
+        None, description="what the closed round's volunteer aggregators may do (checks/exchange.py): show their "
+        "checks of the shards CLOSE admitted unread (screen), then reduce the shards the checks kept (screened); with "
         "LAMB, show their parts' partial sums (sums), then step with the norms recorded (norms); show their "
         "answers (parts)")
     stopped: bool = False

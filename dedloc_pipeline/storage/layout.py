@@ -180,7 +180,7 @@ class RunLayout:
         r, peer, part = self.shard_parts(shard)
         return f"{self.manifests_dir(r, peer)}/{part}.json"
 
-    # a volunteer aggregator's, round r (protocol/checked.py)
+    # a volunteer aggregator's, round r (checks/exchange.py)
     def offer(self, r: int, peer: str) -> str:
         """An aggregator's offer to aggregate parts of round r: ``volunteers/PEER/R/offer.json``."""
         return f"{self._own(peer, r)}/offer.json"
@@ -199,7 +199,7 @@ class RunLayout:
         return f"{self._own(peer, r)}/results/{part:05d}.json"
 
     def screen_claim(self, r: int, peer: str, part: int) -> str:
-        """An aggregator's commitment to its check of a part of every shard of round r (checked.py)."""
+        """An aggregator's commitment to its check of a part of every shard of round r (checks/exchange.py)."""
         return f"{self._own(peer, r)}/screens/claims/{part:05d}.json"
 
     def screen(self, r: int, peer: str, part: int) -> str:
@@ -309,7 +309,7 @@ class RunLayout:
 
     def sealed_claims(self, r: int) -> str:
         """The aggregators' claims of round r as the scheduler read them before it let them reveal
-        (checked.py): what their results are held to, by a scheduler restarted after too."""
+        (checks/exchange.py): what their results are held to, by a scheduler restarted after too."""
         return f"{self.round(r)}/claims.json"
 
     def sealed_screens(self, r: int) -> str:
@@ -317,7 +317,7 @@ class RunLayout:
         return f"{self.round(r)}/screen_claims.json"
 
     def screened(self, r: int) -> str:
-        """Round r's shards as checked after CLOSE: which the checks rejected, and every norm (checked.py)."""
+        """Round r's shards as checked after CLOSE: which the checks rejected, and every norm (checks/exchange.py)."""
         return f"{self.round(r)}/screened.json"
 
     def sealed_sums(self, r: int) -> str:
@@ -325,7 +325,7 @@ class RunLayout:
         return f"{self.round(r)}/sum_claims.json"
 
     def norms(self, r: int) -> str:
-        """LAMB: round r's merged partial sums, which every part's step takes (checked.py)."""
+        """LAMB: round r's merged partial sums, which every part's step takes (checks/exchange.py)."""
         return f"{self.round(r)}/norms.json"
 
     def reduced_dir(self, r: int) -> str:
@@ -378,7 +378,7 @@ class RunLayout:
 
     @property
     def leases_dir(self) -> str:
-        """The scheduler's lease, one create-once generation per holder (protocol/lease.py)."""
+        """The scheduler's lease, one create-once generation per holder (organizer/lease.py)."""
         return f"{self.root}/lease"
 
     def lease(self, generation: int) -> str:
@@ -407,7 +407,7 @@ class RunLayout:
         """State s as a Hugging Face model directory."""
         return f"{self.root}/export/{_n(s)}"
 
-    # what `dedloc repair` takes out of a run's history (protocol/repair.py)
+    # what `dedloc repair` takes out of a run's history (organizer/repair.py)
     @property
     def quarantine_dir(self) -> str:
         """Damaged records and the states and rounds above the one a repair went back to: moved

@@ -137,7 +137,7 @@ class Roster(BaseModel):
     version: int = Field(0, ge=0, description="grows with each change: an older roster is a replay")
     volunteers: dict[str, str] = {}
     revoked: list[str] = []
-    aggregators: list[str] = Field([], description="the volunteers who may aggregate parts (checked.py)")
+    aggregators: list[str] = Field([], description="the volunteers who may aggregate parts (checks/exchange.py)")
     signed_at: float = 0.0
     signature: str | None = None
 

@@ -13,15 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from ..compute.accumulator import Accumulation
+from ..protocol import shard, view as published
+from ..protocol.clock import Clock, duration
+from ..protocol.run import Run, RunError
+from ..protocol.view import RoundView, View
 from ..storage.vector import CorruptShard
 from ..trust import identity
-from . import shard, view as published
-from .accumulator import Accumulation
-from .clock import Clock, duration
-from .run import Run, RunError
 from .transfers import Transfers
 from .upload_policy import Parts
-from .view import RoundView, View
 
 log = logging.getLogger(__name__)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Iterable
 
-from . import heartbeat
-from .clock import Clock
-from .heartbeat import Heartbeat
-from .view import RoundView, View, for_worker
+from ..protocol import heartbeat
+from ..protocol.clock import Clock
+from ..protocol.heartbeat import Heartbeat
+from ..protocol.view import RoundView, View, for_worker
 
 if TYPE_CHECKING:
     from .transfers import Sent

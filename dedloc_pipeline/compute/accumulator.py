@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from ..model.flat import FlatLayout
+from ..protocol.config import RunConfig
 from . import optim
-from .config import RunConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The scheduler's side of checked aggregation (``checked.py``, docs/aggregators.md): which
+"""The scheduler's side of checked aggregation (``exchange.py``, docs/aggregators.md): which
 offers count, and how a closed round settles through its exchanges (the shards' checks, LAMB's
 partial sums, the answers): wait for the claims, seal them, say in the round view what may be
 revealed, settle each part two aggregators agree on, record what the next exchange takes, and
@@ -14,12 +14,26 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from ..checks import admission
+from ..checks.exchange import (
+    PARTS,
+    SCREEN,
+    SUMS,
+    Claim,
+    Offer,
+    Result,
+    Screen,
+    Stage,
+    Sums,
+    digest,
+    fingerprints,
+    read_signed,
+)
+from ..compute import aggregation, optim
+from ..protocol.clock import Clock
+from ..protocol.close import Close
+from ..protocol.run import Run
 from ..storage.layout import volunteer_of
-from . import admission, aggregator, optim
-from .checked import PARTS, SCREEN, SUMS, Claim, Offer, Result, Screen, Stage, Sums, digest, fingerprints, read_signed
-from .clock import Clock
-from .close import Close
-from .run import Run
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +203,7 @@ class Referee:
                for p in peers[1:]):
             out.left[k] = f"{' and '.join(peers)} disagree"
             return
-        if set(results[a].checksums) != set(aggregator.next_formats(run)):
+        if set(results[a].checksums) != set(aggregation.next_formats(run)):
             out.left[k] = "an answer without every vector of a state, or with others"
             return
         copied = []
@@ -202,7 +216,7 @@ class Referee:
                 run.bucket.delete(key)
             out.left[k] = f"{a}'s answer changed while it was copied ({exc})"
             return
-        run.bucket.write_json(keys.applied(r + 1, k), aggregator.applied_marker(k, results[a].checksums, peers))
+        run.bucket.write_json(keys.applied(r + 1, k), aggregation.applied_marker(k, results[a].checksums, peers))
         out.agreed[k] = list(peers)
         log.info("round %d: part %d agreed by %s", r, k, " and ".join(peers))
 
@@ -216,8 +230,8 @@ class Referee:
 
         def own(parts: list[int]) -> dict[int, list[float]]:
             with ThreadPoolExecutor(self.parallel) as pool:
-                return dict(zip(parts, pool.map(lambda k: aggregator.part_checks(
-                    run, k, close.accepted, aggregator.read_part(run, close.accepted, k)), parts)))
+                return dict(zip(parts, pool.map(lambda k: aggregation.part_checks(
+                    run, k, close.accepted, aggregation.read_part(run, close.accepted, k)), parts)))
 
         def record(checks: dict[int, list[float]]) -> dict:
             verdicts: dict[str, float | str] = {}
@@ -295,7 +309,7 @@ class Referee:
 
         def own(mine: list[int]) -> dict[int, dict]:
             with ThreadPoolExecutor(self.parallel) as pool:
-                list(pool.map(lambda k: aggregator.reduce_part(run, r, k), mine))
+                list(pool.map(lambda k: aggregation.reduce_part(run, r, k), mine))
             markers = run.bucket.read_many([keys.reduced_marker(r, k) for k in mine])
             return {k: json.loads(markers[keys.reduced_marker(r, k)])["partials"] for k in mine}
 

@@ -19,11 +19,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..model.data import make_source
+from ..protocol.config import RunConfig
+from ..protocol.run import Run, RunError
+from ..protocol.shard import Entry
 from ..storage import codec, vector
 from ..storage.layout import volunteer_of
-from .config import RunConfig
-from .run import Run, RunError
-from .shard import Entry
 
 COPY_COSINE = 0.99  # a pair above it is recomputed; honest pairs measured up to 0.82
 # sparse shards: a pair keeping this share of the same positions (Jaccard) is recomputed too;
@@ -255,7 +255,7 @@ class Recomputer:
         if precision not in self._locals:
             import torch
 
-            from .accumulator import Accumulation
+            from ..compute.accumulator import Accumulation
 
             model = self.model if precision == "fp32" else self.run.build_model().to(self.device, torch.bfloat16)
             self._locals[precision] = Accumulation(model, self.run.config)

@@ -22,14 +22,14 @@ from typing import Callable, Literal
 
 from pydantic import ValidationError
 
+from ..protocol.close import Close
+from ..protocol.run import Run, RunError
 from ..storage import vector
 from ..storage.bucket import Damaged
 from ..storage.layout import RunLayout
 from ..storage.vector import VectorFormat
 from ..trust import identity
-from .close import Close
 from .lease import holder_of
-from .run import Run, RunError
 
 # what a finding is about: a state's records, a round's, or the LATEST hint
 Kind = Literal["COMMIT", "params", "delta", "optimizer", "streams", "pruned", "CLOSE", "marker", "stray", "LATEST"]

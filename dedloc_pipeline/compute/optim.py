@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..model.flat import FlatLayout
-from .config import OptimizerConfig
+from ..protocol.config import OptimizerConfig
 
 STATE = OptimizerConfig().slots  # AdamW's (and LAMB's) moments, per element
 F = np.float32  # every scalar of a step is rounded to float32 first, as torch does

@@ -25,10 +25,10 @@ import socket
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..protocol.clock import REAL, Clock, duration
+from ..protocol.run import RunError
 from ..storage.bucket import Bucket, Damaged
 from ..storage.layout import RunLayout
-from .clock import REAL, Clock, duration
-from .run import RunError
 
 log = logging.getLogger(__name__)
 

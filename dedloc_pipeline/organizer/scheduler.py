@@ -10,7 +10,7 @@ drive the same loop::
 
 A round closes in ``try_close``: each new manifest judged (``judge.py``: validation, then the
 round's admission rules over the validated shards), then CLOSE (``close.py``); ``finish``
-reduces and applies it (``aggregator.py``) and commits it (``ledger.py``). A poll lists the round
+reduces and applies it (``aggregation.py``) and commits it (``ledger.py``). A poll lists the round
 once, and writes the round view only when it has something new to say.
 
 Everything it knows comes from the bucket, so it can be killed and started again anywhere: a
@@ -25,14 +25,17 @@ import logging
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..checks import admission, exchange
+from ..compute import aggregation
+from ..protocol import heartbeat, view
+from ..protocol.clock import Clock
+from ..protocol.close import Close, closed
+from ..protocol.run import Run, RunError
 from ..trust import identity
-from . import admission, aggregator, checked, heartbeat, referee, view
-from .clock import Clock
-from .close import Close, closed
+from . import referee
 from .judge import Judge, Listing
 from .lease import LEASE_S, Lease
 from .ledger import commit
-from .run import Run, RunError
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +77,11 @@ class Scheduler:
                  holder: str | None = None, lease_s: float = LEASE_S, volunteers: bool = False):
         """``poll_s`` fixes the seconds between polls; None follows the run's ``cadence``.
         ``holder`` names this scheduler in the run's lease (default ``host:pid``). ``volunteers``:
-        the parts go to volunteer aggregators where two or more offer (``checked.py``), the
+        the parts go to volunteer aggregators where two or more offer (``exchange.py``), the
         organizer computing what they do not settle."""
         self.run, self.parallel, self.poll_s = run, parallel, poll_s
         self.clock = run.clock if clock is None else clock
-        if volunteers and (why := checked.eligible(run)):
+        if volunteers and (why := exchange.eligible(run)):
             raise RunError(f"run {run.name!r} cannot take volunteer aggregators: {why}")
         self.referee = referee.Referee(run, self.clock, poll_s or 2.0, parallel) if volunteers else None
         self.judge = Judge(run, parallel, defer=volunteers and run.config.algorithm != "diloco")
@@ -151,7 +154,7 @@ class Scheduler:
                       reason="target" if samples >= target else "timeout")
         if self.referee is not None:
             offers = self.referee.offers(r, listed, self.judge.roster(), self.judge.flags)
-            if assigned := checked.assign(checked.seed(close), self.run.n_parts, offers):
+            if assigned := exchange.assign(exchange.seed(close), self.run.n_parts, offers):
                 close = close.model_copy(update={"aggregators": assigned, "aggregate_by": now + rule.aggregate_s})
             elif any(e.norm is None for e in close.accepted):  # admitted unread, and nobody left to check them
                 close = self.judge.contents(close)
@@ -286,8 +289,8 @@ class Scheduler:
         close = close or closed(run, r, counted=False)
         settled = self.settle(close)
         parts = [k for k in range(run.n_parts) if k not in settled.agreed]
-        list(pool.map(lambda k: aggregator.reduce_part(run, r, k), parts))
-        list(pool.map(lambda k: aggregator.apply_part(run, r, k), parts))
+        list(pool.map(lambda k: aggregation.reduce_part(run, r, k), parts))
+        list(pool.map(lambda k: aggregation.apply_part(run, r, k), parts))
         self.flag_liars(close, settled)
         return commit(run, r)
 

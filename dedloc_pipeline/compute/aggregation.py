@@ -15,12 +15,12 @@ import logging
 
 import numpy as np
 
+from ..protocol.close import closed
+from ..protocol.run import Run, RunError
 from ..storage import codec, vector
 from ..storage.layout import volunteer_of
 from ..storage.vector import VectorFormat
 from . import optim, robust
-from .close import closed
-from .run import Run, RunError
 
 log = logging.getLogger(__name__)
 READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, memory stays bounded
@@ -42,7 +42,7 @@ def part_checks(run: Run, part: int, accepted: list, found: dict) -> list[float]
     """The check of this part of each of ``accepted``'s shards (``found``: ``read_part``), in
     their order: its sum of squares there, the same on any machine (decoded, then summed in
     numpy's pairwise order), or -1 where its chunks are not its manifest's, are malformed, or
-    hold non-finite values (checked.py merges the parts' checks into each shard's verdict)."""
+    hold non-finite values (checks/exchange.py merges the parts' checks into each shard's verdict)."""
     fmt, (lo, hi) = run.grad_format, run.part_bounds(part)
     out = []
     for s in accepted:
@@ -89,7 +89,7 @@ def mean_gradient(run: Run, r: int, part: int, found: dict | None = None) -> np.
                 codec.accumulate(total, arrays, fmt.codec, fmt.block, shard.weight)
     if robust_mode:
         return robust.aggregate(stacked, weights.tolist(), run.config)
-    if not accepted:  # the checks after CLOSE left no shard (checked.py): the step has no gradient
+    if not accepted:  # the checks after CLOSE left no shard (checks/exchange.py): the step has no gradient
         return total.astype(np.float32)
     return (total / float(np.add.reduce(weights))).astype(np.float32)
 
@@ -118,7 +118,7 @@ def part_sums(run: Run, r: int, part: int, grad: np.ndarray, state: tuple | None
 
 def norms(run: Run, r: int) -> dict[str, list[float]]:
     """LAMB: round r's sums over every part, which every part's step takes: those the scheduler
-    recorded for its volunteer aggregators (``checked.py``, one signed record), else the merged
+    recorded for its volunteer aggregators (``exchange.py``, one signed record), else the merged
     sums of the organizer's own reduction."""
     found = run.read_record(run.keys.norms(r), f"norms of round {r}", round=r)
     if found is not None:

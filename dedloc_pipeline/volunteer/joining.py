@@ -4,10 +4,10 @@ line, instead of having every shard rejected: that it is enrolled with the key i
 
 from __future__ import annotations
 
+from ..protocol import heartbeat
+from ..protocol.clock import Clock
+from ..protocol.run import Run, RunError
 from ..trust import identity
-from . import heartbeat
-from .clock import Clock
-from .run import Run, RunError
 
 
 def check_not_live(run: Run, peer: str, clock: Clock) -> None:

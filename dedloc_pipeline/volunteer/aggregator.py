@@ -1,5 +1,5 @@
 """A volunteer aggregator: it offers, computes the parts a CLOSE assigns it, claims, and reveals
-(the protocol is ``checked.py``'s; docs/aggregators.md).
+(the protocol is ``exchange.py``'s; docs/aggregators.md).
 
 It reads the round view as a worker does (one GET a poll). It offers once a round, while the
 round is open or already while the one before it is reduced; when the view shows a round
@@ -25,12 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..checks import exchange
+from ..compute import aggregation
+from ..protocol import view
+from ..protocol.clock import Clock
+from ..protocol.close import Close
+from ..protocol.run import Run, RunError
 from ..storage import vector
 from ..trust import identity
-from . import aggregator, checked, view
-from .clock import Clock
-from .close import Close
-from .run import Run, RunError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ class AggregatorRole:
     its volunteer's enrolled key, which the roster must let aggregate."""
 
     def __init__(self, run: Run, peer: str, signer: identity.Ed25519PrivateKey, clock: Clock | None = None):
-        if (why := checked.eligible(run)) is not None:
+        if (why := exchange.eligible(run)) is not None:
             raise RunError(f"run {run.name!r} takes no volunteer aggregators: {why}")
         self.run, self.peer, self.signer = run, peer, signer
         self.clock = run.clock if clock is None else clock
@@ -125,7 +127,7 @@ class AggregatorRole:
         if v.reveal == "parts":
             for (rr, k), vectors in sorted(self.answers.items()):
                 if rr == r and not self.done[(r, k)].revealed:
-                    aggregator.write_part(self.run.bucket, keys.answer(r, self.peer, k), self.run, k, vectors)
+                    aggregation.write_part(self.run.bucket, keys.answer(r, self.peer, k), self.run, k, vectors)
                     self._write(keys.result(r, self.peer, k), {"round": r, "peer": self.peer, "part": k,
                                                                 "checksums": self._checksums(k, vectors)})
                     self.done[(r, k)].revealed = True
@@ -141,13 +143,13 @@ class AggregatorRole:
         the shards read for its check, where it checked them)."""
         if (r, k) in self.grads:
             return self.grads[(r, k)]
-        return aggregator.mean_gradient(self.run, r, k, self.found.pop((r, k), None))
+        return aggregation.mean_gradient(self.run, r, k, self.found.pop((r, k), None))
 
     def check(self, close: Close, k: int) -> list[float]:
-        """Part k of every shard CLOSE admitted, checked (``aggregator.part_checks``); the shards
+        """Part k of every shard CLOSE admitted, checked (``aggregation.part_checks``); the shards
         read are kept for the reduction."""
-        found = self.found[(close.round, k)] = aggregator.read_part(self.run, close.accepted, k)
-        return aggregator.part_checks(self.run, k, close.accepted, found)
+        found = self.found[(close.round, k)] = aggregation.read_part(self.run, close.accepted, k)
+        return aggregation.part_checks(self.run, k, close.accepted, found)
 
     def _claim_check(self, close: Close, k: int) -> None:
         """Check part k of the shards of round ``close.round`` and commit to the checks."""
@@ -155,7 +157,7 @@ class AggregatorRole:
         self.checks[(r, k)] = self.check(close, k)
         self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
         self._write(self.run.keys.screen_claim(r, self.peer, k), {
-            "round": r, "peer": self.peer, "part": k, "digest": checked.digest(self.peer, self.checks[(r, k)])})
+            "round": r, "peer": self.peer, "part": k, "digest": exchange.digest(self.peer, self.checks[(r, k)])})
         log.info("round %d: part %d of the shards checked and claimed", r, k)
 
     def _begin(self, r: int, k: int) -> None:
@@ -164,7 +166,7 @@ class AggregatorRole:
 
     def part_sums(self, r: int, k: int) -> dict[str, list[float]]:
         """LAMB: part k's partial sums of round r, which its trust ratios need whole."""
-        return aggregator.part_sums(self.run, r, k, self.gradient(r, k), self.states.get((r, k)))
+        return aggregation.part_sums(self.run, r, k, self.gradient(r, k), self.states.get((r, k)))
 
     def compute(self, r: int, k: int) -> dict[str, dict]:
         """Part k of state r+1: round r's mean gradient over it, and the optimizer step (with
@@ -172,18 +174,18 @@ class AggregatorRole:
         kept = self.states.get((r, k))
         state = None if kept is None else (kept[0].copy(), {n: a.copy() for n, a in kept[1].items()},
                                            None if kept[2] is None else kept[2].copy())
-        return aggregator.next_part(self.run, r, k, self.gradient(r, k), self.norms.get(r), state)
+        return aggregation.next_part(self.run, r, k, self.gradient(r, k), self.norms.get(r), state)
 
     def _claim_sums(self, r: int, k: int) -> None:
         """LAMB: reduce part k of round r and commit to its partial sums; the gradient is kept."""
         t0 = time.perf_counter()
         self.grads[(r, k)] = self.gradient(r, k)
-        self.states[(r, k)] = aggregator.read_state(self.run, r, k)  # its step needs it again
+        self.states[(r, k)] = aggregation.read_state(self.run, r, k)  # its step needs it again
         self.sums[(r, k)] = self.part_sums(r, k)
         done = self.done.setdefault((r, k), Done(r, k, 0.0))
         done.seconds += time.perf_counter() - t0
         self._write(self.run.keys.sum_claim(r, self.peer, k), {
-            "round": r, "peer": self.peer, "part": k, "digest": checked.digest(self.peer, self.sums[(r, k)])})
+            "round": r, "peer": self.peer, "part": k, "digest": exchange.digest(self.peer, self.sums[(r, k)])})
         log.info("round %d: partial sums of part %d computed and claimed", r, k)
 
     def _claim(self, r: int, k: int) -> None:
@@ -195,11 +197,11 @@ class AggregatorRole:
         done.seconds += time.perf_counter() - t0
         self._write(self.run.keys.claim(r, self.peer, k), {
             "round": r, "peer": self.peer, "part": k,
-            "digest": checked.digest(self.peer, self._checksums(k, vectors))})
+            "digest": exchange.digest(self.peer, self._checksums(k, vectors))})
         log.info("round %d: part %d computed and claimed", r, k)
 
     def _checksums(self, k: int, vectors: dict[str, dict]) -> dict[str, dict[str, list[str]]]:
-        formats, chunks = aggregator.next_formats(self.run), self.run.part_chunks(k)
+        formats, chunks = aggregation.next_formats(self.run), self.run.part_chunks(k)
         return {name: vector.chunk_checksums(formats[name], arrays, chunks) for name, arrays in vectors.items()}
 
     def serve(self, stop: Callable[[], bool], poll_s: float = 2.0) -> None:

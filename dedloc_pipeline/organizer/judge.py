@@ -15,15 +15,15 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..checks import admission, direction, verify
+from ..checks.probe import LossProbe
+from ..protocol.close import Close, Rejection, amended
+from ..protocol.run import Run, RunError
+from ..protocol.shard import DataRef, Entry, Rejected, check_contents, commit_hash, manifest_limit, validate
 from ..storage import codec, vector
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import admission, direction, verify
-from .close import Close, Rejection, amended
-from .probe import LossProbe
-from .run import Run, RunError
-from .shard import DataRef, Entry, Rejected, check_contents, commit_hash, manifest_limit, validate
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Opening:
 class Judge:
     def __init__(self, run: Run, parallel: int = 2, defer: bool = False) -> None:
         """``defer``: while two volunteers or more offer to aggregate a round, its shards'
-        contents are left for them to check after CLOSE (checked.py): a shard is admitted on
+        contents are left for them to check after CLOSE (checks/exchange.py): a shard is admitted on
         its manifest and its objects' sizes, and copied to its frozen key server-side, unread."""
         self.run, self.parallel, self.defer = run, parallel, defer
         self.seen: dict[str, tuple[object, Entry | Rejection]] = {}  # manifest key -> (version, verdict)

@@ -28,9 +28,9 @@ import threading
 
 import numpy as np
 
+from ..protocol.run import Run
+from ..protocol.shard import Entry, Rejected
 from .recompute import Recomputer
-from .run import Run
-from .shard import Entry, Rejected
 
 _SECRET = os.urandom(16)  # which claimed samples are scored is nobody else's to know
 

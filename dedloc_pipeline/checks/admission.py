@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..protocol.close import Rejection
+from ..protocol.shard import Entry
 from ..storage.layout import volunteer_of
 from . import direction
-from .close import Rejection
-from .shard import Entry
 
 
 def folded(late: list[Entry]) -> list[Entry]:
@@ -58,7 +58,7 @@ def screened_norms(accepted: list[Entry]) -> tuple[dict[str, float], float]:
     volunteers (each its shards' median), so one volunteer's many parts move them no more than one
     part would. Nothing with fewer than three volunteers."""
     by_volunteer: dict[str, list[Entry]] = {}
-    accepted = [s for s in accepted if s.norm is not None]  # the others are screened after CLOSE (checked.py)
+    accepted = [s for s in accepted if s.norm is not None]  # the others are screened after CLOSE (checks/exchange.py)
     for s in accepted:
         by_volunteer.setdefault(volunteer_of(s.peer), []).append(s)
     if len(by_volunteer) < 3:

@@ -4,7 +4,7 @@ The only coordination is through the bucket, and a volunteer reads one object of
 the round view the scheduler publishes (``protocol/view.py``: the newest state, the samples of
 the shards it validated, the live peers' pending samples, closed, stopped). A worker uploads
 what it has once the validated samples plus the other peers' pending samples plus its own reach
-the target (``protocol/upload_policy.py``); it writes only its own heartbeat
+the target (``volunteer/upload_policy.py``); it writes only its own heartbeat
 (``protocol/heartbeat.py``) and its shards. How often it reads follows the round (the run's
 ``cadence``): a share of the time until the round can fill, so often near the target and seldom
 far from it. A heartbeat is a projection of its count, written when the count strays from it
@@ -13,10 +13,10 @@ counting it, and the others upload a second part as soon as their pending sample
 they make up the missing samples.
 
 This module is the loop (``step``, ``serve``, ``leave``) over its pieces: the state it follows
-and the round view of it (``protocol/follower.py``: new states, STOP, the stale-view fallback),
-what it accumulated (``protocol/accumulator.py``: gradient sums, diloco's inner steps, samples
+and the round view of it (``volunteer/follower.py``: new states, STOP, the stale-view fallback),
+what it accumulated (``compute/accumulator.py``: gradient sums, diloco's inner steps, samples
 carried once as one step stale with delayed updates), its transfers on one background thread
-(``protocol/transfers.py``) and the upload rule (``protocol/upload_policy.py``).
+(``volunteer/transfers.py``) and the upload rule (``volunteer/upload_policy.py``).
 
 Without a fresh view (none yet, or unchanged for the run's ``peer_timeout_s`` by this machine's
 clock: no scheduler, or it died or is busy reducing), a worker keeps computing and heartbeating
@@ -35,17 +35,18 @@ from typing import Callable
 
 import torch
 
+from ..compute.accumulator import Accumulation, Accumulator
 from ..model.data import make_source
 from ..model.families import loss_sum
+from ..protocol import heartbeat, shard, view as published
+from ..protocol.clock import Clock
+from ..protocol.heartbeat import Heartbeat
+from ..protocol.run import Run
+from ..protocol.view import RoundView
 from ..trust import identity
-from . import heartbeat, joining, shard, upload_policy, view as published
-from .accumulator import Accumulation, Accumulator
-from .clock import Clock
+from . import joining, upload_policy
 from .follower import Follower
-from .heartbeat import Heartbeat
-from .run import Run
 from .transfers import Transfers
-from .view import RoundView
 
 log = logging.getLogger(__name__)
 # a heartbeat claims a little less than the measured speed: projected above its count, the others

@@ -41,10 +41,12 @@ from dataclasses import asdict
 
 import numpy as np
 
+from ..protocol.close import Close, screened
+from ..protocol.run import Run
+from ..protocol.shard import Entry, commit_hash
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from .close import Close, screened
 from .recompute import (
     COPY_COSINE,
     COPY_OVERLAP,
@@ -55,8 +57,6 @@ from .recompute import (
     similarities,
     tolerance,
 )
-from .run import Run
-from .shard import Entry, commit_hash
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 committed only when their answers agree bit for bit (docs/aggregators.md).
 
 The reduction and the optimizer step are reproducible to the bit on any machine
-(``aggregator.mean_gradient``, ``aggregator.next_part``), so two honest aggregators give the
+(``aggregation.mean_gradient``, ``aggregation.next_part``), so two honest aggregators give the
 same bytes, and one that lies is found by the other. A round, once closed:
 
 1. **offer**: while round r is open, a volunteer the roster lets aggregate writes
@@ -28,12 +28,12 @@ So what aggregators write reaches a state only through that agreement, and a rou
 waits on them past the deadline. Claim, reveal and settle make one exchange (``Stage``); a
 round may have two before the answers', each in its share of the time, each settled the same
 way and recorded by the scheduler, signed, for what follows: the checks of the shards that
-CLOSE admitted unread (each part of every shard: ``aggregator.part_checks``; recorded in
+CLOSE admitted unread (each part of every shard: ``aggregation.part_checks``; recorded in
 ``rounds/R/screened.json``, which amends CLOSE for every reader), and with LAMB, whose trust
 ratios need every tensor's sums before any step, each part's partial sums (their merged norms
 in ``rounds/R/norms.json``). The organizer computes what an exchange leaves, and that part
 stays its own. This module holds the records, the assignment and the bounds; the scheduler's
-side is ``referee.py``, the volunteer's ``aggregating.py``.
+side is ``referee.py``, the volunteer's ``volunteer/aggregator.py``.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..compute import aggregation
+from ..protocol.close import Close
+from ..protocol.run import Run
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import aggregator
-from .close import Close
-from .run import Run
 
 log = logging.getLogger(__name__)
 PER_PART = 2  # independent aggregators a part needs to agree
@@ -87,7 +87,7 @@ class Result(_Record):
 
 class Screen(_Record):
     """An aggregator's revealed check of a part of every shard of its round, in CLOSE's order:
-    each one's sum of squares there, or -1 (``aggregator.part_checks``)."""
+    each one's sum of squares there, or -1 (``aggregation.part_checks``)."""
 
     part: int
     checks: list[float]
@@ -175,7 +175,7 @@ def bound(run: Run, model: type[BaseModel], shards: int = 0) -> int:
         return 4096 + 256 * max(len(list(run.flat.pieces(*run.part_bounds(k)))) for k in range(run.n_parts))
     if model is not Result:
         return 4096
-    arrays = sum(len(fmt.stored()) for fmt in aggregator.next_formats(run).values())
+    arrays = sum(len(fmt.stored()) for fmt in aggregation.next_formats(run).values())
     return 4096 + 64 * arrays * max(len(run.part_chunks(k)) for k in range(run.n_parts))
 
 

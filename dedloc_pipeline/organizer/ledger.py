@@ -10,12 +10,12 @@ from __future__ import annotations
 import logging
 import statistics
 
+from ..compute import optim
+from ..protocol.close import Close, Counted, closed
+from ..protocol.run import Run, RunError
+from ..protocol.shard import Entry
 from ..storage.layout import volunteer_of
 from ..trust import identity
-from . import optim
-from .close import Close, Counted, closed
-from .run import Run, RunError
-from .shard import Entry
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def _write_commit(run: Run, r: int) -> dict:
         shards = [e.model_dump(mode="json", include=LEDGER_FIELDS) for e in close.accepted]
         bucket.write_json(keys.streams(r + 1), run.record(f"streams of state {r + 1}", {
             "state": r + 1, "ends": stream_ends(run.stream_ends(r), close)}, state=r + 1))
-        # the checks after CLOSE may leave no shard (checked.py): no loss measured, the last one stands
+        # the checks after CLOSE may leave no shard (checks/exchange.py): no loss measured, the last one stands
         loss = round_loss(close.accepted) if close.accepted else run.commit_of(r)["loss"]
         commit = {
             "state": r + 1, "round": r, "step": r + 1, "samples": close.samples,

@@ -14,12 +14,12 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ..protocol import shard
+from ..protocol.clock import Clock
+from ..protocol.run import Run
 from ..storage import part
 from ..storage.codec import ErrorFeedback
 from ..trust import identity
-from . import shard
-from .clock import Clock
-from .run import Run
 
 
 @dataclass(eq=False)

@@ -32,6 +32,7 @@ ALLOWED = {
     "planning": BELOW_SIDES | {"volunteer", "organizer"},
     "evaluation": {"storage", "model", "protocol"},
 }
+ALLOWED["cli"] = set(ALLOWED)  # the command line, on top: every layer
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats", "storage.codec",
               "storage.vector", "storage.part", "protocol.config", "protocol.shard", "protocol.run",
               "protocol.heartbeat", "volunteer.upload_policy", "volunteer.transfers", "monitoring.status",

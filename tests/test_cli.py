@@ -20,9 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import dedloc_pipeline.cli as dedloc_cli
-from dedloc_pipeline import init_options
-from dedloc_pipeline.cli import app
+from dedloc_pipeline.cli import app, common as cli_common, init_options, organizer as cli_organizer
 from dedloc_pipeline.model.presets import PRESETS
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.config import RECIPES, RunConfig, recipe_config
@@ -412,7 +410,7 @@ def made(monkeypatch):
         configs.append(cfg)
         return SimpleNamespace(flat=SimpleNamespace(n=0))
 
-    monkeypatch.setattr(dedloc_cli, "init_run", init_run)
+    monkeypatch.setattr(cli_organizer, "init_run", init_run)
 
     def make(*args):
         res = cli("init", "--bucket", "memory://unused", "--run", "r", *args)
@@ -462,17 +460,17 @@ def test_each_option_sets_its_field(made, args, fields):
 # one place reports every failure
 
 @pytest.mark.parametrize("exc, code, line", [
-    (dedloc_cli.RunError("no run 'r' in the bucket"), 2, "error: no run 'r' in the bucket"),
-    (dedloc_cli.StorageError("the bucket said no"), 2, "error: the bucket said no"),
+    (cli_common.RunError("no run 'r' in the bucket"), 2, "error: no run 'r' in the bucket"),
+    (cli_common.StorageError("the bucket said no"), 2, "error: the bucket said no"),
     (ValueError("a bad value"), 2, "error: a bad value"),
     (PermissionError("access denied"), 2, "error: access denied"),
     (FileNotFoundError("nothing at k"), 2, "error: nothing at k"),
     (RuntimeError("a bug\nover two lines"), 1, "error: RuntimeError: a bug over two lines"),
 ])
 def test_every_command_reports_errors_in_one_line(monkeypatch, exc, code, line):
-    def fail(*_):
+    def fail(*_, **__):
         raise exc
-    monkeypatch.setattr(dedloc_cli, "_open", fail)
+    monkeypatch.setattr(cli_common, "Run", fail)
     for command in (["status"], ["stop"], ["export", "--out", "x"], ["report", "--out", "x"]):
         res = cli(*command, "--bucket", "memory://b", "--run", "r")
         assert res.exit_code == code and error_line(res) == line, (command, res.output)
@@ -481,7 +479,7 @@ def test_every_command_reports_errors_in_one_line(monkeypatch, exc, code, line):
 def test_ctrl_c_exits_130_quietly(monkeypatch):
     def interrupted(*_, **__):
         raise KeyboardInterrupt
-    monkeypatch.setattr(dedloc_cli, "Run", interrupted)
+    monkeypatch.setattr(cli_common, "Run", interrupted)
     res = cli("aggregate", "--bucket", "memory://b", "--run", "r")
     assert res.exit_code == 130 and not res.stderr.strip()
 
@@ -497,7 +495,7 @@ def test_sigterm_and_sighup_are_taken_as_ctrl_c(monkeypatch, sig, code):
     def signalled(*_, **__):
         signal.raise_signal(getattr(signal, sig))
         raise AssertionError("the signal did not interrupt")
-    monkeypatch.setattr(dedloc_cli, "Run", signalled)
+    monkeypatch.setattr(cli_common, "Run", signalled)
     try:
         res = cli("aggregate", "--bucket", "memory://b", "--run", "r")
     finally:

@@ -14,9 +14,9 @@ import typer
 from pydantic import ValidationError
 from pydantic.fields import FieldInfo
 
-from .model.presets import PRESETS
-from .protocol.config import RECIPES, RunConfig, recipe_config
-from .trust import identity
+from ..model.presets import PRESETS
+from ..protocol.config import RECIPES, RunConfig, recipe_config
+from ..trust import identity
 
 
 def one_line(text: str) -> str:

@@ -20,6 +20,7 @@ from prefect.artifacts import (
 from dedloc_pipeline.monitoring import report
 from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.organizer import ledger, scheduler as engine
+from dedloc_pipeline.organizer.close_out import CloseOut, close_out
 from dedloc_pipeline.organizer.referee import Settlement
 from dedloc_pipeline.protocol.close import close_summary, closed
 from dedloc_pipeline.protocol.config import recipe_config
@@ -66,24 +67,27 @@ def publish_report(bucket: str, run: str) -> dict:
 @flow(name="dedloc-round", log_prints=True)
 def round_flow(bucket: str, run: str, r: int, poll_s: float | None = None, max_wait_s: float = 300.0,
                runner: str = "threads") -> dict | None:
-    """Close round r, reduce and apply every part in parallel, commit state r+1. With runner
-    ``volunteers`` the parts go to volunteer aggregators first, and only those they do not
-    settle by the deadline are reduced and applied here."""
+    """Close round r, then end it as the engine does (``close_out``), each step a task: reduce and
+    apply every part in parallel, commit state r+1. With runner ``volunteers`` the parts go to
+    volunteer aggregators first, and only those they do not settle by the deadline are reduced
+    and applied here."""
     volunteers = runner == "volunteers"
     close = wait_close(bucket, run, r, poll_s, max_wait_s, volunteers)
     if close is None:
         return None
-    settled = settle(bucket, run, r, poll_s) if volunteers else Settlement()
-    parts = [k for k in range(open_run(bucket, run).n_parts) if k not in settled.agreed]
-    if runner == "task-workers":  # background task runs that task workers take (flows/aggregators.py)
-        run_parts(reduce_part, bucket, run, r, parts)
-        applied = run_parts(apply_part, bucket, run, r, parts)
-    else:
-        reduced = reduce_part.map(bucket, run, r, parts)
-        applied = apply_part.map(bucket, run, r, parts, wait_for=reduced)
-    if volunteers:
-        applied = [flag_liars.submit(bucket, run, r, poll_s, settled, wait_for=applied)]
-    summary = commit.submit(bucket, run, r, wait_for=applied).result()
+
+    def parts(task, ks: list[int]) -> None:
+        """``task`` over parts ``ks`` at once, all finished on return."""
+        if runner == "task-workers":  # background task runs that task workers take (flows/aggregators.py)
+            run_parts(task, bucket, run, r, ks)
+        else:
+            task.map(bucket, run, r, ks).result()
+    summary = close_out(open_run(bucket, run).n_parts, CloseOut(
+        settle=(lambda: settle(bucket, run, r, poll_s)) if volunteers else Settlement,
+        reduce=lambda ks: parts(reduce_part, ks),
+        apply=lambda ks: parts(apply_part, ks),
+        flag_liars=(lambda settled: flag_liars(bucket, run, r, poll_s, settled)) if volunteers else lambda _: None,
+        commit=lambda: commit(bucket, run, r)))
     summary["duration_s"] = summary["committed_at"] - summary["closed_at"]
     create_table_artifact(
         key=artifact_key(run, "round"), description=f"round {r} of run {run}",

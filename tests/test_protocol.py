@@ -461,3 +461,17 @@ def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run
                 step(run, r, k)
         ledger.commit(run, r)
         assert {run.keys.round_of(k) for k in sched.judge.seen} == ({r - 1, r} if r else {0})
+
+
+def test_a_closed_round_ends_in_one_order_whoever_drives_it():
+    """``close_out`` (what Scheduler.finish and the Prefect round flow both run): settle, then the
+    organizer reduces and steps only the parts left, flags liars with its answers known, commits."""
+    from dedloc_pipeline.organizer.close_out import CloseOut, close_out
+    from dedloc_pipeline.organizer.referee import Settlement
+    calls: list = []
+    settled = Settlement(agreed={1: ["a", "b"]})
+    steps = CloseOut(settle=lambda: calls.append("settle") or settled,
+                     reduce=lambda ks: calls.append(("reduce", ks)), apply=lambda ks: calls.append(("apply", ks)),
+                     flag_liars=lambda s: calls.append(("flag", s)), commit=lambda: calls.append("commit") or {"s": 1})
+    assert close_out(3, steps) == {"s": 1}
+    assert calls == ["settle", ("reduce", [0, 2]), ("apply", [0, 2]), ("flag", settled), "commit"]

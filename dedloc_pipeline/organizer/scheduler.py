@@ -33,6 +33,7 @@ from ..protocol.close import Close, closed
 from ..protocol.run import Run, RunError
 from ..trust import identity
 from . import referee
+from .close_out import CloseOut, close_out
 from .judge import Judge, Listing
 from .lease import LEASE_S, Lease
 from .ledger import commit
@@ -281,18 +282,18 @@ class Scheduler:
             self.clock.sleep(wait if deadline is None else max(0.0, min(wait, deadline - self.clock.monotonic())))
 
     def finish(self, r: int, pool: Executor, close: Close | None = None) -> dict:
-        """Reduce, apply and commit closed round r, parts in parallel on ``pool``; safe to repeat
-        after any crash. The Prefect round flow runs the same steps as tasks. Parts the CLOSE
+        """Reduce, apply and commit closed round r, parts in parallel on ``pool``, in the order
+        every driver follows (``close_out``); safe to repeat after any crash. Parts the CLOSE
         gave volunteer aggregators are theirs until its deadline (``settle``); the organizer
         computes the others, then flags the aggregators that lied (``flag_liars``)."""
         run = self.run
         close = close or closed(run, r, counted=False)
-        settled = self.settle(close)
-        parts = [k for k in range(run.n_parts) if k not in settled.agreed]
-        list(pool.map(lambda k: aggregation.reduce_part(run, r, k), parts))
-        list(pool.map(lambda k: aggregation.apply_part(run, r, k), parts))
-        self.flag_liars(close, settled)
-        return commit(run, r)
+        return close_out(run.n_parts, CloseOut(
+            settle=lambda: self.settle(close),
+            reduce=lambda parts: list(pool.map(lambda k: aggregation.reduce_part(run, r, k), parts)),
+            apply=lambda parts: list(pool.map(lambda k: aggregation.apply_part(run, r, k), parts)),
+            flag_liars=lambda settled: self.flag_liars(close, settled),
+            commit=lambda: commit(run, r)))
 
     def settle(self, close: Close) -> referee.Settlement:
         """The parts of a closed round its volunteer aggregators settle by agreeing (none if its

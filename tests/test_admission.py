@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dedloc_pipeline.checks import admission
+from dedloc_pipeline.checks.flags import Flag
 from dedloc_pipeline.protocol.close import Rejection
 from dedloc_pipeline.protocol.shard import DataRef, Entry
 
@@ -85,11 +86,15 @@ def test_the_screen_is_off_without_a_factor_or_three_volunteers():
 
 def test_a_flagged_volunteers_shards_are_refused_from_every_peer():
     shards = [entry("alice"), entry("mallory.gpu"), entry("mallory.cpu")]
-    kept, out = admission.unflagged(shards, {"mallory": {"round": 3, "reason": "mismatch"}})
+    flag = Flag(volunteer="mallory", peer="mallory.gpu", round=3, verdict="mismatch", reason="differs", flagged_at=0)
+    kept, out = admission.unflagged(shards, {"mallory": flag})
     assert keys(kept) == ["alice/0001"]
-    reason = "volunteer mallory was flagged by the validator in round 3: mismatch"
+    reason = "volunteer mallory was flagged by the validator in round 3: differs"
     assert out == [Rejection(key="mallory.gpu/0001", reason=reason), Rejection(key="mallory.cpu/0001", reason=reason)]
     assert admission.unflagged(shards, {}) == (shards, [])
+    wrong = flag.model_copy(update={"verdict": "wrong part"})
+    _, out = admission.unflagged(shards, {"mallory": wrong})
+    assert "flagged by the scheduler, as an aggregator, in round 3" in out[0].reason
 
 
 # weights

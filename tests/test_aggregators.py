@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from dedloc_pipeline.checks import exchange, verify
+from dedloc_pipeline.checks import exchange, flags
 from dedloc_pipeline.compute import aggregation, optim
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.status import status
@@ -94,7 +94,7 @@ def test_two_honest_aggregators_commit_what_the_organizers_reduction_gives(tmp_p
         assert commit["aggregated_by"] == close.aggregators
     assert all(d.revealed for role in roles.values() for d in role.done.values())
     assert len(roles["x"].done) == ROUNDS * run.n_parts
-    assert verify.flagged(run) == {}
+    assert flags.read(run) == {}
     credited = {p["peer_id"]: p["aggregated"] for p in status(run)["peers"]}  # the leaderboard's column
     assert credited["x"] == credited["y"] == ROUNDS * run.n_parts and credited["a"] == 0
     panel = Display(workers["a"], plain=True, console=Console(file=io.StringIO()), role=roles["x"])
@@ -116,7 +116,7 @@ def test_lamb_two_honest_aggregators_agree_on_the_sums_then_on_the_steps(tmp_pat
         assert norms["parts"] == list(range(run.n_parts))
         assert commit["aggregated_by"] == Close.read(run, r).aggregators
     assert all(d.revealed for role in roles.values() for d in role.done.values())
-    assert verify.flagged(run) == {}
+    assert flags.read(run) == {}
 
 
 def _false_sums(role):
@@ -131,8 +131,8 @@ def test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged(tmp_
     states, _, _ = _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
     assert run.read_record(run.keys.norms(0), "norms", round=0)["parts"] == []
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
-    assert list(verify.flagged(run)) == ["x"]
-    assert "partial sums" in verify.flagged(run)["x"]["reason"]
+    assert list(flags.read(run)) == ["x"]
+    assert "partial sums" in flags.read(run)["x"]["reason"]
 
 
 def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_path, bucket, monkeypatch):
@@ -197,7 +197,7 @@ def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket,
     why = "above the bound" if fault == "scaled" else "not its manifest's"
     assert all(why in x["reason"] for x in commit["rejected"] if x["key"] in _shards(run, 0, "b"))
     assert commit["contributors"] == ["a"] and commit["checksums"] == _organizers(run, 0)
-    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and verify.flagged(run) == {}
+    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and flags.read(run) == {}
 
 
 def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch):
@@ -213,7 +213,7 @@ def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch
     states, _, _ = _collaborate(run, keys, tamper=liar)
     assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"] == []
     assert states[0]["contributors"] == ["a", "b"]
-    assert list(verify.flagged(run)) == ["x"] and "checks" in verify.flagged(run)["x"]["reason"]
+    assert list(flags.read(run)) == ["x"] and "checks" in flags.read(run)["x"]["reason"]
 
 
 def test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards(tmp_path, bucket, monkeypatch):
@@ -268,8 +268,8 @@ def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucke
     run, keys = _run(tmp_path, bucket, **(LAMB if "lamb" in attack else {}))
     states, _, _ = _collaborate(run, keys, tamper=lambda roles: (_old if attack == "old part" else _noise)(roles["x"]))
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
-    assert list(verify.flagged(run)) == ["x"]
-    assert "differs from the organizer's" in verify.flagged(run)["x"]["reason"]
+    assert list(flags.read(run)) == ["x"]
+    assert "differs from the organizer's" in flags.read(run)["x"]["reason"]
     assert Close.read(run, 1).aggregators is None  # y alone offers now: the organizer's
 
 
@@ -308,7 +308,7 @@ def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, buck
         x.step = step
     states, _, _ = _collaborate(run, keys, tamper=copier)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
-    assert list(verify.flagged(run)) == ["x"] and "other than it claimed" in verify.flagged(run)["x"]["reason"]
+    assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"]["reason"]
 
 
 def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadline(tmp_path, bucket):
@@ -328,7 +328,7 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
     close = Close.read(run, 0)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert states[0]["committed_at"] >= close.aggregate_by
-    assert verify.flagged(run) == {}
+    assert flags.read(run) == {}
 
 
 def test_volunteer_aggregators_need_a_signed_run(bucket, tmp_path):
@@ -409,11 +409,11 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
     if mallory == "honest":
         assert len(assigned) >= rounds // 2, (assigned, tails)
         assert all(sorted(by) == ["carol", "mallory"] for r in assigned for by in commits[r]["aggregated_by"]), tails
-        assert verify.flagged(run) == {}
+        assert flags.read(run) == {}
     else:
         first = assigned[0]
         assert assigned == [first] and commits[first]["aggregated_by"] == [["organizer"]] * run.n_parts, tails
-        assert list(verify.flagged(run)) == ["mallory"] and verify.flagged(run)["mallory"]["round"] == first
+        assert list(flags.read(run)) == ["mallory"] and flags.read(run)["mallory"]["round"] == first
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
@@ -516,9 +516,9 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
     assert commit["checksums"] == _organizers(run, 0)
     if sealed:
         assert commit["aggregated_by"] == [["organizer"]] * run.n_parts
-        assert list(verify.flagged(run)) == ["x"] and "other than it claimed" in verify.flagged(run)["x"]["reason"]
+        assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"]["reason"]
     else:
-        assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and verify.flagged(run) == {}
+        assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and flags.read(run) == {}
 
 
 PADDED = b'{"pad": "' + b"p" * (2 << 20) + b'"}'  # 2 MB: far over any record's bound
@@ -568,4 +568,4 @@ def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bo
         assert downloaded == {}
     else:
         assert downloaded and most == exchange.bound(run, exchange.Result) + 1
-    assert verify.flagged(run) == {}
+    assert flags.read(run) == {}

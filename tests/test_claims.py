@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from dedloc_pipeline.checks import admission, direction, verify
+from dedloc_pipeline.checks import admission, direction, flags, verify
 from dedloc_pipeline.compute import aggregation
 from dedloc_pipeline.model.data import DataError, make_source
 from dedloc_pipeline.monitoring.volunteer import make_worker
@@ -401,13 +401,14 @@ def test_genuine_records_copied_to_another_place_are_refused(signed_run, caplog,
     assert _finish(run, 1)["round"] == 1 and run.commit_of(2)["contributors"] == ["alice"]
     # a flag the same organizer signed in another run
     other = Run(b, "other", small_config(run="other", organizer_key=run.config.organizer_key), organizer=org)
-    flag = other.record("flag of alice", {"volunteer": "alice", "round": 0, "reason": "mismatch"}, volunteer="alice")
+    flag = other.record("flag of alice", {"volunteer": "alice", "peer": "alice", "round": 0, "verdict": "mismatch",
+                                          "reason": "differs", "flagged_at": 0.0}, volunteer="alice")
     b.create_json(k.flag("alice"), flag)
     with caplog.at_level(logging.WARNING):
-        assert verify.flagged(run) == {}
+        assert flags.read(run) == {}
     assert "a signed record of run 'other', not 'test'" in caplog.text
     b.write_json(k.flag("alice"), run.record("flag of alice", dict(flag, run=run.name), volunteer="alice"))
-    assert list(verify.flagged(run)) == ["alice"]  # the control: this run's own flag counts
+    assert list(flags.read(run)) == ["alice"]  # the control: this run's own flag counts
 
 
 def test_stop_and_the_round_view_count_only_from_the_organizer(signed_run, caplog):
@@ -547,7 +548,8 @@ def test_the_scheduler_refuses_a_flagged_volunteers_later_shards(make_run):
     """Once the validator flagged mallory (verify.py), rounds opened after it admit none of her
     shards. Control: alice, not flagged, counts in the same round."""
     run = make_run(target_batch_size=8)
-    run.bucket.create_json(run.keys.flag("mallory"), {"volunteer": "mallory", "round": 0, "reason": "mismatch"})
+    flags.raise_flag(run, flags.Flag(volunteer="mallory", peer="mallory.gpu", round=0, verdict="mismatch",
+                                     reason="differs", flagged_at=0.0))
     bad = _shard(run, 0, "mallory.gpu", _noise(run, 0), 8)
     good = _shard(run, 0, "alice", _noise(run, 1), 8)
     close = Scheduler(run, 1, 0).try_close(0)
@@ -570,7 +572,9 @@ def test_a_forged_flag_does_not_shut_out_an_honest_volunteer(signed_run, tmp_pat
     _shard(run, 1, "bob", _noise(run, 2), 3, signer=bob)
     assert sched.try_close(1) is None
     # flagged mid-round: read again when the round is about to close, so alice stays out of it
-    run.bucket.write_json(run.keys.flag("alice"), run.record("flag", {"volunteer": "alice", "round": 0}))
+    run.bucket.delete(run.keys.flag("alice"))  # the forged one, which the organizer's replaces
+    flags.raise_flag(run, flags.Flag(volunteer="alice", peer="alice", round=0, verdict="mismatch", reason="differs",
+                                     flagged_at=0.0))
     _shard(run, 1, "bob", _noise(run, 3), 5, signer=bob, part="0002")
     close = sched.try_close(1)
     assert [s.peer for s in close.accepted] == ["bob", "bob"]

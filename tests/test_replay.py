@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from benchmarks.verify import diloco_run
-from dedloc_pipeline.checks import recompute, verify
+from dedloc_pipeline.checks import flags, recompute, verify
 from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.testing import collaborate
 
@@ -120,11 +120,11 @@ def test_the_validator_flags_a_volunteer_whose_inner_steps_trained_on_other_samp
     assert any(s["stale_samples"] for s in shards)
     mine = [s for s in shards if s["peer"] == "mallory"]
     if attack == "honest":
-        assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
+        assert all(s["verdict"] == "ok" for s in mine) and flags.read(run) == {}
         return
     assert all(s["verdict"] == "mismatch" and s["flag"] for s in mine), mine
     assert "pseudo-gradient replayed on its data differs" in mine[0]["reason"]
-    assert list(verify.flagged(run)) == ["mallory"]
+    assert list(flags.read(run)) == ["mallory"]
 
 
 @pytest.mark.parametrize("attack", ["reversed", "noise", "honest"])
@@ -170,7 +170,7 @@ def test_shards_of_a_kept_inner_optimizer_are_unverified(make_run, inner_state):
     want = "unverified" if inner_state == "kept" else "ok"
     assert shards and all(s["verdict"] == want and not s["flag"] for s in shards), shards
     assert ("inner_state kept" in shards[0]["reason"]) == (inner_state == "kept")
-    assert verify.flagged(run) == {}
+    assert flags.read(run) == {}
 
 
 @pytest.mark.parametrize("attack,without", [("disguised", None), ("disguised", "overlap"), ("copied", None),
@@ -197,16 +197,16 @@ def test_a_sparse_copy_is_found_by_the_positions_it_kept(bucket, attack, without
     assert all(s["max_cosine"] < 0.95 for s in screens) == (attack != "copied")
     assert all((s["max_overlap"] == 1.0) == (attack != "honest") for s in screens), screens
     if attack == "honest" or without == "overlap":
-        assert shards == [] and all(s["pairs"] == [] for s in screens) and verify.flagged(run) == {}
+        assert shards == [] and all(s["pairs"] == [] for s in screens) and flags.read(run) == {}
         assert attack != "honest" or all(s["max_overlap"] < 0.2 for s in screens)
         return
     assert all(len(s["pairs"]) == 1 for s in screens), screens
     assert len(mine) == 2 and all(tol.min_cosine < s["cosine"] < tol.pair_cosine for s in mine), mine
     assert all(s["verdict"] == "ok" and s["peer"] == "a" for s in shards if s["peer"] != "mallory")
     if without == "pair bound":
-        assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
+        assert all(s["verdict"] == "ok" for s in mine) and flags.read(run) == {}
         return
-    assert all(s["verdict"] == "copy" for s in mine) and list(verify.flagged(run)) == ["mallory"]
+    assert all(s["verdict"] == "copy" for s in mine) and list(flags.read(run)) == ["mallory"]
     a = next(s["key"] for s in shards if s["peer"] == "a")
     assert "kept positions overlap 1.000" in mine[0]["reason"] and f"as far from 1 as that of {a}" in mine[0]["reason"]
 
@@ -233,11 +233,11 @@ def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(b
     references = [s for s in shards if s["why"] == "reference"]
     assert len(references) == (2 if (attack, drawn) == ("poisoned", "mallory") else 0), references
     if attack == "honest" or drawn == "no pair bound":
-        assert all(s["verdict"] == "ok" for s in mine) and verify.flagged(run) == {}
+        assert all(s["verdict"] == "ok" for s in mine) and flags.read(run) == {}
         assert attack == "honest" or all(tol.min_cosine < s["cosine"] < tol.pair_cosine for s in mine)
         return
     assert all(s["verdict"] == "mismatch" and s["flag"] and s["cosine"] < tol.pair_cosine for s in mine), mine
-    assert "of another volunteer" in mine[0]["reason"] and list(verify.flagged(run)) == ["mallory"]
+    assert "of another volunteer" in mine[0]["reason"] and list(flags.read(run)) == ["mallory"]
 
 
 def test_the_pair_rule_holds_honest_shards_drifting_together_and_not_other_samples():

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dedloc_pipeline.checks import recompute, verify
+from dedloc_pipeline.checks import flags, recompute, verify
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import shard
@@ -75,7 +75,7 @@ def test_honest_shards_verify(make_run, codec_name, delayed):
         assert any(s["stale_samples"] for s in shards)  # the stale part was recomputed on state r-1
     worst = min(s["cosine"] for s in shards)
     assert worst > (1 - 1e-9 if codec_name == "none" else recompute.TOLERANCES["int8"].min_cosine)
-    assert verify.flagged(run) == {}
+    assert flags.read(run) == {}
 
 
 def test_stale_samples_are_recomputed_on_the_previous_state(make_run):
@@ -113,13 +113,13 @@ def test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged(make_ru
     record = verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0)
     got = verdicts(record)
     assert got["alice"]["verdict"] == got["bob"]["verdict"] == "ok"
-    flags = verify.flagged(run)
+    found = flags.read(run)
     if attack == "honest":
-        assert got["mallory"]["verdict"] == "ok" and flags == {}
+        assert got["mallory"]["verdict"] == "ok" and found == {}
         return
     assert got["mallory"]["verdict"] == "mismatch" and got["mallory"]["flag"], got["mallory"]
-    assert list(flags) == ["mallory"] and flags["mallory"]["round"] == 0
-    assert flags["mallory"]["shard"] == got["mallory"]["key"] and "differs" in flags["mallory"]["reason"]
+    assert list(found) == ["mallory"] and found["mallory"].round == 0
+    assert found["mallory"].shard == got["mallory"]["key"] and "differs" in found["mallory"].reason
     if attack == "scaled":
         assert got["mallory"]["cosine"] > 0.99 and got["mallory"]["norm_ratio"] == pytest.approx(2, rel=0.01)
 
@@ -148,7 +148,7 @@ def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_ru
     assert record["copy_screen"]["pairs"][0]["cosine"] > 0.9999
     assert got["alice"]["verdict"] == "ok" and got["alice"]["why"] == "copy screen"
     assert got["mallory"]["verdict"] == "copy" and got["mallory"]["copy_of"] == alice
-    assert list(verify.flagged(run)) == ["mallory"]
+    assert list(flags.read(run)) == ["mallory"]
 
 
 def test_the_choice_follows_the_next_commit(make_run):
@@ -202,7 +202,7 @@ def test_one_unreadable_shard_does_not_skip_the_copy_screen_for_the_others(make_
     assert record["copy_screen"]["unreadable"] == [bob]
     mallory = verdicts(record)["mallory"]["key"]
     assert [p["shards"] for p in record["copy_screen"]["pairs"]] == [sorted([alice, mallory])]
-    assert verdicts(record)["mallory"]["verdict"] == "copy" and list(verify.flagged(run)) == ["mallory"]
+    assert verdicts(record)["mallory"]["verdict"] == "copy" and list(flags.read(run)) == ["mallory"]
 
 
 def test_a_round_whose_state_was_pruned_is_skipped(make_run, caplog):
@@ -238,7 +238,7 @@ def test_claims_the_validator_cannot_recompute(make_run):
     finish(run, 0)
     got = verdicts(verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0))
     assert got["mallory"]["verdict"] == "mismatch" and "round 0" in got["mallory"]["reason"]
-    assert list(verify.flagged(run)) == ["mallory"]
+    assert list(flags.read(run)) == ["mallory"]
 
 
 def test_a_flagged_volunteer_is_revoked_with_the_organizers_key(tmp_path, bucket):

@@ -19,6 +19,7 @@ from ..protocol.close import Rejection
 from ..protocol.shard import Entry
 from ..storage.layout import volunteer_of
 from . import direction
+from .flags import Flag
 
 
 def folded(late: list[Entry]) -> list[Entry]:
@@ -132,18 +133,17 @@ def agree(accepted: list[Entry], min_agreement: float | None) -> tuple[list[Entr
     return kept, out
 
 
-def unflagged(accepted: list[Entry], flags: dict[str, dict]) -> tuple[list[Entry], list[Rejection]]:
-    """Shards of volunteers the validator caught (``flags``: volunteer -> its flag record,
-    ``verify.flagged``) are refused, whenever they were uploaded."""
+def unflagged(accepted: list[Entry], flags: dict[str, Flag]) -> tuple[list[Entry], list[Rejection]]:
+    """Shards of flagged volunteers (``flags``: volunteer -> its flag, ``flags.read``) are
+    refused, whenever they were uploaded."""
     kept, out = [], []
     for s in accepted:
         flag = flags.get(volunteer_of(s.peer))
         if flag is None:
             kept.append(s)
         else:
-            who = "scheduler, as an aggregator," if flag.get("verdict") == "wrong part" else "validator"
             out.append(Rejection(key=s.key, reason=f"volunteer {volunteer_of(s.peer)} was flagged by the "
-                                 f"{who} in round {flag.get('round')}: {flag.get('reason')}"))
+                                 f"{flag.by} in round {flag.round}: {flag.reason}"))
     return kept, out
 
 

@@ -25,14 +25,13 @@ the right to write its records) follows the committed rounds and, for each:
   volunteer's error feedback never leaves it), and next to an honest shard's replay, which sees
   the same round, work on other samples stands out;
 - writes one record per round (``records.round``) and a flag per volunteer caught
-  (``records.flag``), which ``flagged`` reads for the scheduler, and optionally revokes the
+  (``flags.py``), which the scheduler reads, and optionally revokes the
   volunteer's key (``revoke``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections import Counter
@@ -46,7 +45,7 @@ from ..protocol.run import Run
 from ..protocol.shard import Entry, commit_hash
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
-from ..trust import identity
+from .flags import Flag, raise_flag, revoke
 from .recompute import (
     COPY_COSINE,
     COPY_OVERLAP,
@@ -261,13 +260,9 @@ class Verifier:
     def _flag(self, r: int, v: dict) -> None:
         """The volunteer's flag (its first caught shard is kept), then its key revoked if the
         organizer's key was given."""
-        flag = {"volunteer": v["volunteer"], "peer": v["peer"], "round": r, "shard": v["key"],
-                "verdict": v["verdict"], "reason": v["reason"], "cosine": v["cosine"], "norm_ratio": v["norm_ratio"],
-                "flagged_at": self.run.clock.time()}
-        volunteer = v["volunteer"]
-        record = self.run.record(f"flag of {volunteer}", flag, volunteer=volunteer)
-        self.run.bucket.create_json(self.run.keys.flag(volunteer), record)
-        log.warning("round %d: volunteer %s flagged: %s", r, v["volunteer"], v["reason"])
+        raise_flag(self.run, Flag(volunteer=v["volunteer"], peer=v["peer"], round=r, shard=v["key"],
+                                  verdict=v["verdict"], reason=v["reason"], cosine=v["cosine"],
+                                  norm_ratio=v["norm_ratio"], flagged_at=self.run.clock.time()))
         if self.revoke:
             revoke(self.run, self.run.organizer("roster"), v["volunteer"])
 
@@ -303,37 +298,3 @@ def counts(shards: list[dict]) -> dict[str, int]:
 def summary(n: dict[str, int]) -> str:
     return (f"{n.get('recomputed', 0)} shards recomputed, {n.get('flagged', 0)} flagged, "
             f"{n.get('skipped', 0)} skipped (pruned), {n.get('unverified', 0)} unverified")
-
-
-def flagged(run: Run) -> dict[str, dict]:
-    """Volunteer name -> its flag record: whose shards the scheduler refuses. In a signed run a
-    flag counts only if the organizer signed it (else anyone could flag honest volunteers)."""
-    out = {}
-    for key, raw in run.bucket.read_many(run.bucket.find(run.keys.flags_dir)).items():
-        try:
-            flag = json.loads(raw)
-            if run.signed:
-                identity.check_record(run.config.organizer_key, flag, f"flag {key}")
-                if key != run.keys.flag(str(flag.get("volunteer"))):
-                    raise identity.IdentityError(f"flag of {flag.get('volunteer')!r} stands at {key}: copied, refused")
-                identity.check_place(flag, f"flag {key}", run=run.name)
-            out[str(flag["volunteer"])] = flag
-        except (ValueError, KeyError, TypeError, identity.IdentityError) as exc:
-            log.warning("flag %s ignored: %s", key, exc)
-    return out
-
-
-def revoke(run: Run, organizer: identity.Ed25519PrivateKey, volunteer: str) -> bool:
-    """Revoke a flagged volunteer's key in the signed roster; False if there is nothing to revoke
-    (an unsigned run, a volunteer not enrolled or already revoked)."""
-    if run.config.organizer_key is None:
-        return False
-    if identity.public(organizer) != run.config.organizer_key:
-        raise identity.IdentityError(f"that key is not the organizer key of run {run.name!r}")
-    roster = identity.read_roster(run.bucket, run.name, run.config.organizer_key)
-    key = roster.volunteers.get(volunteer) if roster is not None else None
-    if key is None or key in roster.revoked:
-        return False
-    identity.update_roster(run.bucket, run.name, organizer, revoke=[volunteer])
-    log.warning("volunteer %s revoked", volunteer)
-    return True

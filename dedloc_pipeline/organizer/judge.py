@@ -15,7 +15,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..checks import admission, direction, verify
+from ..checks import admission, direction, flags
 from ..checks.probe import LossProbe
 from ..protocol.close import Close, Rejection, amended
 from ..protocol.run import Run, RunError
@@ -49,7 +49,7 @@ class Judge:
         self.seen: dict[str, tuple[object, Entry | Rejection]] = {}  # manifest key -> (version, verdict)
         self._opened: dict[int, Opening] = {}
         self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
-        self._flags: dict[str, dict] = {}  # volunteer -> the validator's flag (verify.flagged)
+        self._flags: dict[str, flags.Flag] = {}  # volunteer -> its flag (checks/flags.py)
         self._closes: dict[int, Close] = {}  # previous rounds' CLOSEs, which never change
         self._resketched: dict[tuple[str, int], object] = {}  # late diloco shards' sketches on round r's chunks
         probe = run.config.close.probe_samples
@@ -102,7 +102,7 @@ class Judge:
             return
 
     @property
-    def flags(self) -> dict[str, dict]:
+    def flags(self) -> dict[str, flags.Flag]:
         """The flagged volunteers as last read (as the round opened, or about to close)."""
         return self._flags
 
@@ -175,7 +175,7 @@ class Judge:
             self._opened = {k: v for k, v in self._opened.items() if k >= r - 1}
             self._opened[r] = Opening(commit["committed_at"], commit_hash(commit), ends,
                                       frozenset(volunteer_of(p) for p in commit.get("contributors", [])))
-            self._flags = verify.flagged(self.run)
+            self._flags = flags.read(self.run)
         return self._opened[r]
 
     def aggregators(self, r: int, listed: Listing, roster: identity.Roster | None) -> set[str]:
@@ -283,7 +283,7 @@ class Judge:
         (``reread_flags``: one LIST), so a flag written mid-round keeps its volunteer out of
         that round's CLOSE."""
         if reread_flags:
-            self._flags = verify.flagged(self.run)
+            self._flags = flags.read(self.run)
         accepted, flagged = admission.unflagged(accepted, self._flags)
         cfg, opening = self.run.config, self.opening(r)
         others = admission.present(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)

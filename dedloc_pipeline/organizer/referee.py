@@ -29,6 +29,7 @@ from ..checks.exchange import (
     fingerprints,
     read_signed,
 )
+from ..checks.flags import WRONG_PART, Flag, raise_flag
 from ..compute import aggregation, optim
 from ..protocol.clock import Clock
 from ..protocol.close import Close
@@ -336,14 +337,5 @@ class Referee:
             elif out.fingerprints[(k, peer)] != mine:
                 liars[peer] = f"its objects for part {k} of round {r} are not the bytes of the organizer's answer"
         for peer, why in sorted(liars.items()):
-            flag(run, peer, r, why)
-
-
-def flag(run: Run, peer: str, r: int, reason: str) -> None:
-    """Shut a volunteer out, as the validator's flags do (``verify.flagged``): its offers and
-    its shards are refused from then on. The first flag of a volunteer stays."""
-    volunteer = volunteer_of(peer)
-    body = {"volunteer": volunteer, "peer": peer, "round": r, "verdict": "wrong part", "reason": reason,
-            "flagged_at": run.clock.time()}
-    if run.bucket.create_json(run.keys.flag(volunteer), run.record(f"flag of {volunteer}", body, volunteer=volunteer)):
-        log.warning("round %d: aggregator %s flagged: %s", r, peer, reason)
+            raise_flag(run, Flag(volunteer=volunteer_of(peer), peer=peer, round=r, verdict=WRONG_PART, reason=why,
+                                 flagged_at=run.clock.time()))

@@ -132,7 +132,7 @@ def test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged(tmp_
     assert run.read_record(run.keys.norms(0), "norms", round=0)["parts"] == []
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert list(flags.read(run)) == ["x"]
-    assert "partial sums" in flags.read(run)["x"]["reason"]
+    assert "partial sums" in flags.read(run)["x"].reason
 
 
 def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_path, bucket, monkeypatch):
@@ -162,8 +162,8 @@ def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket,
     if fault == "scaled":
         tamper = {"b": lambda g: g * 1e9}
     else:
-        from dedloc_pipeline.protocol import shard
-        tamper, freeze = {}, shard.freeze
+        from dedloc_pipeline.checks import validation
+        tamper, freeze = {}, validation.freeze
 
         def corrupt(run_, key):
             frozen = freeze(run_, key)
@@ -172,7 +172,7 @@ def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket,
                 data = run_.bucket.read_bytes(key)
                 run_.bucket.write_bytes(key, data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped
             return frozen
-        monkeypatch.setattr(shard, "freeze", corrupt)
+        monkeypatch.setattr(validation, "freeze", corrupt)
     if checks != "on":
         monkeypatch.setattr(referee.admission, "contents",
                             lambda accepted, verdicts, max_norm, factor: (accepted, []))
@@ -213,7 +213,7 @@ def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch
     states, _, _ = _collaborate(run, keys, tamper=liar)
     assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"] == []
     assert states[0]["contributors"] == ["a", "b"]
-    assert list(flags.read(run)) == ["x"] and "checks" in flags.read(run)["x"]["reason"]
+    assert list(flags.read(run)) == ["x"] and "checks" in flags.read(run)["x"].reason
 
 
 def test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards(tmp_path, bucket, monkeypatch):
@@ -269,7 +269,7 @@ def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucke
     states, _, _ = _collaborate(run, keys, tamper=lambda roles: (_old if attack == "old part" else _noise)(roles["x"]))
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert list(flags.read(run)) == ["x"]
-    assert "differs from the organizer's" in flags.read(run)["x"]["reason"]
+    assert "differs from the organizer's" in flags.read(run)["x"].reason
     assert Close.read(run, 1).aggregators is None  # y alone offers now: the organizer's
 
 
@@ -308,7 +308,7 @@ def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, buck
         x.step = step
     states, _, _ = _collaborate(run, keys, tamper=copier)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
-    assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"]["reason"]
+    assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"].reason
 
 
 def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadline(tmp_path, bucket):
@@ -413,7 +413,7 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
     else:
         first = assigned[0]
         assert assigned == [first] and commits[first]["aggregated_by"] == [["organizer"]] * run.n_parts, tails
-        assert list(flags.read(run)) == ["mallory"] and flags.read(run)["mallory"]["round"] == first
+        assert list(flags.read(run)) == ["mallory"] and flags.read(run)["mallory"].round == first
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
@@ -516,7 +516,7 @@ def test_a_claim_rewritten_after_the_reveal_gains_nothing_from_a_restart(tmp_pat
     assert commit["checksums"] == _organizers(run, 0)
     if sealed:
         assert commit["aggregated_by"] == [["organizer"]] * run.n_parts
-        assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"]["reason"]
+        assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"].reason
     else:
         assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and flags.read(run) == {}
 

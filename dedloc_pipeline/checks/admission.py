@@ -1,6 +1,6 @@
 """The close's admission rules: which validated shards of a round count, and for how much.
 
-Validation (``shard.validate``) judges one shard by itself; these rules judge a shard among the
+Validation (``validation.validate``) judges one shard by itself; these rules judge a shard among the
 round's others: a volunteer's parts, the round's median norm, the validator's flags, each
 volunteer's share of the mean, and whether the round is full. Pure functions of CLOSE entries and
 config values, so each rule is tested alone; the scheduler reads the bucket and applies them in

@@ -158,7 +158,7 @@ class Recomputer:
 
     def check_claim(self, entry: Entry) -> None:
         """What a shard says of its samples must be possible (validation at close bounds its
-        ranges and its sample count, ``shard.max_claim``; these are the claims only a
+        ranges and its sample count, ``validation.max_claim``; these are the claims only a
         recomputation reads)."""
         if entry.stale_samples > entry.samples:
             raise Unverifiable(f"claims {entry.stale_samples} stale samples of {entry.samples}", fault=True)
@@ -274,7 +274,7 @@ def _runs(indices: list[int]) -> list[tuple[int, int]]:
 
 
 def read_shard(run: Run, entry: Entry) -> np.ndarray:
-    """A shard's gradient as the round's mean used it: its frozen copy (``shard.freeze``), checked
+    """A shard's gradient as the round's mean used it: its frozen copy (``validation.freeze``), checked
     against its CLOSE entry. Its volunteer cannot write there, so a copy gone is pruned and one
     that fails its checksums was changed by whoever holds the organizer's credentials."""
     fmt, frozen = run.grad_format, run.keys.frozen(entry.key)

@@ -2,7 +2,7 @@
 
 A round is judged against what opened it (``Opening``: its COMMIT, the streams it counted, who
 contributed), the roster (signed runs) and the validator's flags. Each manifest the round's
-listing shows is read and validated (``shard.validate``) once per version (its ETag), so a
+listing shows is read and validated (``validation.validate``) once per version (its ETag), so a
 poll where nothing changed reads nothing; a changed roster clears every verdict, since a
 revocation applies to shards not yet closed. Then the admission rules (``admission.py``)
 weigh what was accepted among the volunteers present. The scheduler (``scheduler.py``) decides
@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from ..checks import admission, direction, flags
 from ..checks.probe import LossProbe
+from ..checks.validation import check_contents, manifest_limit, validate
 from ..protocol.close import Close, Rejection, amended
 from ..protocol.run import Run, RunError
-from ..protocol.shard import DataRef, Entry, Rejected, check_contents, commit_hash, manifest_limit, validate
+from ..protocol.shard import DataRef, Entry, Rejected, commit_hash
 from ..storage import codec, vector
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
@@ -223,7 +224,7 @@ class Judge:
 
     def contents(self, close: Close) -> Close:
         """``close`` with the contents of the shards it admitted unread checked here (each read
-        whole: ``shard.check``), as when no volunteer aggregators are left to check them: those
+        whole: ``validation.check_contents``), as when no volunteer aggregators are left to check them: those
         refused, above the norm bound or the norm screen's, rejected (logged)."""
         verdicts: dict[str, float | str] = {}
 

@@ -236,7 +236,7 @@ class Worker:
             self._upload(acc)  # may still make it before CLOSE; late otherwise
         ahead = full and acc is not None and acc.round == r + 1 and acc.samples >= target
         if full and (not self.delayed or ahead):  # a round's worth of stale samples is enough: a
-            self._report(waiting=True)  # shard may claim at most a few (shard.max_claim)
+            self._report(waiting=True)  # shard may claim at most a few (validation.max_claim)
             self.activity = "waiting"
             return False
         self.activity = "computing"

@@ -54,6 +54,13 @@ def test_the_configuration_reference_is_what_runconfig_generates():
         "docs/configuration.md: rerun python -m dedloc_pipeline.protocol.reference > docs/configuration.md")
 
 
+def test_the_table_of_checks_is_the_catalog():
+    from dedloc_pipeline.checks import catalog
+    text = (ROOT / "docs" / "verification.md").read_text()
+    table = text.split("<!-- checks: catalog.markdown() -->\n", 1)[1].split("<!-- end of checks -->", 1)[0]
+    assert table == catalog.markdown(), "docs/verification.md: paste catalog.markdown() between its markers"
+
+
 def test_every_field_of_runconfig_is_in_the_reference():
     text = reference.markdown()
     from dedloc_pipeline.protocol.config import RunConfig

@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 import dedloc_pipeline
-from dedloc_pipeline.checks import validation
+from dedloc_pipeline.checks import catalog
 from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.monitoring.ledger import Ledger
 from dedloc_pipeline.monitoring.volunteer import summary, summary_text
@@ -176,7 +176,7 @@ def test_ctrl_c_during_an_upload_leaves_the_bucket_consistent(tmp_path):
             run = Run(Bucket(url), "r")
             manifests = written(run, 0)
             for m in manifests:  # the scheduler's own checks: chunks present, checksums right
-                validation.validate(run, 0, run.keys.shard_of(m), run.bucket.read_bytes(m))
+                catalog.validate(run, 0, run.keys.shard_of(m), run.bucket.read_bytes(m))
             assert p.returncode == (143 if sig == "SIGTERM" else 130), out
             assert run.bucket.read_json(run.keys.progress(0, "alice"))["samples"] == 0, out
             assert "pressed during the write of c/" in out, out  # the upload had begun

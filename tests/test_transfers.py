@@ -8,7 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from dedloc_pipeline.checks import validation
+from dedloc_pipeline.checks import catalog
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import heartbeat, shard
 from dedloc_pipeline.testing import written
@@ -57,7 +57,7 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     release.set()
     w.flush()
     (manifest,) = written(run, 0)
-    entry = validation.validate(run, 0, run.keys.shard_of(manifest), run.bucket.read_bytes(manifest))
+    entry = catalog.validate(run, 0, run.keys.shard_of(manifest), run.bucket.read_bytes(manifest))
     assert entry.samples == 24 and w.uploads[0][2] == 24 and w.uploaded_samples == 24
     assert count(24) == 0  # landed: the manifest's 24 samples leave the heartbeat's count
 

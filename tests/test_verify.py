@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from dedloc_pipeline.checks import flags, recompute, validation, verify
+from dedloc_pipeline.checks import catalog, flags, recompute, verify
 from dedloc_pipeline.cli import app
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import shard
@@ -132,7 +132,7 @@ def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_ru
     honest shard, no pair."""
     run = make_run(codec="int8", target_batch_size=48, keep_states=10)
     alice = honest_upload(run, "alice")
-    entry = validation.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
+    entry = catalog.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
     if copied:
         arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
         forged(run, "mallory", None, entry.samples, [(0, entry.samples)], arrays=arrays)
@@ -192,7 +192,7 @@ def test_one_unreadable_shard_does_not_skip_the_copy_screen_for_the_others(make_
     first report: one such shard skipped the screen of the whole round, for every volunteer)."""
     run = make_run(codec="int8", target_batch_size=72, keep_states=10)
     alice = honest_upload(run, "alice")
-    entry = validation.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
+    entry = catalog.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
     arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
     forged(run, "mallory", None, entry.samples, [(0, entry.samples)], arrays=arrays)
     bob = honest_upload(run, "bob")

@@ -1,10 +1,10 @@
 """The close's admission rules: which validated shards of a round count, and for how much.
 
-Validation (``validation.validate``) judges one shard by itself; these rules judge a shard among the
-round's others: a volunteer's parts, the round's median norm, the validator's flags, each
-volunteer's share of the mean, and whether the round is full. Pure functions of CLOSE entries and
-config values, so each rule is tested alone; the scheduler reads the bucket and applies them in
-this order: ``bound_parts``, ``screen``, ``agree``, ``unflagged``, ``weigh``, ``met``.
+Validation (``validation.py``) judges one shard by itself; these rules judge a shard among the
+round's others: a volunteer's parts, the round's median norm, the flags, each volunteer's share
+of the mean, and whether the round is full. Pure functions of CLOSE entries and config values,
+so each rule is tested alone; the order the scheduler applies them in is ``catalog.AT_CLOSE``'s,
+then ``weigh`` and ``met``.
 """
 
 from __future__ import annotations

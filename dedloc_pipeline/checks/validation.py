@@ -4,8 +4,9 @@ Everything a manifest claims is checked against what the protocol knows before a
 shard is read: its run, round, peer, part and codec, its volunteer's signature, the state it was
 computed on, its samples (a run of its own stream, not far past where that stream was counted),
 its objects' number and sizes. Then the shard is frozen (copied where only the organizer writes)
-and its contents checked there: checksums, finite values, its norm. A shard that fails raises
-``Rejected`` with the reason CLOSE records.
+and its contents checked there: checksums, finite values, its norm. Each check is a function
+of the shard's ``Claim`` that raises ``Rejected`` with the reason CLOSE records; their order is
+``catalog.VALIDATION``'s.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import ValidationError
@@ -55,27 +57,37 @@ def max_claim(run: Run) -> int:
     return 4 * run.config.target_batch_size
 
 
-def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None,
-             stored: dict[str, int] | None = None, state_hash: str | None = None,
-             stream_end: int | None = None,
-             inspect: Callable[[Entry, dict[str, np.ndarray]], None] | None = None,
-             contents: bool = True) -> Entry:
-    """Admit a shard of round r or raise Rejected. Reads every chunk once, after every check
-    that needs only the manifest and the shard's stored objects (``stored``: their sizes by
-    name under the shard, from a listing the caller made of many shards at once; listed here
-    if not given). ``stream_end``: where the peer's stream was counted to as of state r (its
-    streams record; read here if not given). ``inspect(entry, arrays)``: what the caller
-    measures of the shard's values (the local-steps mode's screens), on the arrays read here,
-    so it costs no request; it may raise Rejected. ``contents`` False: no chunk is read, the
-    entry's ``norm`` is None, and its contents are checked after CLOSE (``check_contents``, or
-    by volunteer aggregators part by part: checks/exchange.py)."""
+@dataclass
+class Claim:
+    """One shard as validation judges it: its manifest and what it is judged against
+    (``catalog.validate`` says what each is). Each check reads it, and may add to it (the
+    parsed manifest, the entry, the arrays read)."""
+
+    run: Run
+    round: int
+    key: str
+    raw: bytes
+    roster: identity.Roster | None = None
+    stored: dict[str, int] | None = None
+    state_hash: str | None = None
+    stream_end: int | None = None
+    inspect: Callable[[Entry, dict[str, np.ndarray]], None] | None = None
+    contents: bool = True
+    manifest: Manifest | None = None
+    entry: Entry | None = None
+    arrays: dict[str, np.ndarray] | None = None
+
+
+def manifest(c: Claim) -> None:
+    """It parses, and names this run, round, peer and part, the run's codec and chunking, and
+    a checksum for every chunk."""
     try:
-        m = Manifest.model_validate(json.loads(raw))
+        m = c.manifest = Manifest.model_validate(json.loads(c.raw))
     except (ValueError, ValidationError) as exc:
         raise Rejected(f"malformed manifest: {str(exc).splitlines()[0]}") from exc
-    fmt = run.grad_format
-    _, peer, part = run.keys.shard_parts(key)
-    expect = {"layout_version": LAYOUT_VERSION, "run": run.name, "round": r, "peer": peer,
+    fmt = c.run.grad_format
+    _, peer, part = c.run.keys.shard_parts(c.key)
+    expect = {"layout_version": LAYOUT_VERSION, "run": c.run.name, "round": c.round, "peer": peer,
               "part": part, "codec": fmt.codec, "n": fmt.n, "chunk_size": fmt.chunk_size,
               "block": fmt.block}
     for field, want in expect.items():
@@ -84,48 +96,89 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     for name, (_, _, _) in fmt.arrays().items():
         if len(m.checksums.get(name, [])) != fmt.n_chunks:
             raise Rejected(f"manifest lists {len(m.checksums.get(name, []))} chunks of {name}")
-    if run.config.organizer_key is not None:
-        _check_signature(m, roster)
-    if m.data.stream != m.peer:
-        raise Rejected(f"data of stream {m.data.stream!r}: a volunteer counts only its own stream")
+
+
+def signature(c: Claim) -> None:
+    """In a signed run, signed with the key the roster has for its volunteer, not revoked."""
+    if c.run.config.organizer_key is None:
+        return
+    m = c.manifest
+    if m.signature is None:
+        raise Rejected("unsigned shard in a run that requires signatures")
+    if c.roster is None:
+        raise Rejected("no roster signed by the organizer: nobody is enrolled yet")
     try:
-        return _admit(run, r, key, raw, m, stored, state_hash, stream_end, inspect, contents)
-    except Rejected as exc:  # the manifest is its peer's own: its samples are spent either way
-        raise Rejected(str(exc), data=m.data) from exc
+        key = c.roster.key_of(m.peer)
+    except identity.IdentityError as exc:
+        raise Rejected(str(exc)) from exc
+    if not identity.verify(key, m.payload(), m.signature):
+        raise Rejected(f"signature does not match {m.peer.split('.', 1)[0]!r}'s enrolled key")
 
 
-def _admit(run: Run, r: int, key: str, raw: bytes, m: Manifest, stored: dict[str, int] | None,
-           state_hash: str | None, stream_end: int | None, inspect, contents: bool) -> Entry:
-    fmt = run.grad_format
-    if m.state_hash != (state_hash or commit_hash(run.commit_of(r))):
-        raise Rejected(f"computed on another state than round {r}'s (state_hash {m.state_hash[:12]}...)")
+def own_stream(c: Claim) -> None:
+    """Its samples are of its own peer's data stream. From here on the manifest is known to be
+    its peer's own, so a rejection still spends the samples it names."""
+    if c.manifest.data.stream != c.manifest.peer:
+        raise Rejected(f"data of stream {c.manifest.data.stream!r}: a volunteer counts only its own stream")
+
+
+def state(c: Claim) -> None:
+    """Computed on this round's state: it names the hash of that state's COMMIT, which nobody
+    could know before the state existed."""
+    if c.manifest.state_hash != (c.state_hash or commit_hash(c.run.commit_of(c.round))):
+        raise Rejected(f"computed on another state than round {c.round}'s (state_hash {c.manifest.state_hash[:12]}...)")
+
+
+def claims(c: Claim) -> None:
+    """Its loss, sample count and inner steps are possible ones (``max_claim``)."""
+    run, m = c.run, c.manifest
     if not math.isfinite(m.loss) or m.loss < 0:  # a cross-entropy is never negative
         raise Rejected(f"impossible loss {m.loss}")
-    if sum(c for _, c in m.data.ranges) != m.samples:
+    if sum(n for _, n in m.data.ranges) != m.samples:
         raise Rejected("data ranges do not add up to the sample count")
     _check_inner_steps(run, m)
     if m.samples > max_claim(run):
         raise Rejected(f"claims {m.samples} samples, more than a shard can hold ({max_claim(run)})")
-    if stream_end is None:
-        stream_end = int(run.stream_ends(r).get(m.peer, 0))
-    _check_contiguous(m.data, stream_end, stream_window(run))
-    if stored is None:
-        stored = {k.removeprefix(key + "/"): n for k, n in run.bucket.sizes(key).items()}
-    missing = sorted(vector.chunk_objects(fmt) - set(stored))
+
+
+def stream(c: Claim) -> None:
+    """Its samples are one run of its stream, after what the stream counted and not far past
+    it (``stream_window``)."""
+    if c.stream_end is None:
+        c.stream_end = int(c.run.stream_ends(c.round).get(c.manifest.peer, 0))
+    _check_contiguous(c.manifest.data, c.stream_end, stream_window(c.run))
+
+
+def objects(c: Claim) -> None:
+    """Every chunk object its format takes is stored, and no more bytes than that format takes."""
+    fmt = c.run.grad_format
+    if c.stored is None:
+        c.stored = {k.removeprefix(c.key + "/"): n for k, n in c.run.bucket.sizes(c.key).items()}
+    missing = sorted(vector.chunk_objects(fmt) - set(c.stored))
     if missing:  # zarr would read them as zeros: a shard of no data that checksums could still match
         raise Rejected(f"missing chunk objects: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
-    stored = sum(stored.values())
-    if stored > stored_limit(fmt):
-        raise Rejected(f"shard holds {stored} bytes, more than its format takes ({stored_limit(fmt)})")
-    frozen = freeze(run, key)
-    arrays, norm = check_contents(run, frozen, m.checksums) if contents else (None, None)
-    entry = Entry(key=key, peer=m.peer, part=m.part, round=r, samples=m.samples, loss=m.loss,
-                  stale_samples=m.stale_samples, inner_steps=m.inner_steps, precision=m.precision,
-                  checksums=m.checksums, data=m.data, norm=norm,
-                  manifest_sha=hashlib.sha256(raw).hexdigest())
-    if inspect is not None:
-        inspect(entry, arrays)
-    return entry
+    size = sum(c.stored.values())
+    if size > stored_limit(fmt):
+        raise Rejected(f"shard holds {size} bytes, more than its format takes ({stored_limit(fmt)})")
+
+
+def contents(c: Claim) -> None:
+    """Frozen where only the organizer writes, then its contents checked there
+    (``check_contents``), unless they are left for after CLOSE (``contents`` False: its
+    ``norm`` None); its CLOSE entry made."""
+    m = c.manifest
+    frozen = freeze(c.run, c.key)
+    c.arrays, norm = check_contents(c.run, frozen, m.checksums) if c.contents else (None, None)
+    c.entry = Entry(key=c.key, peer=m.peer, part=m.part, round=c.round, samples=m.samples, loss=m.loss,
+                    stale_samples=m.stale_samples, inner_steps=m.inner_steps, precision=m.precision,
+                    checksums=m.checksums, data=m.data, norm=norm, manifest_sha=hashlib.sha256(c.raw).hexdigest())
+
+
+def inspected(c: Claim) -> None:
+    """What the caller measures of the shard's values (the local-steps mode's sketch and loss
+    screen: ``Judge``'s inspector), on the arrays read here, at no request; it may reject it."""
+    if c.inspect is not None:
+        c.inspect(c.entry, c.arrays)
 
 
 def check_contents(run: Run, frozen: str, checksums: dict[str, list[str]]) -> tuple[dict[str, np.ndarray], float]:
@@ -184,16 +237,3 @@ def _check_contiguous(data: DataRef, end: int, window: int) -> None:
         raise Rejected(f"data starts at sample {start}: its stream already counted up to {end}")
     if start > end + window:
         raise Rejected(f"data starts at sample {start}, more than {window} past its stream's counted end {end}")
-
-
-def _check_signature(m: Manifest, roster: identity.Roster | None) -> None:
-    if m.signature is None:
-        raise Rejected("unsigned shard in a run that requires signatures")
-    if roster is None:
-        raise Rejected("no roster signed by the organizer: nobody is enrolled yet")
-    try:
-        key = roster.key_of(m.peer)
-    except identity.IdentityError as exc:
-        raise Rejected(str(exc)) from exc
-    if not identity.verify(key, m.payload(), m.signature):
-        raise Rejected(f"signature does not match {m.peer.split('.', 1)[0]!r}'s enrolled key")

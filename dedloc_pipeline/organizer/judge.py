@@ -15,9 +15,9 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..checks import admission, direction, flags
+from ..checks import admission, catalog, direction, flags
 from ..checks.probe import LossProbe
-from ..checks.validation import check_contents, manifest_limit, validate
+from ..checks.validation import check_contents, manifest_limit
 from ..protocol.close import Close, Rejection, amended
 from ..protocol.run import Run, RunError
 from ..protocol.shard import DataRef, Entry, Rejected, commit_hash
@@ -194,8 +194,8 @@ class Judge:
         shard = self.run.keys.shard_of(mkey)
         try:
             end = int(opening.ends.get(self.run.keys.shard_parts(shard)[1], 0))
-            return validate(self.run, r, shard, data, roster, stored, opening.state_hash, end, self._inspector(r),
-                            contents)
+            return catalog.validate(self.run, r, shard, data, roster, stored, opening.state_hash, end,
+                                    self._inspector(r), contents)
         except Rejected as exc:
             return self.reject(r, shard, str(exc), exc.data)
         except StorageError:
@@ -277,22 +277,21 @@ class Judge:
     def admitted(self, r: int, accepted: list[Entry], live: frozenset[str], now: float,
                  started_at: float | None = None,
                  reread_flags: bool = False) -> tuple[admission.Weighed, list[Rejection]]:
-        """The flagged volunteers' shards out, then the others weighed among the volunteers
-        present (``admission.present``), at least as many as a signed run's first round awaits
-        (``admission.least_volunteers``, from its first work at ``started_at``): (weighed,
-        rejected). The flags are read as a round opens and again when it is about to close
-        (``reread_flags``: one LIST), so a flag written mid-round keeps its volunteer out of
-        that round's CLOSE."""
+        """The close's checks over round r's validated shards (``catalog.admit``), then those
+        kept weighed among the volunteers present (``admission.present``), at least as many as
+        a signed run's first round awaits (``admission.least_volunteers``, from its first work at
+        ``started_at``): (weighed, rejected). The flags are read as a round opens and again when
+        it is about to close (``reread_flags``: one LIST), so a flag written mid-round keeps its
+        volunteer out of that round's CLOSE."""
         if reread_flags:
             self._flags = flags.read(self.run)
-        accepted, flagged = admission.unflagged(accepted, self._flags)
         cfg, opening = self.run.config, self.opening(r)
+        accepted, rejected = catalog.admit(accepted, catalog.Round(cfg, self._flags))
         others = admission.present(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
         enrolled = len(self._roster.volunteers) if self._roster is not None else 0
         since = opening.at if started_at is None else started_at
         least = admission.least_volunteers(opening.volunteers, enrolled, since, now, cfg.peer_timeout_s)
-        weighed = admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share, others, least)
-        return weighed, self.logged(r, flagged)
+        return admission.weigh(accepted, cfg.target_batch_size, cfg.close.max_share, others, least), rejected
 
     def enrolled(self, volunteers: frozenset[str]) -> frozenset[str]:
         """The heartbeating volunteers that count: in a signed run, only enrolled ones (a

@@ -124,27 +124,22 @@ class Scheduler:
         refused = frozenset(keys.shard_parts(x.key)[1] for x in rejected)
         pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected), refused)
-        accepted, extra = admission.bound_parts(accepted + self.judge.late(r, listed), rule.max_parts)
-        accepted, screened = admission.screen(accepted, cfg.norm_screen)
-        accepted, turned = admission.agree(accepted, rule.min_agreement)
-        rejected += self.judge.logged(r, extra + screened + turned)
+        candidates = accepted + self.judge.late(r, listed)
         live = self.judge.enrolled(pending.volunteers)
         now = self.clock.time() if now is None else now
         target, opened = cfg.target_batch_size, self.judge.opening(r).at
-        if pending.peers or accepted:  # a round's time runs from its first work, not an idle opening
+        if pending.peers or candidates:  # a round's time runs from its first work, not an idle opening
             self._started.setdefault(r, max(opened, at))
         started = self._started.get(r, now)
-        (accepted, samples, cap), flagged = self.judge.admitted(r, accepted, live, now, started)
-        rejected += flagged
+        (accepted, samples, cap), out = self.judge.admitted(r, candidates, live, now, started)
         expired = admission.timed_out(opened, now, rule.timeout_s)
         if admission.met(samples, target, rule.min_fraction, expired):
             version = self.judge.roster_version  # a roster changed since: every shard judged anew
             if self.judge.roster() is not None and self.judge.roster_version != version:
                 return self.try_close(r, now)
             # flags written since the round opened count too
-            (accepted, samples, cap), flagged = self.judge.admitted(r, accepted, live, now, started,
-                                                                    reread_flags=True)
-            rejected += flagged
+            (accepted, samples, cap), out = self.judge.admitted(r, candidates, live, now, started, reread_flags=True)
+        rejected += self.judge.logged(r, out)
         if not admission.met(samples, target, rule.min_fraction, expired):
             self._publish(r, at, listed, samples=samples, shards=len(accepted), rejected=len(rejected),
                           pending=pending, cap=cap)

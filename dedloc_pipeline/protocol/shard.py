@@ -30,11 +30,11 @@ class Rejected(ValueError):
     """A shard that does not count, with the reason recorded in CLOSE and the ledger; ``data``,
     once its volunteer's manifest is known to be its own, the samples it named (they still
     advance the stream, so an honest peer whose shard was refused is not refused again for the
-    gap it leaves)."""
+    gap it leaves); ``check``: which check of ``checks/catalog.py`` refused it."""
 
-    def __init__(self, reason: str, data: DataRef | None = None):
+    def __init__(self, reason: str, data: DataRef | None = None, check: str | None = None):
         super().__init__(reason)
-        self.data = data
+        self.data, self.check = data, check
 
 
 Index = Annotated[int, Field(ge=0, lt=1 << 48)]

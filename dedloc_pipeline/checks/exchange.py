@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -47,7 +48,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..compute import aggregation
 from ..protocol.close import Close
 from ..protocol.run import Run
-from ..storage.layout import volunteer_of
+from ..storage.layout import RunLayout, volunteer_of
 from ..trust import identity
 
 log = logging.getLogger(__name__)
@@ -102,29 +103,50 @@ class Sums(_Record):
 
 @dataclass(frozen=True)
 class Stage:
-    """One commit/reveal exchange of a closed round: the ``RunLayout`` methods of its claims'
-    and results' keys (their names are their kinds in ``RunLayout.written`` too) and of its
-    sealed claims, its results' model and the field a claim's digest is of, what the round view
-    says once its claims are sealed (``reveal``), and for an exchange before the answers', the
-    ``RunLayout`` method of the scheduler's record of it and what the view says once that is
-    written (``recorded``); ``noun``: what a log line calls its results."""
+    """One commit/reveal exchange of a closed round, as both sides run it: the layout functions
+    of its claims', its results' and its sealed claims' keys (a claim's and a result's kind in
+    ``RunLayout.written`` is its function's name), its results' model and the field a claim's
+    digest is of, what the round view says once its claims are sealed (``reveal``), and for an
+    exchange before the answers', the layout function of the scheduler's record of it and what
+    the view says once that is written (``recorded``); ``noun``: what a log line calls its
+    results."""
 
     reveal: str
-    claim: str
-    result: str
-    sealed: str
+    claim: Callable[[RunLayout, int, str, int], str]
+    result: Callable[[RunLayout, int, str, int], str]
+    sealed: Callable[[RunLayout, int], str]
     model: type[_Record]
     field: str
-    record: str = ""
+    record: Callable[[RunLayout, int], str] | None = None
     recorded: str = ""
     noun: str = "answer"
 
+    @property
+    def claim_kind(self) -> str:
+        """What ``RunLayout.written`` calls this stage's claims."""
+        return self.claim.__name__
 
-SCREEN = Stage("screen", "screen_claim", "screen", "sealed_screens", Screen, "checks",
-               record="screened", recorded="screened", noun="checks of the shards")
-SUMS = Stage("sums", "sum_claim", "sums", "sealed_sums", Sums, "sums",
-             record="norms", recorded="norms", noun="partial sums")
-PARTS = Stage("parts", "claim", "result", "sealed_claims", Result, "checksums")
+
+SCREEN = Stage("screen", RunLayout.screen_claim, RunLayout.screen, RunLayout.sealed_screens, Screen, "checks",
+               record=RunLayout.screened, recorded="screened", noun="checks of the shards")
+SUMS = Stage("sums", RunLayout.sum_claim, RunLayout.sums, RunLayout.sealed_sums, Sums, "sums",
+             record=RunLayout.norms, recorded="norms", noun="partial sums")
+PARTS = Stage("parts", RunLayout.claim, RunLayout.result, RunLayout.sealed_claims, Result, "checksums")
+# what the round view says of a closed round's exchanges, in the order it says it
+REVEALS = ("screen", "screened", "sums", "norms", "parts")
+
+
+def stages(close: Close, run: Run) -> list[Stage]:
+    """A closed round's exchanges, in order: the checks of the shards CLOSE admitted unread,
+    LAMB's partial sums, the answers."""
+    unchecked = any(e.norm is None for e in close.accepted)
+    lamb = run.config.aggregator_optimizer.name == "lamb"
+    return [SCREEN] * unchecked + [SUMS] * lamb + [PARTS]
+
+
+def said(reveal: str | None, mark: str) -> bool:
+    """Whether a view that says ``reveal`` has said ``mark`` already (or says it now)."""
+    return reveal in REVEALS and REVEALS.index(reveal) >= REVEALS.index(mark)
 
 
 def digest(peer: str, answer: dict) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..checks import admission
+from ..checks import admission, exchange
 from ..checks.exchange import (
     PARTS,
     SCREEN,
@@ -76,27 +76,23 @@ class Referee:
     def settle(self, close: Close, roster, reveal: Callable[[str], None]) -> Settlement:
         """Settle round ``close.round``'s parts that its aggregators agree on by ``close.aggregate_by``
         (the run's clock), calling ``reveal(stage)`` when the round view is to say what they may
-        show; with LAMB their partial sums first (``_norms``)."""
+        show: first the exchanges before the answers' (the checks of the shards, ``_screen``; LAMB's
+        partial sums, ``_norms``), each in its share of the time left, each leaving the organizer
+        the parts it did not settle, then the answers'."""
         run, r, keys = self.run, close.round, self.run.keys
         out = Settlement()
         for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
             if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
         start, parts = close.closed_at, list(range(len(close.aggregators)))
-        unchecked = any(e.norm is None for e in close.accepted)
-        lamb = run.config.aggregator_optimizer.name == "lamb"
-        stages = 1 + unchecked + lamb  # the time left is shared among the exchanges left
-        if unchecked:
-            start, parts = self._screen(close, roster, reveal, out, start + (close.aggregate_by - start) / stages)
-            stages -= 1
-            for k in set(range(len(close.aggregators))) - set(parts):
-                out.left[k] = "its check of the shards was the organizer's"
-        if lamb:
-            start, steps = self._norms(close, roster, reveal, out, parts, start,
-                                       start + (close.aggregate_by - start) / stages)
-            for k in set(parts) - set(steps):
-                out.left[k] = "its partial sums were the organizer's"
-            parts = steps
+        before = exchange.stages(close, run)[:-1]  # the exchanges before the answers'
+        for i, stage in enumerate(before):  # the time left is shared among the exchanges left
+            by = start + (close.aggregate_by - start) / (len(before) + 1 - i)
+            start, kept = (self._screen if stage is SCREEN else self._norms)(close, roster, reveal, out, parts,
+                                                                              start, by)
+            for k in set(parts) - set(kept):
+                out.left[k] = f"its {stage.noun} were the organizer's"
+            parts = kept
         self._exchange(close, PARTS, [k for k in parts if k not in out.agreed], start, close.aggregate_by, roster,
                        reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
                        lambda k: k in out.agreed or k in out.left)
@@ -123,7 +119,7 @@ class Referee:
             listed, _ = run.written()
             now = self.clock.time()
             if claims is None:
-                claimed = {(int(w.part), w.peer) for key in keys.of_round(listed, r, stage.claim)
+                claimed = {(int(w.part), w.peer) for key in keys.of_round(listed, r, stage.claim_kind)
                            if (w := keys.written(key))}
                 if wanted <= claimed or now >= half:
                     # read and sealed before anyone may reveal: a claim written after could copy an answer
@@ -141,10 +137,10 @@ class Referee:
         """The ``claimed`` claims of ``stage``, read and sealed (one signed record) before the reveal."""
         run, r = self.run, close.round
         claims = {(k, p): c for k, p in claimed if (c := read_signed(
-            run, getattr(run.keys, stage.claim)(r, p, k), Claim, roster, f"{stage.reveal} claim of part {k} by {p}",
+            run, stage.claim(run.keys, r, p, k), Claim, roster, f"{stage.reveal} claim of part {k} by {p}",
             listed, round=r, peer=p, part=k)) is not None}
         body = {"round": r, "claims": [c.model_dump() for c in claims.values()]}
-        run.bucket.write_json(getattr(run.keys, stage.sealed)(r),
+        run.bucket.write_json(stage.sealed(run.keys, r),
                               run.record(f"sealed {stage.reveal} claims of round {r}", body, round=r))
         return claims
 
@@ -152,7 +148,7 @@ class Referee:
         """The claims of ``stage`` this round's scheduler sealed before revealing (a restart finds
         them), by part and peer; None before that (one GET)."""
         r = close.round
-        found = self.run.read_record(getattr(self.run.keys, stage.sealed)(r),
+        found = self.run.read_record(stage.sealed(self.run.keys, r),
                                      f"sealed {stage.reveal} claims of round {r}", round=r)
         if found is None:
             return None
@@ -171,7 +167,7 @@ class Referee:
             if claim is None:
                 left[k] = f"{peer} had not claimed part {k} when the answers were revealed"
                 return None
-            key = getattr(run.keys, stage.result)(r, peer, k)
+            key = stage.result(run.keys, r, peer, k)
             if key not in listed:
                 return None
             if (k, peer) not in seen:
@@ -221,8 +217,8 @@ class Referee:
         out.agreed[k] = list(peers)
         log.info("round %d: part %d agreed by %s", r, k, " and ".join(peers))
 
-    def _screen(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement,
-                by: float) -> tuple[float, list[int]]:
+    def _screen(self, close: Close, roster, reveal: Callable[[str], None], out: Settlement, parts: list[int],
+                start: float, by: float) -> tuple[float, list[int]]:
         """Check the shards CLOSE admitted unread (``SCREEN``) by ``by``: each part of every one
         by its two aggregators, the organizer checking the parts they do not agree on; record
         which shards the checks reject and every norm (``close.screened``: what every reader of
@@ -249,8 +245,8 @@ class Referee:
 
         def valid(checks: list[float]) -> bool:
             return len(checks) == len(close.accepted) and all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks)
-        return self._recorded(close, SCREEN, list(range(len(close.aggregators))), close.closed_at, by, roster,
-                              reveal, out, out.screened, out.screens, lambda k: valid, own, record)
+        return self._recorded(close, SCREEN, parts, start, by, roster, reveal, out, out.screened, out.screens,
+                              lambda k: valid, own, record)
 
     def _recorded(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
                   reveal: Callable[[str], None], out: Settlement, agreed: dict, seen: dict,
@@ -263,7 +259,7 @@ class Referee:
         ``reveal(stage.recorded)``. When the next exchange starts, and its parts: those agreed
         on (read back from the record after a restart)."""
         run, r = self.run, close.round
-        key, what = getattr(run.keys, stage.record)(r), f"{stage.record} of round {r}"
+        key, what = stage.record(run.keys, r), f"{stage.record.__name__} of round {r}"
         found = run.read_record(key, what, round=r)
         if found is None:
             left: dict[int, str] = {}

@@ -1,19 +1,16 @@
-"""A volunteer aggregator: it offers, computes the parts a CLOSE assigns it, claims, and reveals
-(the protocol is ``exchange.py``'s; docs/aggregators.md).
+"""A volunteer aggregator: it offers, and for the parts a CLOSE assigns it runs the round's
+exchanges (``exchange.stages``, docs/aggregators.md) in one loop, as the scheduler does.
 
 It reads the round view as a worker does (one GET a poll). It offers once a round, while the
-round is open or already while the one before it is reduced; when the view shows a round
-closed, it reads the CLOSE (one GET), computes each part assigned to it from the frozen shards
-and state r (the same code as the organizer's aggregators), and writes a claim per part; when
-the view says reveal, it writes each answer's objects, then the result. Where CLOSE admitted
-shards unread, it first checks its parts of them (kept for the reduction), claims the checks,
-reveals them when the view says ``screen``, and once it says ``screened`` reads the scheduler's
-record of them (one GET) and reduces the parts it is left. With LAMB it then claims each
-part's partial sums, reveals them when the view says ``sums``, and once it says ``norms``
-reads the norms the scheduler recorded (one GET), steps the parts it is left and claims their
-answers. Everything it writes lies below its own prefix and is signed with its key. It keeps a
-round's shards, gradients and answers in memory until they are used or revealed, or the round
-is past.
+round is open or already while the one before it is reduced. When the view shows a round closed,
+it reads the CLOSE (one GET) and, for each exchange in turn, computes its value for each of its
+parts and writes a claim (the value's digest); when the view says that exchange's reveal, it
+writes each result (for the answers, the state's objects first); when the view says the
+scheduler recorded the exchange, it reads the record (one GET) and goes on with the parts the
+record leaves it. The values: the checks of its parts of the shards CLOSE admitted unread (the
+shards read are kept for the reduction), with LAMB each part's partial sums (the gradient and
+state kept for the step, which takes the norms the record holds), and the answer: state r+1
+over the part. Everything it writes lies below its own prefix and is signed with its key.
 """
 
 from __future__ import annotations
@@ -21,11 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..checks import exchange
+from ..checks.exchange import PARTS, SCREEN, SUMS, Stage
 from ..compute import aggregation
 from ..protocol import view
 from ..protocol.clock import Clock
@@ -43,8 +41,30 @@ class Done:
 
     round: int
     part: int
-    seconds: float  # reducing and stepping it
+    seconds: float  # checking, reducing and stepping it
     revealed: bool = False
+
+
+@dataclass
+class Work:
+    """One closed round's work: its exchanges, the one under way and the parts it has left, the
+    values claimed and not yet revealed, and what one exchange keeps for the next."""
+
+    close: Close
+    stages: list[Stage]
+    parts: list[int]
+    at: int = 0  # the exchange under way
+    claimed: dict[int, object] = field(default_factory=dict)  # part -> the value its claim commits to
+    revealed: bool = False
+    found: dict[int, dict] = field(default_factory=dict)  # part -> the shards' arrays read for its checks
+    grads: dict[int, np.ndarray] = field(default_factory=dict)  # LAMB: part -> its mean gradient, to step
+    states: dict[int, tuple] = field(default_factory=dict)  # LAMB: part -> state r over it, read once
+    norms: dict | None = None  # LAMB: the norms the scheduler recorded
+    answers: dict[int, dict[str, dict]] = field(default_factory=dict)  # part -> next_part's vectors
+
+    @property
+    def stage(self) -> Stage:
+        return self.stages[self.at]
 
 
 class AggregatorRole:
@@ -56,153 +76,132 @@ class AggregatorRole:
             raise RunError(f"run {run.name!r} takes no volunteer aggregators: {why}")
         self.run, self.peer, self.signer = run, peer, signer
         self.clock = run.clock if clock is None else clock
-        self.lamb = run.config.aggregator_optimizer.name == "lamb"
         self.offered: set[int] = set()
-        self.found: dict[tuple[int, int], dict] = {}  # (round, part) -> its shards' arrays, read for its check
-        self.checks: dict[tuple[int, int], list[float]] = {}  # (round, part) -> its check, until revealed
-        self._checking: dict[int, list[int]] = {}  # round -> its parts, checked, awaiting the scheduler's record
-        self.grads: dict[tuple[int, int], np.ndarray] = {}  # LAMB: (round, part) -> its mean gradient, kept to step
-        self.states: dict[tuple[int, int], tuple] = {}  # LAMB: (round, part) -> state r over it, read once
-        self.sums: dict[tuple[int, int], dict] = {}  # LAMB: (round, part) -> its partial sums, until revealed
-        self.norms: dict[int, dict] = {}  # LAMB: round -> the norms the scheduler recorded
-        self.answers: dict[tuple[int, int], dict[str, dict]] = {}  # (round, part) -> next_part's vectors
+        self.closed: set[int] = set()  # rounds whose CLOSE was read
+        self.work: dict[int, Work] = {}  # round -> its work, while it has parts left
         self.done: dict[tuple[int, int], Done] = {}
-        self._closed: set[int] = set()  # rounds whose CLOSE was read and its parts claimed
+        self._value = {SCREEN: self._checks, SUMS: self._sums, PARTS: self._answer}
 
     def _write(self, key: str, record: dict) -> None:
         self.run.bucket.write_json(key, identity.sign_record(self.signer, {"run": self.run.name, **record}))
 
     def step(self) -> None:
-        """One poll: offer for the open round, claim the parts of a closed one, reveal them."""
+        """One poll: offer for the open round, then take a closed one's exchanges as far as the
+        view has gone."""
         v = view.read(self.run.bucket, self.run.keys, self.run.config.organizer_key)
         if v is None:  # no scheduler published yet: its first round may close at its first poll
             self._offer(self.run.latest())
             return
         if v.stopped or v.ended:
             return
-        r, keys = v.round, self.run.keys
-        for kept in (self.found, self.checks, self.grads, self.states, self.sums, self.answers):
-            for rk in [rk for rk in kept if rk[0] < r]:
-                del kept[rk]
+        r = v.round
+        self.work = {rr: w for rr, w in self.work.items() if rr >= r}
         self._offer(r + 1 if v.closed else r)  # while a round is reduced, already for the next: a short round
         if not v.closed:                        # may close before the next poll
             return
-        if r not in self._closed:
-            self._closed.add(r)
+        if r not in self.closed:
+            self.closed = {x for x in self.closed if x >= r - 1} | {r}
             close = Close.read(self.run, r)
             mine = [k for k, peers in enumerate(close.aggregators or []) if self.peer in peers] if close else []
-            if mine and any(e.norm is None for e in close.accepted):  # shards admitted unread: checked first
-                for k in mine:
-                    self._claim_check(close, k)
-                self._checking[r] = mine
-            for k in [] if r in self._checking else mine:
-                self._begin(r, k)
-        if v.reveal == "screen":
-            for (rr, k), checks in sorted(self.checks.items()):
-                if rr == r:
-                    self._write(keys.screen(r, self.peer, k), {"round": r, "peer": self.peer, "part": k,
-                                                                "checks": checks})
-                    log.info("round %d: check of part %d revealed", r, k)
-            self.checks = {rk: x for rk, x in self.checks.items() if rk[0] != r}
-        if r in self._checking and v.reveal in ("screened", "sums", "norms", "parts"):
-            found = self.run.read_record(keys.screened(r), f"checks of round {r}'s shards", round=r)
+            if mine:
+                self.work[r] = Work(close, exchange.stages(close, self.run), mine)
+                self._claim(self.work[r])
+        if r in self.work:
+            self._follow(self.work[r], v.reveal)
+
+    def _follow(self, w: Work, reveal: str | None) -> None:
+        """Round ``w``'s exchanges as far as the view's ``reveal`` has gone: the results of the
+        one it reveals, then, past an exchange's record, the next exchange's claims."""
+        while True:
+            stage, r = w.stage, w.close.round
+            if reveal == stage.reveal and not w.revealed:
+                for k in sorted(w.claimed):
+                    self._reveal(w, k)
+                w.revealed = True
+            if stage.record is None or not exchange.said(reveal, stage.recorded):
+                return
+            found = self.run.read_record(stage.record(self.run.keys, r), f"{stage.record.__name__} of round {r}",
+                                         round=r)
             if found is None:  # the view is ahead of its listing: the next poll
                 return
-            for k in set(self._checking.pop(r)) & set(found["parts"]):
-                self._begin(r, k)
-        if v.reveal == "sums":
-            for (rr, k), sums in sorted(self.sums.items()):
-                if rr == r:
-                    self._write(keys.sums(r, self.peer, k), {"round": r, "peer": self.peer, "part": k, "sums": sums})
-                    log.info("round %d: partial sums of part %d revealed", r, k)
-            self.sums = {rk: x for rk, x in self.sums.items() if rk[0] != r}
-        if self.lamb and v.reveal in ("norms", "parts") and r not in self.norms and r in self._closed:
-            found = self.run.read_record(keys.norms(r), f"norms of round {r}", round=r)
-            if found is None:  # the view is ahead of its listing: the next poll
-                return
-            self.norms = {r: found["norms"]}
-            for k in found["parts"]:
-                if (r, k) in self.grads:
-                    self._claim(r, k)
-        if v.reveal == "parts":
-            for (rr, k), vectors in sorted(self.answers.items()):
-                if rr == r and not self.done[(r, k)].revealed:
-                    aggregation.write_part(self.run.bucket, keys.answer(r, self.peer, k), self.run, k, vectors)
-                    self._write(keys.result(r, self.peer, k), {"round": r, "peer": self.peer, "part": k,
-                                                                "checksums": self._checksums(k, vectors)})
-                    self.done[(r, k)].revealed = True
-                    log.info("round %d: part %d revealed", r, k)
+            w.norms = found.get("norms", w.norms)
+            w.parts = [k for k in w.parts if k in found["parts"]]
+            w.at, w.claimed, w.revealed = w.at + 1, {}, False
+            self._claim(w)
+
+    def _claim(self, w: Work) -> None:
+        """Compute this exchange's value for each part left and commit to it: only its digest
+        leaves this machine until the reveal."""
+        stage, r = w.stage, w.close.round
+        for k in w.parts:
+            t0 = time.perf_counter()
+            w.claimed[k] = self._value[stage](w, k)
+            done = self.done.setdefault((r, k), Done(r, k, 0.0))
+            done.seconds += time.perf_counter() - t0
+            self._write(stage.claim(self.run.keys, r, self.peer, k), {
+                "round": r, "peer": self.peer, "part": k, "digest": exchange.digest(self.peer, w.claimed[k])})
+            log.info("round %d: %s of part %d computed and claimed", r, stage.noun, k)
+
+    def _reveal(self, w: Work, k: int) -> None:
+        stage, r, keys = w.stage, w.close.round, self.run.keys
+        if stage is PARTS:  # the objects first: a result names them
+            aggregation.write_part(self.run.bucket, keys.answer(r, self.peer, k), self.run, k, w.answers.pop(k))
+            self.done[(r, k)].revealed = True
+        self._write(stage.result(keys, r, self.peer, k), {"round": r, "peer": self.peer, "part": k,
+                                                           stage.field: w.claimed[k]})
+        log.info("round %d: %s of part %d revealed", r, stage.noun, k)
 
     def _offer(self, r: int) -> None:
         if r not in self.offered:
             self._write(self.run.keys.offer(r, self.peer), {"round": r, "peer": self.peer, "at": self.clock.time()})
             self.offered = {x for x in self.offered if x >= r - 1} | {r}
 
-    def gradient(self, r: int, k: int) -> np.ndarray:
-        """Round r's mean gradient over part k (kept from the partial sums' claim, with LAMB; from
-        the shards read for its check, where it checked them)."""
-        if (r, k) in self.grads:
-            return self.grads[(r, k)]
-        return aggregation.mean_gradient(self.run, r, k, self.found.pop((r, k), None))
+    # each exchange's value of a part
+    def _checks(self, w: Work, k: int) -> list[float]:
+        return self.check(w.close, k)
 
+    def _sums(self, w: Work, k: int) -> dict[str, list[float]]:
+        r = w.close.round
+        w.grads[k] = self.gradient(r, k)
+        w.states[k] = aggregation.read_state(self.run, r, k)  # its step needs it again
+        return self.part_sums(r, k)
+
+    def _answer(self, w: Work, k: int) -> dict[str, dict[str, list[str]]]:
+        vectors = w.answers[k] = self.compute(w.close.round, k)
+        formats, chunks = aggregation.next_formats(self.run), self.run.part_chunks(k)
+        return {name: vector.chunk_checksums(formats[name], arrays, chunks) for name, arrays in vectors.items()}
+
+    # the computations, by round and part (what a test's dishonest aggregator replaces)
     def check(self, close: Close, k: int) -> list[float]:
         """Part k of every shard CLOSE admitted, checked (``aggregation.part_checks``); the shards
         read are kept for the reduction."""
-        found = self.found[(close.round, k)] = aggregation.read_part(self.run, close.accepted, k)
-        return aggregation.part_checks(self.run, k, close.accepted, found)
+        arrays = aggregation.read_part(self.run, close.accepted, k)
+        if (w := self.work.get(close.round)) is not None:
+            w.found[k] = arrays
+        return aggregation.part_checks(self.run, k, close.accepted, arrays)
 
-    def _claim_check(self, close: Close, k: int) -> None:
-        """Check part k of the shards of round ``close.round`` and commit to the checks."""
-        r, t0 = close.round, time.perf_counter()
-        self.checks[(r, k)] = self.check(close, k)
-        self.done[(r, k)] = Done(r, k, time.perf_counter() - t0)
-        self._write(self.run.keys.screen_claim(r, self.peer, k), {
-            "round": r, "peer": self.peer, "part": k, "digest": exchange.digest(self.peer, self.checks[(r, k)])})
-        log.info("round %d: part %d of the shards checked and claimed", r, k)
-
-    def _begin(self, r: int, k: int) -> None:
-        """Reduce part k of round r: with LAMB, claim its partial sums; else step and claim it."""
-        (self._claim_sums if self.lamb else self._claim)(r, k)
+    def gradient(self, r: int, k: int) -> np.ndarray:
+        """Round r's mean gradient over part k (kept from the partial sums' claim, with LAMB; from
+        the shards read for its checks, where it checked them)."""
+        w = self.work.get(r)
+        if w is not None and k in w.grads:
+            return w.grads[k]
+        return aggregation.mean_gradient(self.run, r, k, w.found.pop(k, None) if w is not None else None)
 
     def part_sums(self, r: int, k: int) -> dict[str, list[float]]:
         """LAMB: part k's partial sums of round r, which its trust ratios need whole."""
-        return aggregation.part_sums(self.run, r, k, self.gradient(r, k), self.states.get((r, k)))
+        w = self.work.get(r)
+        return aggregation.part_sums(self.run, r, k, self.gradient(r, k), w.states.get(k) if w is not None else None)
 
     def compute(self, r: int, k: int) -> dict[str, dict]:
         """Part k of state r+1: round r's mean gradient over it, and the optimizer step (with
-        LAMB, by the norms the scheduler recorded, on the state read for the partial sums)."""
-        kept = self.states.get((r, k))
+        LAMB, by the norms the scheduler recorded, on the state read for the partial sums, copied:
+        a step writes into the arrays it is given)."""
+        w = self.work.get(r)
+        kept = w.states.get(k) if w is not None else None
         state = None if kept is None else (kept[0].copy(), {n: a.copy() for n, a in kept[1].items()},
                                            None if kept[2] is None else kept[2].copy())
-        return aggregation.next_part(self.run, r, k, self.gradient(r, k), self.norms.get(r), state)
-
-    def _claim_sums(self, r: int, k: int) -> None:
-        """LAMB: reduce part k of round r and commit to its partial sums; the gradient is kept."""
-        t0 = time.perf_counter()
-        self.grads[(r, k)] = self.gradient(r, k)
-        self.states[(r, k)] = aggregation.read_state(self.run, r, k)  # its step needs it again
-        self.sums[(r, k)] = self.part_sums(r, k)
-        done = self.done.setdefault((r, k), Done(r, k, 0.0))
-        done.seconds += time.perf_counter() - t0
-        self._write(self.run.keys.sum_claim(r, self.peer, k), {
-            "round": r, "peer": self.peer, "part": k, "digest": exchange.digest(self.peer, self.sums[(r, k)])})
-        log.info("round %d: partial sums of part %d computed and claimed", r, k)
-
-    def _claim(self, r: int, k: int) -> None:
-        """Compute part k of round r and commit to it: only its digest leaves this machine."""
-        t0 = time.perf_counter()
-        vectors = self.compute(r, k)
-        self.answers[(r, k)] = vectors
-        done = self.done.setdefault((r, k), Done(r, k, 0.0))
-        done.seconds += time.perf_counter() - t0
-        self._write(self.run.keys.claim(r, self.peer, k), {
-            "round": r, "peer": self.peer, "part": k,
-            "digest": exchange.digest(self.peer, self._checksums(k, vectors))})
-        log.info("round %d: part %d computed and claimed", r, k)
-
-    def _checksums(self, k: int, vectors: dict[str, dict]) -> dict[str, dict[str, list[str]]]:
-        formats, chunks = aggregation.next_formats(self.run), self.run.part_chunks(k)
-        return {name: vector.chunk_checksums(formats[name], arrays, chunks) for name, arrays in vectors.items()}
+        return aggregation.next_part(self.run, r, k, self.gradient(r, k), w.norms if w is not None else None, state)
 
     def serve(self, stop: Callable[[], bool], poll_s: float = 2.0) -> None:
         """Poll every ``poll_s`` until ``stop()``; a failing poll is logged and the next one tries

@@ -220,13 +220,13 @@ class Replay:
         import numpy as np
 
         from dedloc_pipeline.compute import optim
-        from dedloc_pipeline.protocol.close import closed
+        from dedloc_pipeline.protocol.close import round_close
         from dedloc_pipeline.storage import codec, vector
         from dedloc_pipeline.storage.layout import volunteer_of
 
         run, r = self.run, self.state
         cfg, fmt = run.config, run.grad_format
-        accepted = closed(run, r).accepted
+        accepted = round_close(run, r).accepted
         total = np.zeros(run.flat.n, np.float64)
         weights: dict[str, float] = {}
         for s in accepted:

@@ -22,7 +22,7 @@ from dedloc_pipeline.monitoring.status import status
 from dedloc_pipeline.organizer import ledger, scheduler as engine
 from dedloc_pipeline.organizer.close_out import CloseOut, close_out
 from dedloc_pipeline.organizer.referee import Settlement
-from dedloc_pipeline.protocol.close import close_summary, closed
+from dedloc_pipeline.protocol.close import close_summary, round_close
 from dedloc_pipeline.protocol.config import recipe_config
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
@@ -41,12 +41,12 @@ def wait_close(bucket: str, run: str, r: int, poll_s: float | None, max_wait_s: 
 @task(retries=1, retry_delay_seconds=2)
 def settle(bucket: str, run: str, r: int, poll_s: float | None) -> Settlement:
     """The parts round r's volunteer aggregators settle by agreeing, until its deadline."""
-    return scheduler(bucket, run, poll_s, True).settle(closed(open_run(bucket, run), r, counted=False))
+    return scheduler(bucket, run, poll_s, True).settle(round_close(open_run(bucket, run), r, counted=False))
 
 
 @task(retries=3, retry_delay_seconds=2)
 def flag_liars(bucket: str, run: str, r: int, poll_s: float | None, settled: Settlement) -> None:
-    scheduler(bucket, run, poll_s, True).flag_liars(closed(open_run(bucket, run), r, counted=False), settled)
+    scheduler(bucket, run, poll_s, True).flag_liars(round_close(open_run(bucket, run), r, counted=False), settled)
 
 
 @task(retries=3, retry_delay_seconds=2)

@@ -52,7 +52,7 @@ def test_the_same_samples_of_different_streams_do_not_overlap():
 
 def test_a_shard_far_above_the_median_volunteers_norm_is_rejected():
     shards = [entry("a"), entry("b"), entry("c"), entry("d", norm=10.0)]
-    kept, out = admission.screen(shards, factor=3.0)
+    kept, out = admission.norm_screen(shards, factor=3.0)
     assert keys(kept) == ["a/0001", "b/0001", "c/0001"]
     assert out == [Rejection(key="d/0001", reason="gradient norm 10 (10 at the typical shard's samples) above 3x "
                                                   "the round's median volunteer (3)")]
@@ -62,7 +62,7 @@ def test_the_screen_compares_norms_at_the_typical_shards_samples():
     """A mean over 2 samples is noisier: norm 2 at 2 samples is norm 1 at the typical 8; a shard
     over more samples than typical is never scaled up."""
     shards = [entry("a"), entry("b"), entry("c", samples=2, norm=2.0), entry("d", samples=32, norm=2.9)]
-    kept, out = admission.screen(shards, factor=3.0)
+    kept, out = admission.norm_screen(shards, factor=3.0)
     assert keys(kept) == keys(shards) and out == []
 
 
@@ -71,15 +71,15 @@ def test_one_volunteers_many_parts_move_the_median_no_more_than_one():
     norm stays 1 (over shards it would be 100, and nothing would be screened)."""
     shards = [entry("a"), entry("b", norm=3.5), entry("c"), entry("d")]
     shards += [entry("m", f"000{i}", start=8 * i, norm=100.0) for i in range(5)]
-    kept, out = admission.screen(shards, factor=3.0)
+    kept, out = admission.norm_screen(shards, factor=3.0)
     assert keys(kept) == ["a/0001", "c/0001", "d/0001"]
     assert keys(out) == ["b/0001"] + [f"m/000{i}" for i in range(5)]
 
 
 def test_the_screen_is_off_without_a_factor_or_three_volunteers():
     shards = [entry("a"), entry("b", norm=100.0)]
-    assert admission.screen(shards, factor=3.0) == (shards, [])
-    assert admission.screen(shards + [entry("c")], factor=None) == (shards + [entry("c")], [])
+    assert admission.norm_screen(shards, factor=3.0) == (shards, [])
+    assert admission.norm_screen(shards + [entry("c")], factor=None) == (shards + [entry("c")], [])
 
 
 # flags
@@ -153,7 +153,7 @@ def test_late_shards_are_folded_marked_late():
 @pytest.mark.parametrize("samples,expired,met", [(24, False, True), (23, False, False), (12, True, True),
                                                  (11, True, False), (30, True, True)])
 def test_a_round_closes_at_its_target_or_once_expired_at_min_fraction(samples, expired, met):
-    assert admission.met(samples, 24, 0.5, expired) is met
+    assert admission.closes(samples, 24, 0.5, expired) is met
 
 
 def test_a_round_expires_after_timeout_s_or_never():
@@ -188,7 +188,7 @@ def test_the_direction_screen_rejects_the_volunteer_pointing_away_from_the_media
     shards = [entry(p) for p in ("a", "b", "c", "m")]
     for s, sign in zip(shards, (1, 1, 1, -8)):
         s._sketch = sign * base + rng.standard_normal(4096)
-    kept, out = admission.agree(shards, 0.0)
+    kept, out = admission.direction_screen(shards, 0.0)
     assert keys(kept) == ["a/0001", "b/0001", "c/0001"] and [r.key for r in out] == ["m/0001"]
-    assert admission.agree(shards[2:], 0.0) == (shards[2:], [])  # two volunteers: no majority
-    assert admission.agree(shards, None) == (shards, [])
+    assert admission.direction_screen(shards[2:], 0.0) == (shards[2:], [])  # two volunteers: no majority
+    assert admission.direction_screen(shards, None) == (shards, [])

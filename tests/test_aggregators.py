@@ -174,7 +174,7 @@ def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket,
             return frozen
         monkeypatch.setattr(validation, "freeze", corrupt)
     if checks != "on":
-        monkeypatch.setattr(referee.admission, "contents",
+        monkeypatch.setattr(referee.admission, "judge_contents",
                             lambda accepted, verdicts, max_norm, factor: (accepted, []))
     with LockStep(run, volunteers=True) as c:
         for n, mb in (("a", 4), ("b", 3)):

@@ -16,7 +16,7 @@ from dedloc_pipeline.model.data import DataError, make_source
 from dedloc_pipeline.monitoring.volunteer import make_worker
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol import shard, view
-from dedloc_pipeline.protocol.close import closed
+from dedloc_pipeline.protocol.close import round_close
 from dedloc_pipeline.protocol.run import Run, RunError, init_run
 from dedloc_pipeline.storage import codec, vector
 from dedloc_pipeline.storage.bucket import Bucket
@@ -164,7 +164,7 @@ def test_a_shard_rewritten_after_validation_changes_nothing(make_run, when):
     if when == "before_close":
         assert sched.try_close(0) is not None
     with pytest.raises(vector.CorruptShard, match="checksum mismatch|undecodable"):  # the control
-        vector.read_vector(run.bucket, key, run.grad_format, checksums=closed(run, 0).accepted[0].checksums)
+        vector.read_vector(run.bucket, key, run.grad_format, checksums=round_close(run, 0).accepted[0].checksums)
     _finish(run, 0)
     reduced = vector.read_vector(run.bucket, run.keys.reduced(0), run.dense_format)
     assert np.array_equal(reduced, honest)  # the exact codec: the validated gradient itself
@@ -193,7 +193,7 @@ def test_in_the_local_steps_mode_a_shard_pointing_away_from_the_median_volunteer
     assert _cos(vector.read_vector(run.bucket, run.keys.reduced(0), run.dense_format), base) > 0.5
     sched = Scheduler(run, 1, 0)
     entries, _ = sched.judge.verdicts(0)
-    kept, out = admission.agree(entries, None)  # the control: nothing screened
+    kept, out = admission.direction_screen(entries, None)  # the control: nothing screened
     assert len(kept) == 4 and not out
     counted = sum(codec.decode(vector.read_vector(run.bucket, run.keys.frozen(e.key), run.grad_format, raw=True),
                                "int8", run.config.block_size) for e in kept)
@@ -256,7 +256,7 @@ def test_a_late_local_steps_shard_is_sketched_again_on_the_round_it_is_folded_in
     assert sorted(e.peer for e in close.accepted) == ["a", "b", "c"]
     assert [(run.keys.shard_parts(r.key)[1], r.reason.split(":")[0]) for r in close.rejected] == [
         ("mallory", "points away from the round's median volunteer")]
-    first = sched.judge.verdicts(0, skip=closed(run, 0).listed())[0][0]._sketch  # the control
+    first = sched.judge.verdicts(0, skip=round_close(run, 0).listed())[0][0]._sketch  # the control
     median = np.median(np.stack([e._sketch for e in sched.judge.verdicts(1)[0]]), axis=0)
     assert abs(first @ median) / (np.linalg.norm(first) * np.linalg.norm(median)) < 0.1
 

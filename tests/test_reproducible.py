@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dedloc_pipeline.compute import aggregation
-from dedloc_pipeline.protocol.close import closed
+from dedloc_pipeline.protocol.close import round_close
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, small_config
@@ -104,7 +104,7 @@ def test_a_part_is_the_same_bytes_in_another_process_and_on_a_plain_cpu(runs):
     for name, (root, run) in runs.items():
         plain = _objects(root / "out")
         assert plain and plain == wide[root], f"{name}: another environment wrote other bytes"
-        accepted = closed(run, 1).accepted
+        accepted = round_close(run, 1).accepted
         here = [aggregation.part_checks(run, k, accepted, aggregation.read_part(run, accepted, k))
                 for k in range(run.n_parts)]
         assert json.loads(wide_checks[root]) == json.loads((root / "checks.json").read_text()) == here, name

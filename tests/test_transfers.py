@@ -48,7 +48,7 @@ def test_a_worker_computes_while_its_shard_uploads(make_run, monkeypatch):
     for _ in range(3):
         assert w.step()  # computing, the upload still held
     assert w.computed_samples == computed + 12 and w.acc.round == 1
-    own = upload_policy.alone(0, w.transfers.sent, 0.0)
+    own = upload_policy.without_view(0, w.transfers.sent, 0.0)
     assert own.manifest_samples == 24  # its own count has the shard on the way ...
     beat = heartbeat.parse(run.bucket.read_bytes(run.keys.progress(0, "a")))  # ... and so do the others'
     cfg, now = run.config, run.clock.time()

@@ -366,8 +366,8 @@ def test_peers_computing_ahead_count_as_live_others(make_run):
     v = _published(run)
     assert (v.peers, v.ahead_peers, v.ahead_samples_per_s) == (1, 1, 2.0)
     b_beats = [heartbeat.parse(run.bucket.read_bytes(run.keys.progress(1, "b")))]
-    seen_by_b = upload_policy.mine(v, 0, b_beats, [], run.config.peer_timeout_s, 10.0, TARGET)
-    seen_by_a = upload_policy.mine(v, 0, [heartbeat.parse(run.bucket.read_bytes(run.keys.progress(0, "a")))], [],
+    seen_by_b = upload_policy.from_view(v, 0, b_beats, [], run.config.peer_timeout_s, 10.0, TARGET)
+    seen_by_a = upload_policy.from_view(v, 0, [heartbeat.parse(run.bucket.read_bytes(run.keys.progress(0, "a")))], [],
                                    run.config.peer_timeout_s, 10.0, TARGET)
     assert (seen_by_b.peers, seen_by_b.ahead_peers, seen_by_b.ahead_samples_per_s) == (1, 0, 0.0)
     assert (seen_by_a.peers, seen_by_a.ahead_peers, seen_by_a.ahead_samples_per_s) == (0, 1, 2.0)

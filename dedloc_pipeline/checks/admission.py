@@ -69,7 +69,7 @@ def screened_norms(accepted: list[Entry]) -> tuple[dict[str, float], float]:
     return scaled, float(np.median([np.median([scaled[s.key] for s in mine]) for mine in by_volunteer.values()]))
 
 
-def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], list[Rejection]]:
+def norm_screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], list[Rejection]]:
     """Shards far above the round's median norm (``factor`` times it, ``screened_norms``), rejected:
     a gradient scaled up is the cheapest attack on a mean, and no absolute bound fits every stage
     of training. Off (``factor`` None) or with fewer than three volunteers, nothing is screened."""
@@ -88,7 +88,7 @@ def screen(accepted: list[Entry], factor: float | None) -> tuple[list[Entry], li
     return kept, out
 
 
-def contents(accepted: list[Entry], verdicts: dict[str, float | str], max_norm: float,
+def judge_contents(accepted: list[Entry], verdicts: dict[str, float | str], max_norm: float,
              factor: float | None) -> tuple[list[Entry], list[Rejection]]:
     """The shards whose contents were checked only after they were admitted (``verdicts``: each
     one's norm, or why its contents are refused), their norms set: those refused, above
@@ -104,12 +104,12 @@ def contents(accepted: list[Entry], verdicts: dict[str, float | str], max_norm: 
                                  data=s.data))
         else:
             kept.append(s.model_copy(update={"norm": v}))
-    kept, screened = screen(kept, factor)
+    kept, screened = norm_screen(kept, factor)
     data = {s.key: s.data for s in accepted}
     return kept, out + [x.model_copy(update={"data": data[x.key]}) for x in screened]
 
 
-def agree(accepted: list[Entry], min_agreement: float | None) -> tuple[list[Entry], list[Rejection]]:
+def direction_screen(accepted: list[Entry], min_agreement: float | None) -> tuple[list[Entry], list[Rejection]]:
     """The direction screen (``direction.py``): the shards of a volunteer whose sketch (its
     shards', by samples) points away from the median volunteer's, cosine below ``min_agreement``,
     rejected. Only shards with a sketch (the local-steps mode's, not recomputed before CLOSE) are judged;
@@ -147,7 +147,7 @@ def unflagged(accepted: list[Entry], flags: dict[str, Flag]) -> tuple[list[Entry
     return kept, out
 
 
-def present(live: Iterable[str], previous: Iterable[str], opened_at: float, now: float,
+def present_volunteers(live: Iterable[str], previous: Iterable[str], opened_at: float, now: float,
             grace_s: float) -> frozenset[str]:
     """The volunteers present in a round besides those with shards in it: those heartbeating it
     (``live``), and for its first ``grace_s`` seconds (the run's ``peer_timeout_s``) those who
@@ -204,6 +204,6 @@ def timed_out(opened_at: float, now: float, timeout_s: float | None) -> bool:
     return timeout_s is not None and now - opened_at >= timeout_s
 
 
-def met(samples: int, target: int, min_fraction: float, expired: bool) -> bool:
+def closes(samples: int, target: int, min_fraction: float, expired: bool) -> bool:
     """The close rule: the target reached, or, once the round ``expired`` (``timed_out``), ``min_fraction`` of it."""
     return samples >= target or (expired and samples >= min_fraction * target)

@@ -76,16 +76,16 @@ CHECKS: tuple[Check, ...] = (
           "close.max_parts", judge=lambda e, rd: admission.bound_parts(e, rd.config.close.max_parts),
           where="admission.bound_parts"),
     Check("norm screen", Moment.CLOSE, "a shard far above the round's median volunteer's norm (a scaled "
-          "gradient)", "norm_screen", judge=lambda e, rd: admission.screen(e, rd.config.norm_screen),
-          where="admission.screen"),
+          "gradient)", "norm_screen", judge=lambda e, rd: admission.norm_screen(e, rd.config.norm_screen),
+          where="admission.norm_screen"),
     Check("direction screen", Moment.CLOSE, "diloco: a volunteer whose shards point away from the median "
-          "volunteer's", "close.min_agreement", judge=lambda e, rd: admission.agree(e, rd.config.close.min_agreement),
-          where="admission.agree"),
+          "volunteer's", "close.min_agreement", where="admission.direction_screen",
+          judge=lambda e, rd: admission.direction_screen(e, rd.config.close.min_agreement)),
     Check("flags", Moment.CLOSE, "shards of a volunteer the validator or the scheduler flagged",
           judge=lambda e, rd: admission.unflagged(e, rd.flags), where="admission.unflagged"),
     Check("checks after close", Moment.AFTER_CLOSE, "what the contents check catches, and the norm screen, for "
           "shards CLOSE admitted unread: each part checked by two aggregators, the organizer where they disagree",
-          "max_grad_norm", where="admission.contents (organizer/referee.py, organizer/judge.py)"),
+          "max_grad_norm", where="admission.judge_contents (organizer/referee.py, organizer/judge.py)"),
     Check("answers", Moment.AFTER_CLOSE, "an aggregator whose checks, partial sums or answer are not what it "
           "claimed, or not the organizer's own: flagged", where="organizer/referee.py"),
     Check("recomputation", Moment.AFTER_COMMIT, "a shard whose gradient is not what its samples give on its "

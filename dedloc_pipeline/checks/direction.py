@@ -1,7 +1,7 @@
 """The direction screen: which way each volunteer's shard points, against the median volunteer.
 
 In the local-steps mode (``algorithm: diloco``) no shard is recomputed, so a volunteer could send
-its pseudo-gradient reversed, and the norm screen (``admission.screen``) would let it through at up
+its pseudo-gradient reversed, and the norm screen (``admission.norm_screen``) would let it through at up
 to ten times the median norm: one volunteer in four erased a run's progress that way. So the
 scheduler sketches every shard as it validates it (a count sketch: each element added, with a
 hashed sign, to one of ``SKETCH`` hashed buckets; inner products, and so cosines, survive it to

@@ -40,7 +40,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ..protocol.close import Close, screened
+from ..protocol.close import Close, with_checks
 from ..protocol.run import Run
 from ..protocol.shard import Entry, commit_hash
 from ..storage.bucket import StorageError
@@ -122,7 +122,7 @@ class Verifier:
         close = Close.read(self.run, r)
         if commit is None or close is None:
             return None
-        close = screened(self.run, close)  # committed: its shards' checks are recorded
+        close = with_checks(self.run, close)  # committed: its shards' checks are recorded
         t0 = time.perf_counter()
         state_hash = commit_hash(commit)
         accepted = close.accepted

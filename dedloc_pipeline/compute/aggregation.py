@@ -15,7 +15,7 @@ import logging
 
 import numpy as np
 
-from ..protocol.close import closed
+from ..protocol.close import round_close
 from ..protocol.run import Run, RunError
 from ..storage import codec, vector
 from ..storage.layout import volunteer_of
@@ -63,7 +63,7 @@ def mean_gradient(run: Run, r: int, part: int, found: dict | None = None) -> np.
     bytes on any machine (``optim``). ``found``: those shards' arrays there, read already
     (``read_part``)."""
     keys, bucket = run.keys, run.bucket
-    accepted = closed(run, r).accepted
+    accepted = round_close(run, r).accepted
     chunks = run.part_chunks(part)
     lo, hi = run.part_bounds(part)
     fmt = run.grad_format

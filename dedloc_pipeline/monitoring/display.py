@@ -32,7 +32,7 @@ from .ledger import Ledger
 from .stop import StopRequest
 
 if TYPE_CHECKING:  # the display needs no torch of its own
-    from ..volunteer.worker import RoundView, Snapshot, Worker
+    from ..volunteer.worker import Progress, RoundView, Worker
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class Display:
         last = f", last in round {max(d.round for d in done)}" if done else ""
         return f"{len(done)} parts computed, {sum(d.revealed for d in done)} revealed{last}"
 
-    def _activity(self, s: Snapshot, full: bool) -> str:
+    def _activity(self, s: Progress, full: bool) -> str:
         if self.stop is not None and self.stop():
             what = f"finishing the upload to round {s.round}" if s.activity == "uploading" else "finishing a step"
             again = " (interrupt again to quit at once)" if self.stop.presses else ""

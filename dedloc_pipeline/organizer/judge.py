@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..checks import admission, catalog, direction, flags
 from ..checks.probe import LossProbe
 from ..checks.validation import check_contents, manifest_limit
-from ..protocol.close import Close, Rejection, amended
+from ..protocol.close import Close, Rejection, amend
 from ..protocol.run import Run, RunError
 from ..protocol.shard import DataRef, Entry, Rejected, commit_hash
 from ..storage import codec, vector
@@ -236,8 +236,8 @@ class Judge:
         with ThreadPoolExecutor(2 * self.parallel) as pool:
             list(pool.map(check, [e for e in close.accepted if e.norm is None]))
         cfg = self.run.config
-        kept, out = admission.contents(close.accepted, verdicts, cfg.max_grad_norm, cfg.norm_screen)
-        return amended(close, kept, self.logged(close.round, out))
+        kept, out = admission.judge_contents(close.accepted, verdicts, cfg.max_grad_norm, cfg.norm_screen)
+        return amend(close, kept, self.logged(close.round, out))
 
     @staticmethod
     def logged(r: int, rejected: list[Rejection]) -> list[Rejection]:
@@ -278,7 +278,7 @@ class Judge:
                  started_at: float | None = None,
                  reread_flags: bool = False) -> tuple[admission.Weighed, list[Rejection]]:
         """The close's checks over round r's validated shards (``catalog.admit``), then those
-        kept weighed among the volunteers present (``admission.present``), at least as many as
+        kept weighed among the volunteers present (``admission.present_volunteers``), at least as many as
         a signed run's first round awaits (``admission.least_volunteers``, from its first work at
         ``started_at``): (weighed, rejected). The flags are read as a round opens and again when
         it is about to close (``reread_flags``: one LIST), so a flag written mid-round keeps its
@@ -287,7 +287,7 @@ class Judge:
             self._flags = flags.read(self.run)
         cfg, opening = self.run.config, self.opening(r)
         accepted, rejected = catalog.admit(accepted, catalog.Round(cfg, self._flags))
-        others = admission.present(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
+        others = admission.present_volunteers(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
         enrolled = len(self._roster.volunteers) if self._roster is not None else 0
         since = opening.at if started_at is None else started_at
         least = admission.least_volunteers(opening.volunteers, enrolled, since, now, cfg.peer_timeout_s)

@@ -11,7 +11,7 @@ import logging
 import statistics
 
 from ..compute import optim
-from ..protocol.close import Close, Counted, closed
+from ..protocol.close import Close, LedgerShard, round_close
 from ..protocol.run import Run, RunError
 from ..protocol.shard import Entry
 from ..storage.layout import volunteer_of
@@ -19,7 +19,7 @@ from ..trust import identity
 
 log = logging.getLogger(__name__)
 
-LEDGER_FIELDS = set(Counted.model_fields)  # of each accepted shard's CLOSE entry, in COMMIT
+LEDGER_FIELDS = set(LedgerShard.model_fields)  # of each accepted shard's CLOSE entry, in COMMIT
 
 
 def stream_ends(before: dict[str, int], close: Close) -> dict[str, int]:
@@ -62,7 +62,7 @@ def _write_commit(run: Run, r: int) -> dict:
         bucket.delete(keys.commit(r + 1))
         existing = None
     if existing is None:
-        close = closed(run, r)
+        close = round_close(run, r)
         found = bucket.read_many([keys.applied(r + 1, k) for k in range(run.n_parts)])
         missing = [k for k, v in found.items() if v is None]
         if missing:

@@ -221,7 +221,7 @@ class Referee:
                 start: float, by: float) -> tuple[float, list[int]]:
         """Check the shards CLOSE admitted unread (``SCREEN``) by ``by``: each part of every one
         by its two aggregators, the organizer checking the parts they do not agree on; record
-        which shards the checks reject and every norm (``close.screened``: what every reader of
+        which shards the checks reject and every norm (``close.with_checks``: what every reader of
         the round takes). When the next exchange starts, and its parts."""
         run, r = self.run, close.round
 
@@ -237,7 +237,7 @@ class Referee:
                 norm = math.sqrt(sum(checks[k][i] for k in sorted(checks))) if not bad else 0.0
                 verdicts[e.key] = (f"its chunks of part {bad[0]} are not its manifest's, malformed or not finite "
                                    "(checked after CLOSE)") if bad else norm
-            kept, rejected = admission.contents(close.accepted, verdicts, run.config.max_grad_norm,
+            kept, rejected = admission.judge_contents(close.accepted, verdicts, run.config.max_grad_norm,
                                                 run.config.norm_screen)
             for x in rejected:
                 log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)

@@ -29,7 +29,7 @@ from ..checks import admission, exchange
 from ..compute import aggregation
 from ..protocol import heartbeat, view
 from ..protocol.clock import Clock
-from ..protocol.close import Close, closed
+from ..protocol.close import Close, round_close
 from ..protocol.run import Run, RunError
 from ..trust import identity
 from . import referee
@@ -45,7 +45,7 @@ _PROJECTED = {"at", "written_at", "eta_s", "pending_samples", "horizon_s"}
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Poll:
     """One poll of a run: all the round loop decides on."""
 
     state: int  # the newest committed state; round ``state`` is the open one
@@ -57,7 +57,7 @@ ENDED = {"rounds": "the scheduler reached its last round (--until-round)",
          "wall time": "the scheduler reached its wall time", "STOP marker": "the run is stopped (dedloc stop)"}
 
 
-def stop_reason(snap: Snapshot, until_state: int | None = None, deadline: float | None = None,
+def stop_reason(snap: Poll, until_state: int | None = None, deadline: float | None = None,
                 now: float | None = None) -> str | None:
     """Why the round loop ends now, or None to go on. A round already closed is still committed
     after STOP or past the deadline (a ``clock.monotonic()``, compared with ``now``): its volunteers'
@@ -133,14 +133,14 @@ class Scheduler:
         started = self._started.get(r, now)
         (accepted, samples, cap), out = self.judge.admitted(r, candidates, live, now, started)
         expired = admission.timed_out(opened, now, rule.timeout_s)
-        if admission.met(samples, target, rule.min_fraction, expired):
+        if admission.closes(samples, target, rule.min_fraction, expired):
             version = self.judge.roster_version  # a roster changed since: every shard judged anew
             if self.judge.roster() is not None and self.judge.roster_version != version:
                 return self.try_close(r, now)
             # flags written since the round opened count too
             (accepted, samples, cap), out = self.judge.admitted(r, candidates, live, now, started, reread_flags=True)
         rejected += self.judge.logged(r, out)
-        if not admission.met(samples, target, rule.min_fraction, expired):
+        if not admission.closes(samples, target, rule.min_fraction, expired):
             self._publish(r, at, listed, samples=samples, shards=len(accepted), rejected=len(rejected),
                           pending=pending, cap=cap)
             return None
@@ -250,12 +250,12 @@ class Scheduler:
         return pending
 
     # the loop's steps
-    def poll(self) -> Snapshot:
+    def poll(self) -> Poll:
         """The run as the round loop sees it now; the lease taken or renewed first (LeaseHeld
         while another scheduler holds it)."""
         self.lease.hold()
         r = self.run.latest()
-        return Snapshot(state=r, close=self._existing_close(r), stopped=self.run.stopped(delete_forged=True))
+        return Poll(state=r, close=self._existing_close(r), stopped=self.run.stopped(delete_forged=True))
 
     def wait_close(self, r: int, deadline: float | None = None) -> Close | None:
         """Poll until round r closes (its CLOSE); None once the run is stopped or ``deadline``
@@ -282,7 +282,7 @@ class Scheduler:
         gave volunteer aggregators are theirs until its deadline (``settle``); the organizer
         computes the others, then flags the aggregators that lied (``flag_liars``)."""
         run = self.run
-        close = close or closed(run, r, counted=False)
+        close = close or round_close(run, r, counted=False)
         return close_out(run.n_parts, CloseOut(
             settle=lambda: self.settle(close),
             reduce=lambda parts: list(pool.map(lambda k: aggregation.reduce_part(run, r, k), parts)),

@@ -70,7 +70,7 @@ class Close(BaseModel):
         return None if found is None else cls.model_validate(found)
 
 
-class Counted(BaseModel):
+class LedgerShard(BaseModel):
     """An accepted shard as the COMMIT copies it from its CLOSE entry: the ledger's fields, what
     status and a volunteer's ledger read of a committed round."""
 
@@ -90,23 +90,23 @@ class Counted(BaseModel):
         return self.samples if self.weight is None else self.weight
 
 
-def committed(commit: dict) -> tuple[list[Counted], list[Rejection]]:
+def committed(commit: dict) -> tuple[list[LedgerShard], list[Rejection]]:
     """A COMMIT's shards, accepted and rejected, typed."""
-    return ([Counted.model_validate(x) for x in commit.get("shards", [])],
+    return ([LedgerShard.model_validate(x) for x in commit.get("shards", [])],
             [Rejection.model_validate(x) for x in commit.get("rejected", [])])
 
 
-def closed(run: Run, r: int, counted: bool = True) -> Close:
+def round_close(run: Run, r: int, counted: bool = True) -> Close:
     """Round r's CLOSE as a reduction or a commit needs it (``screened``; ``counted`` False: as
     written, what its volunteer aggregators are assigned by): RunError while the round is open,
     or its shards' contents are not checked yet."""
     close = Close.read(run, r)
     if close is None:
         raise RunError(f"round {r} is not closed")
-    return screened(run, close) if counted else close
+    return with_checks(run, close) if counted else close
 
 
-def screened(run: Run, close: Close) -> Close:
+def with_checks(run: Run, close: Close) -> Close:
     """``close`` as its shards are counted: where CLOSE left their contents to be checked after
     it (entries without a norm: volunteer aggregators check them, checks/exchange.py), amended by the
     scheduler's signed record of those checks (one GET): the shards they rejected moved to the
@@ -120,11 +120,11 @@ def screened(run: Run, close: Close) -> Close:
         raise RunError(f"round {r}: its shards' contents are not checked yet")
     out = [Rejection.model_validate(x) for x in found["rejected"]]
     gone = {x.key for x in out}
-    return amended(close, [e.model_copy(update={"norm": found["norms"][e.key]})
+    return amend(close, [e.model_copy(update={"norm": found["norms"][e.key]})
                            for e in close.accepted if e.key not in gone], out)
 
 
-def amended(close: Close, kept: list[Entry], out: list[Rejection]) -> Close:
+def amend(close: Close, kept: list[Entry], out: list[Rejection]) -> Close:
     """``close`` with only ``kept`` accepted and ``out`` rejected besides, its counted samples
     those ``kept`` count for (their capped weights)."""
     samples = close.samples if not out else round(sum(e.weight if e.weight is not None else e.samples for e in kept))

@@ -99,7 +99,7 @@ def _number(x) -> float:
     return max(float(x), 0.0) if ok else 0.0
 
 
-class Counted(NamedTuple):
+class BeatCount(NamedTuple):
     samples: int  # pending, projected to the count's time, within [0, target]
     samples_per_s: float
     horizon_s: float  # how long past its time it was projected, at most
@@ -116,7 +116,7 @@ def lifetime(beat: Heartbeat, timeout: float, ahead_s: float) -> float:
 
 
 def counted(beat: Heartbeat | None, r: int, now: float, timeout: float, target: int,
-            ahead_s: float = 0.0, landed: int = 0) -> Counted | None:
+            ahead_s: float = 0.0, landed: int = 0) -> BeatCount | None:
     """What ``beat`` counts toward round r at ``now``; None if it does not count: unreadable,
     another round, or past its ``lifetime`` (or as far ahead). The pending samples are projected
     to ``now`` at the peer's speed until its next heartbeat is due (its ``next_s``, at most
@@ -128,7 +128,7 @@ def counted(beat: Heartbeat | None, r: int, now: float, timeout: float, target: 
     if beat is None or beat.round != r or abs(now - beat.time) >= lifetime(beat, timeout, ahead_s):
         return None
     horizon = ahead_s if beat.next_s is None else min(max(beat.next_s, 0.0), ahead_s)
-    return Counted(claimed(beat, now, landed, horizon, target), min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED),
+    return BeatCount(claimed(beat, now, landed, horizon, target), min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED),
                    horizon)
 
 

@@ -152,8 +152,8 @@ class Follower:
                     continue
         return end
 
-    def read(self, mine: Callable[[View], RoundView]) -> RoundView | None:
-        """Read the round view again (one conditional GET): round ``state`` as ``mine`` makes it
+    def read(self, as_seen: Callable[[View], RoundView]) -> RoundView | None:
+        """Read the round view again (one conditional GET): round ``state`` as ``as_seen`` makes it
         this peer's, or None without a fresh view of this state. It moves this peer to a newer
         state the view names, marks it stopped when the view says so, and, with no fresh view,
         reads LATEST and STOP itself every ``fallback_s``."""
@@ -170,7 +170,7 @@ class Follower:
                 and self.clock.time() - self._last_sync >= self.fallback_s:
             self.sync()
         usable = v is not None and v.state == self.state and (fresh or v.closed or v.ended is not None)
-        self.view = mine(v) if usable else None
+        self.view = as_seen(v) if usable else None
         if self.view is not None:
             full = self.view.closed or self.view.manifest_samples >= self.run.config.target_batch_size
             self._full_seen = (self.looked if self._full_seen is None else self._full_seen) if full else None

@@ -29,7 +29,7 @@ def should_upload(v: RoundView, mine: int, target: int, first: bool) -> bool:
     return mine >= target - v.manifest_samples or expected < target <= expected + mine
 
 
-def mine(v: View, r: int, beats: Iterable[Heartbeat], sent: Iterable[Sent], timeout: float,
+def from_view(v: View, r: int, beats: Iterable[Heartbeat], sent: Iterable[Sent], timeout: float,
          ahead_s: float, target: int) -> RoundView:
     """Round r as the published view ``v`` shows it to this peer: less this peer's own
     heartbeat in it, plus this peer's shards it cannot show yet. Which of its heartbeats
@@ -53,7 +53,7 @@ def mine(v: View, r: int, beats: Iterable[Heartbeat], sent: Iterable[Sent], time
     return for_worker(v, pending, speed, counted, unseen, seen, ahead)
 
 
-def alone(r: int, sent: Iterable[Sent], now: float) -> RoundView:
+def without_view(r: int, sent: Iterable[Sent], now: float) -> RoundView:
     """Round r without a fresh view: nobody's counts but this peer's own shards."""
     return RoundView(manifest_samples=sum(x.samples for x in sent if x.round == r), at=now)
 

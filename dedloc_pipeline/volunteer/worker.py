@@ -55,7 +55,7 @@ SPEED_CLAIMED = 0.95
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Progress:
     """A volunteer's progress at one moment, for a display (taken without a bucket call)."""
 
     peer: str
@@ -166,7 +166,7 @@ class Worker:
 
     def _mine(self, v: published.View) -> RoundView:
         cfg = self.run.config
-        return upload_policy.mine(v, self.state, self._beats, self.transfers.sent, cfg.peer_timeout_s,
+        return upload_policy.from_view(v, self.state, self._beats, self.transfers.sent, cfg.peer_timeout_s,
                                   cfg.cadence.heartbeat_max_s, cfg.target_batch_size)
 
     def _round(self) -> RoundView:
@@ -174,7 +174,7 @@ class Worker:
         f, target = self.follower, self.run.config.target_batch_size
         if f.view is not None:
             return upload_policy.projected(f.view, self.clock.time(), target)
-        return upload_policy.alone(f.state, self.transfers.sent, self.clock.time())
+        return upload_policy.without_view(f.state, self.transfers.sent, self.clock.time())
 
     def eta(self) -> float | None:
         """Seconds until round ``state`` can fill, as this peer sees it: what the validated
@@ -349,10 +349,10 @@ class Worker:
             self._speed = rate if self._speed == 0 else 0.9 * self._speed + 0.1 * rate
         self._computed_at = now
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self) -> Progress:
         """What this volunteer is doing; safe to call from a display's thread."""
         acc, io = self.acc, self.run.bucket.stats
-        return Snapshot(peer=self.peer, state=self.state, activity=self.activity,
+        return Progress(peer=self.peer, state=self.state, activity=self.activity,
                         round=acc.round if acc is not None else self.state,
                         pending=acc.samples if acc is not None else 0, computed=self.computed_samples,
                         uploaded=self.uploaded_samples, uploads=tuple(self.uploads),

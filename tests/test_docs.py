@@ -143,6 +143,18 @@ def test_the_commands_the_docs_show_exist(doc):
     assert (makes, wrong) == (set(), set())
 
 
+PACKAGE_FILE = re.compile(r"(?<![\w/.])(?:dedloc_pipeline/)?((?:protocol|compute|checks|volunteer|organizer|storage|"
+                          r"trust|model|monitoring|planning|evaluation|cli)/[\w/]+\.py)")
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_package_files_the_docs_name_exist(doc):
+    """Every ``checks/catalog.py``-like path a doc names is a file of the package (a module moved
+    or renamed leaves no stale map behind)."""
+    missing = sorted({f for f in PACKAGE_FILE.findall(doc.read_text()) if not (ROOT / "dedloc_pipeline" / f).exists()})
+    assert missing == [], f"{doc.relative_to(ROOT)}: {missing}"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_tests_the_docs_name_exist(doc):
     """Every ``test_module::test_case`` a doc cites as the check of something is a test there."""

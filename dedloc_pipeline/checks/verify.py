@@ -37,8 +37,10 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Literal
 
 import numpy as np
+from pydantic import BaseModel
 
 from ..protocol.close import Close, with_checks
 from ..protocol.run import Run
@@ -58,6 +60,29 @@ from .recompute import (
 )
 
 log = logging.getLogger(__name__)
+
+class ShardVerdict(BaseModel):
+    """The validator's verdict on one recomputed shard, as its round's record lists it: ``ok``,
+    ``mismatch`` or ``copy`` (compared with its data; the last two flag its volunteer),
+    ``skipped`` (pruned before the validator got to it) or ``unverified`` (anything else)."""
+
+    key: str
+    peer: str
+    volunteer: str
+    samples: int
+    stale_samples: int
+    cosine: float | None = None
+    norm_ratio: float | None = None
+    flag: bool = False
+    verdict: Literal["ok", "mismatch", "copy", "skipped", "unverified"] = "unverified"
+    reason: str = ""
+    seconds: float = 0.0
+    copy_of: str | None = None  # a copy's original
+    why: str = ""  # why it was recomputed: chosen, copy screen, reference
+
+    def dump(self) -> dict:
+        return self.model_dump(mode="json", exclude={"copy_of"} if self.copy_of is None else set())
+
 
 FRACTION = 0.05  # of a round's accepted shards (and at least AT_LEAST of them): docs/verification.md
 AT_LEAST = 1
@@ -127,7 +152,7 @@ class Verifier:
         state_hash = commit_hash(commit)
         accepted = close.accepted
         picks = {s.key: "chosen" for s in chosen(accepted, state_hash, self.fraction, self.at_least)}
-        verdicts: dict[str, dict] = {}
+        verdicts: dict[str, ShardVerdict] = {}
         for entry in accepted:  # states first: loaded before later commits prune them
             if entry.key in picks:
                 verdicts[entry.key] = self._judge(entry)
@@ -137,11 +162,12 @@ class Verifier:
                   "accepted": len(accepted), "codec": self.run.config.codec, "copy_cosine": self.copy_cosine,
                   "copy_overlap": self.copy_overlap,
                   "tolerance": asdict(self.tolerance or tolerance(self.run.config)),
-                  "copy_screen": screen, "shards": [dict(verdicts[k], why=picks[k]) for k in sorted(verdicts)],
+                  "copy_screen": screen,
+                  "shards": [verdicts[k].model_copy(update={"why": picks[k]}).dump() for k in sorted(verdicts)],
                   "seconds": time.perf_counter() - t0, "verified_at": self.run.clock.time()}
-        for v in record["shards"]:
-            if v["flag"]:
-                self._flag(r, v)
+        for k in sorted(verdicts):
+            if verdicts[k].flag:
+                self._flag(r, verdicts[k])
         # last: a crash redoes the round
         bucket.create_json(keys.verdicts(r), self.run.record(f"verdicts of round {r}", record, round=r))
         n = counts(record["shards"])
@@ -149,12 +175,11 @@ class Verifier:
         log.info("round %d verified: %s", r, summary(n))
         return self.run.read_record(keys.verdicts(r), f"verdicts of round {r}", round=r)
 
-    def _judge(self, entry: Entry) -> dict:
+    def _judge(self, entry: Entry) -> ShardVerdict:
         """One shard's verdict; any failure of one shard is that shard's verdict, never the loop's."""
         t0 = time.perf_counter()
-        out = {"key": entry.key, "peer": entry.peer, "volunteer": volunteer_of(entry.peer),
-               "samples": entry.samples, "stale_samples": entry.stale_samples, "cosine": None,
-               "norm_ratio": None, "flag": False}
+        out = ShardVerdict(key=entry.key, peer=entry.peer, volunteer=volunteer_of(entry.peer), samples=entry.samples,
+                           stale_samples=entry.stale_samples)
         try:
             recomputed = self.recompute.gradient(entry)
             tol = self.tolerance or tolerance(self.run.config, entry.precision)
@@ -162,22 +187,24 @@ class Verifier:
             ok = c.matches(tol)
             what = "pseudo-gradient replayed" if self.run.config.algorithm == "diloco" else "gradient recomputed"
             bound = "not checked" if tol.max_norm_error is None else f"1 +- {tol.max_norm_error}"
-            out.update(cosine=c.cosine, norm_ratio=c.norm_ratio, verdict="ok" if ok else "mismatch", flag=not ok,
-                       reason="" if ok else f"the {what} on its data differs: cosine {c.cosine:.6f} "
-                       f"(at least {tol.min_cosine}{', on its kept entries' if tol.kept_only else ''}), "
-                       f"norm ratio {c.norm_ratio:.4f} ({bound})")
+            out.cosine, out.norm_ratio = c.cosine, c.norm_ratio
+            out.verdict, out.flag = "ok" if ok else "mismatch", not ok
+            out.reason = "" if ok else (f"the {what} on its data differs: cosine {c.cosine:.6f} (at least "
+                                        f"{tol.min_cosine}{', on its kept entries' if tol.kept_only else ''}), "
+                                        f"norm ratio {c.norm_ratio:.4f} ({bound})")
         except Unverifiable as exc:
-            out.update(verdict="mismatch" if exc.fault else "skipped" if exc.pruned else "unverified", flag=exc.fault,
-                       reason=f"skipped: {exc}" if exc.pruned and not exc.fault else f"could not be verified: {exc}")
+            out.verdict = "mismatch" if exc.fault else "skipped" if exc.pruned else "unverified"
+            out.flag = exc.fault
+            out.reason = f"skipped: {exc}" if exc.pruned and not exc.fault else f"could not be verified: {exc}"
         except StorageError:
             raise  # the bucket's fault: the loop retries the round later
         except Exception as exc:  # one input never stops the validator
             log.exception("shard %s could not be verified", entry.key)
-            out.update(verdict="unverified", reason=f"could not be verified: {type(exc).__name__}: {exc}")
-        out["seconds"] = time.perf_counter() - t0
+            out.verdict, out.reason = "unverified", f"could not be verified: {type(exc).__name__}: {exc}"
+        out.seconds = time.perf_counter() - t0
         return out
 
-    def _screen(self, accepted: list[Entry], verdicts: dict[str, dict], picks: dict[str, str]) -> dict:
+    def _screen(self, accepted: list[Entry], verdicts: dict[str, ShardVerdict], picks: dict[str, str]) -> dict:
         """Every pair of the round's shards (different volunteers) compared; both shards of a
         near-identical pair are recomputed, and the one whose data does not give its gradient is
         the copy."""
@@ -203,38 +230,39 @@ class Verifier:
                           **({} if pairs.overlap is None else {"overlap": float(pairs.overlap[i, j])})})
             for e, other in self._copies(a, b, verdicts):
                 v = verdicts[e.key]
-                v.update(verdict="copy", flag=True, copy_of=other.key,
-                         reason=f"copy of {other.key} ({seen}); {v['reason']}")
+                v.verdict, v.flag, v.copy_of = "copy", True, other.key
+                v.reason = f"copy of {other.key} ({seen}); {v.reason}"
         out = {"pairs": found, "max_cosine": max((float(pairs.cosine[i, j]) for i, j in cross), default=None),
                "seconds": time.perf_counter() - t0}
         if pairs.overlap is not None:
             out["max_overlap"] = max((float(pairs.overlap[i, j]) for i, j in cross), default=None)
         return {**out, "unreadable": unreadable} if unreadable else out
 
-    def _copies(self, a: Entry, b: Entry, verdicts: dict[str, dict]) -> list[tuple[Entry, Entry]]:
+    def _copies(self, a: Entry, b: Entry, verdicts: dict[str, ShardVerdict]) -> list[tuple[Entry, Entry]]:
         """(copy, original) of a suspect pair: each that does not match its replay; if both do
         (a sparse copy can: its tolerance is loose), the one ``_short_of`` the other. A shard
         already called a copy in another pair stays one."""
-        if any(verdicts[e.key]["verdict"] == "copy" for e in (a, b)):
+        if any(verdicts[e.key].verdict == "copy" for e in (a, b)):
             return []
-        mismatched = [(e, o) for e, o in ((a, b), (b, a)) if verdicts[e.key]["verdict"] == "mismatch"]
+        mismatched = [(e, o) for e, o in ((a, b), (b, a)) if verdicts[e.key].verdict == "mismatch"]
         if mismatched:
             return mismatched
         for e, o in ((a, b), (b, a)):
             why = self._short_of(e, verdicts[e.key], verdicts[o.key])
             if why:
-                verdicts[e.key]["reason"] = why
+                verdicts[e.key].reason = why
                 return [(e, o)]
         return []
 
-    def _refer(self, accepted: list[Entry], verdicts: dict[str, dict], picks: dict[str, str], state_hash: str) -> None:
+    def _refer(self, accepted: list[Entry], verdicts: dict[str, ShardVerdict], picks: dict[str, str],
+               state_hash: str) -> None:
         """Each judged shard that passes its tolerance but not its ``pair_cosine`` (sparse: a
         copy's or poisoned work's) is held against one shard of another volunteer of its round:
         one judged already, or else the next one drawn (one more replay at most)."""
         ranked = sorted(accepted, key=lambda s: draw(state_hash, s.key))
         for e in [s for s in ranked if s.key in verdicts]:
             v, bound = verdicts[e.key], (self.tolerance or tolerance(self.run.config, e.precision)).pair_cosine
-            if v["verdict"] != "ok" or bound is None or v["cosine"] >= bound:
+            if v.verdict != "ok" or bound is None or v.cosine >= bound:
                 continue
             others = [s for s in ranked if volunteer_of(s.peer) != volunteer_of(e.peer)]
             ref = next((s for s in others if s.key in verdicts and self._short_of(e, v, verdicts[s.key])), None)
@@ -245,26 +273,26 @@ class Verifier:
                 picks[ref.key], verdicts[ref.key] = "reference", self._judge(ref)
             why = self._short_of(e, v, verdicts[ref.key])
             if why:
-                v.update(verdict="mismatch", flag=True, reason=why)
+                v.verdict, v.flag, v.reason = "mismatch", True, why
 
-    def _short_of(self, e: Entry, v: dict, ref: dict) -> str | None:
+    def _short_of(self, e: Entry, v: ShardVerdict, ref: ShardVerdict) -> str | None:
         """Why shard ``e`` (verdict ``v``, ok by its tolerance) does not match beside ``ref``, a
         shard of another volunteer of its round (``Tolerance.short_of``); None: it matches."""
         tol = self.tolerance or tolerance(self.run.config, e.precision)
-        if v["verdict"] != "ok" or ref["verdict"] != "ok" or not tol.short_of(v["cosine"], ref["cosine"]):
+        if v.verdict != "ok" or ref.verdict != "ok" or not tol.short_of(v.cosine, ref.cosine):
             return None
-        return (f"its replay's cosine{' on its kept entries' if tol.kept_only else ''} {v['cosine']:.4f} is below "
-                f"{tol.pair_cosine} and {tol.pair_spread:g}x as far from 1 as that of {ref['key']}, of another "
-                f"volunteer, {ref['cosine']:.4f}")
+        return (f"its replay's cosine{' on its kept entries' if tol.kept_only else ''} {v.cosine:.4f} is below "
+                f"{tol.pair_cosine} and {tol.pair_spread:g}x as far from 1 as that of {ref.key}, of another "
+                f"volunteer, {ref.cosine:.4f}")
 
-    def _flag(self, r: int, v: dict) -> None:
+    def _flag(self, r: int, v: ShardVerdict) -> None:
         """The volunteer's flag (its first caught shard is kept), then its key revoked if the
         organizer's key was given."""
-        raise_flag(self.run, Flag(volunteer=v["volunteer"], peer=v["peer"], round=r, shard=v["key"],
-                                  verdict=v["verdict"], reason=v["reason"], cosine=v["cosine"],
-                                  norm_ratio=v["norm_ratio"], flagged_at=self.run.clock.time()))
+        raise_flag(self.run, Flag(volunteer=v.volunteer, peer=v.peer, round=r, shard=v.key, verdict=v.verdict,
+                                  reason=v.reason, cosine=v.cosine, norm_ratio=v.norm_ratio,
+                                  flagged_at=self.run.clock.time()))
         if self.revoke:
-            revoke(self.run, self.run.organizer("roster"), v["volunteer"])
+            revoke(self.run, self.run.organizer("roster"), v.volunteer)
 
     def serve(self, until_round: int | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Verify every round from the one after the newest record as it is committed, until

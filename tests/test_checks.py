@@ -3,8 +3,9 @@ must catch and a control it must let through, at its own moment.
 
 A check gets its tests by declaring its attacks here: ``VALIDATION`` (a shard tampered with, then
 judged as the scheduler judges it), ``AT_CLOSE`` (a round's entries) or, for the checks whose
-attacks need a whole collaboration or a recomputation, ``ELSEWHERE`` (the attack-and-control
-tests that run them). ``test_every_check_declares_its_attacks`` fails for a check that has none.
+attacks need a whole collaboration or a recomputation, ``COLLABORATIONS`` (the attack-and-control
+tests at the end of this module). ``test_every_check_declares_its_attacks`` fails for a check
+that has none.
 """
 
 from __future__ import annotations
@@ -12,21 +13,29 @@ from __future__ import annotations
 import ast
 import logging
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from dedloc_pipeline.checks import catalog
+from benchmarks.verify import diloco_run
+from dedloc_pipeline.checks import catalog, exchange, flags, recompute, verify
 from dedloc_pipeline.checks.flags import Flag
+from dedloc_pipeline.organizer import referee
 from dedloc_pipeline.organizer.scheduler import Scheduler
-from dedloc_pipeline.protocol import shard
+from dedloc_pipeline.protocol import shard, view
+from dedloc_pipeline.protocol.close import Close
 from dedloc_pipeline.protocol.run import init_run
 from dedloc_pipeline.protocol.shard import DataRef, Entry, Rejected
-from dedloc_pipeline.testing import small_config
+from dedloc_pipeline.storage import vector
+from dedloc_pipeline.testing import LockStep, collaborate, small_config
 from dedloc_pipeline.trust import identity
 
+from .test_aggregators import LAMB, _collaborate, _organizers, _run
 from .test_protocol import finish, put_shard
+from .test_replay import MICRO
+from .test_verify import finish as close_and_finish, forged, gradient_of, honest_upload, verdicts
 
 TESTS = Path(__file__).parent
 
@@ -48,39 +57,41 @@ VALIDATION = {
 }
 SIGNED = {"unsigned", "forged", "not_enrolled"}
 
-# checks whose attacks need a collaboration, a model or the validator: the tests that run them
-ELSEWHERE = {
-    "loss screen": ["test_claims.py::test_real_local_steps_volunteers_agree_and_a_reversed_one_is_rejected_every_round",
+# checks whose attacks need a whole collaboration, a model or the validator: their attack-and-control
+# tests, below (or, as ``file::test``, a multi-process run in a module of its own)
+COLLABORATIONS = {
+    "loss screen": ["test_real_local_steps_volunteers_agree_and_a_reversed_one_is_rejected_every_round",
                     "test_hostile_local_steps.py::test_one_reversed_volunteer_in_four_in_the_local_steps_mode_is_"
                     "refused_and_changes_nothing"],
-    "checks after close": ["test_aggregators.py::test_shards_admitted_unread_are_checked_by_the_aggregators",
-                           "test_aggregators.py::test_control_with_one_aggregator_a_part_false_checks_reject_honest_"
-                           "shards"],
-    "answers": ["test_aggregators.py::test_an_aggregator_that_lies_changes_no_state_and_is_flagged",
-                "test_aggregators.py::test_control_with_one_aggregator_a_part_a_lie_is_committed",
-                "test_aggregators.py::test_an_aggregator_whose_checks_lie_is_flagged",
-                "test_aggregators.py::test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged",
-                "test_aggregators.py::test_an_aggregator_that_copies_its_partners_answer_is_flagged"],
-    "recomputation": ["test_verify.py::test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged",
-                      "test_replay.py::test_the_validator_flags_a_volunteer_whose_inner_steps_trained_on_other_samples"],
-    "copy screen": ["test_verify.py::test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn",
-                    "test_replay.py::test_a_sparse_copy_is_found_by_the_positions_it_kept"],
-    "reference pair": ["test_replay.py::test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard"],
+    "checks after close": ["test_shards_admitted_unread_are_checked_by_the_aggregators"],
+    "answers": ["test_an_aggregator_whose_checks_lie_is_flagged",
+                "test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards",
+                "test_an_aggregator_that_lies_changes_no_state_and_is_flagged",
+                "test_control_with_one_aggregator_a_part_a_lie_is_committed",
+                "test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged",
+                "test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed",
+                "test_an_aggregator_that_copies_its_partners_answer_is_flagged"],
+    "recomputation": ["test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged",
+                      "test_the_validator_flags_a_volunteer_whose_inner_steps_trained_on_other_samples"],
+    "copy screen": ["test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn",
+                    "test_a_sparse_copy_is_found_by_the_positions_it_kept"],
+    "reference pair": ["test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard"],
 }
 
 
 def test_every_check_declares_its_attacks():
     """A new check of the catalog fails here until it declares attacks at its moment."""
-    declared = set(VALIDATION) | set(ELSEWHERE) | {name for name, *_ in AT_CLOSE}
+    declared = set(VALIDATION) | set(COLLABORATIONS) | {name for name, *_ in AT_CLOSE}
     assert {c.name for c in catalog.CHECKS} == declared
     assert [c.name for c in catalog.VALIDATION if c.name in VALIDATION] == list(VALIDATION)  # in the catalog's order
 
 
-@pytest.mark.parametrize("name,tests", sorted(ELSEWHERE.items()))
-def test_the_attacks_run_elsewhere_exist(name, tests):
+@pytest.mark.parametrize("name,tests", sorted(COLLABORATIONS.items()))
+def test_the_collaborations_attacks_exist(name, tests):
     for node in tests:
-        file, _, test = node.partition("::")
-        defined = {f.name for f in ast.parse((TESTS / file).read_text()).body if isinstance(f, ast.FunctionDef)}
+        file, _, test = node.rpartition("::")
+        defined = {f.name for f in ast.parse((TESTS / (file or "test_checks.py")).read_text()).body
+                   if isinstance(f, ast.FunctionDef)}
         assert test in defined, f"{name}: {node} is gone"
 
 
@@ -248,3 +259,375 @@ def test_a_close_check_rejects_its_attack_and_keeps_its_control(check, config, f
     assert catalog.admit(attack, catalog.Round(cfg, flags), others)[1] == []
     kept, out = catalog.admit(control, catalog.Round(cfg, {}))
     assert out == [] and len(kept) == len(control)
+
+
+# the checks after CLOSE and after COMMIT, and the local-steps screens: whole collaborations
+
+def _false_sums(role):
+    honest = role.part_sums
+    role.part_sums = lambda r, k: {name: [a * 1.01, b] for name, (a, b) in honest(r, k).items()}
+
+
+def _shards(run, r: int, peer: str) -> set[str]:
+    return {e.key for e in Close.read(run, r).accepted if e.peer == peer}
+
+
+def _noise(role):
+    honest = role.compute
+
+    def noisy(r, k):
+        vectors = honest(r, k)
+        p = vectors["params"]["values"]
+        p += np.random.default_rng(r).normal(0, 1e-3, p.size).astype(np.float32)
+        return vectors
+    role.compute = noisy
+
+
+def _old(role):
+    """Its answer for the part from the round before (its first round's: the state it started from)."""
+    honest, seen = role.compute, {}
+
+    def old(r, k):
+        seen.setdefault(k, []).append(honest(r, k))
+        return seen[k][0] if r > 0 else {n: {a: np.zeros_like(x) for a, x in v.items()} for n, v in seen[k][0].items()}
+    role.compute = old
+
+
+SCREENS = {"direction": ({"probe_samples": None}, "points away"),
+           "loss": ({"min_agreement": None}, "does not descend the loss of the samples it claims")}
+
+
+VERIFY_ATTACKS = {
+    # name: (the gradient uploaded, the samples and ranges its manifest claims); control: honest
+    "inflated": (lambda run: gradient_of(run, "mallory", 0, 8), 64, [(0, 64)]),
+    "wrong_data": (lambda run: gradient_of(run, "mallory", 100, 8), 8, [(0, 8)]),
+    "scaled": (lambda run: 2.0 * gradient_of(run, "mallory", 0, 8), 8, [(0, 8)]),
+    "noise": (lambda run: np.random.default_rng(0).normal(0, 1e-3, run.flat.n).astype(np.float32), 8, [(0, 8)]),
+    "honest": (lambda run: gradient_of(run, "mallory", 0, 8), 8, [(0, 8)]),
+}
+
+
+# loss screen
+
+@pytest.mark.parametrize("screen", SCREENS)
+def test_real_local_steps_volunteers_agree_and_a_reversed_one_is_rejected_every_round(make_run, screen):
+    """Four volunteers of the ``micro`` model taking real inner AdamW steps (in one process, lock
+    step): the honest three are never rejected, and mallory, sending its pseudo-gradient reversed
+    at 8x (inside the norm screen), is rejected in every round it sends, by each screen alone: the
+    direction screen (her sketch against the median volunteer's) and the loss screen (her shard
+    points up the loss of the samples she claims, at state r). Control: with both
+    screens off, the same collaboration counts mallory's shards."""
+    peers = [("a", 4), ("b", 3), ("c", 5), ("mallory", 4)]
+    only, reason = SCREENS[screen]
+    for rule in (only, {"probe_samples": None, "min_agreement": None}):
+        run = make_run(run=f"screen-{len(rule)}", algorithm="diloco", codec="int8", inner_batch=8,
+                       target_batch_size=96, optimizer={"name": "adamw", "lr": 3e-3, "warmup_steps": 2},
+                       max_grad_norm=1e12, close=rule)
+        collaborate(run, peers, 3, tamper={"mallory": lambda g: -8 * g})
+        closes = [run.bucket.read_json(run.keys.close(r)) for r in range(3)]
+        counted = {s["peer"] for c in closes for s in c["accepted"]}
+        if rule is not only:
+            assert "mallory" in counted  # the control
+            continue
+        assert counted == {"a", "b", "c"}
+        for close in closes:
+            turned = [x for x in close["rejected"] if reason in x["reason"]]
+            assert turned and all("/mallory/" in x["key"] for x in close["rejected"]), close["rejected"]
+
+# checks after close
+
+@pytest.mark.parametrize("checks", ["on", "control: off"])
+@pytest.mark.parametrize("fault", ["scaled", "corrupt"])
+def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket, monkeypatch, fault, checks):
+    """The scheduler admits shards on their manifests and copies them unread; x and y check
+    each part of every one as they read it for the reduction, and the scheduler rejects what
+    their agreed checks refuse: b's gradient scaled past ``max_grad_norm``, or b's frozen copy
+    with one bit flipped (its manifest's checksums no longer match). Every state
+    is the organizer's answer without b's shards, all parts the aggregators'. Control, the
+    checks' verdicts ignored: b's scaled shards count; its corrupt copy stops the round (the
+    reduction refuses it: no state at all)."""
+    run, keys = _run(tmp_path, bucket)
+    if fault == "scaled":
+        tamper = {"b": lambda g: g * 1e9}
+    else:
+        from dedloc_pipeline.checks import validation
+        tamper, freeze = {}, validation.freeze
+
+        def corrupt(run_, key):
+            frozen = freeze(run_, key)
+            if run_.keys.shard_parts(key)[1] == "b":
+                key = f"{frozen}/{sorted(vector.chunk_objects(run_.grad_format))[0]}"
+                data = run_.bucket.read_bytes(key)
+                run_.bucket.write_bytes(key, data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped
+            return frozen
+        monkeypatch.setattr(validation, "freeze", corrupt)
+    if checks != "on":
+        monkeypatch.setattr(referee.admission, "judge_contents",
+                            lambda accepted, verdicts, max_norm, factor: (accepted, []))
+    with LockStep(run, volunteers=True) as c:
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n], tamper=tamper.get(n))
+        for n in ("x", "y"):
+            c.aggregate(n, keys[n])
+        if checks != "on" and fault == "corrupt":  # the organizer's reduction refuses it: no state at all
+            with pytest.raises(vector.CorruptShard):
+                c.until(lambda: run.latest() > 0, 400, "state 1")
+            return
+        c.until(lambda: run.latest() > 0, 400, "state 1")
+    close, commit = Close.read(run, 0), run.commit_of(1)
+    assert close.accepted and all(e.norm is None for e in close.accepted)  # admitted unread
+    screened = run.read_record(run.keys.screened(0), "checks", round=0)
+    assert screened["parts"] == list(range(run.n_parts))  # every part checked by both aggregators
+    if checks != "on":  # b's scaled gradient counts
+        assert "b" in commit["contributors"]
+        return
+    assert {x["key"] for x in screened["rejected"]} == _shards(run, 0, "b")
+    why = "above the bound" if fault == "scaled" else "not its manifest's"
+    assert all(why in x["reason"] for x in commit["rejected"] if x["key"] in _shards(run, 0, "b"))
+    assert commit["contributors"] == ["a"] and commit["checksums"] == _organizers(run, 0)
+    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and flags.read(run) == {}
+
+# answers
+
+def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch):
+    """x reports every shard corrupt in its parts: y disagrees, the organizer checks those parts
+    itself, rejects nothing and flags x (only x); every state is the organizer's answer with
+    every shard."""
+    run, keys = _run(tmp_path, bucket)
+
+    def liar(roles):
+        x = roles["x"]
+        honest = x.check
+        x.check = lambda close, k: [-1.0] * len(honest(close, k))
+    states, _, _ = _collaborate(run, keys, tamper=liar)
+    assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"] == []
+    assert states[0]["contributors"] == ["a", "b"]
+    assert list(flags.read(run)) == ["x"] and "checks" in flags.read(run)["x"].reason
+
+
+def test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards(tmp_path, bucket, monkeypatch):
+    """The damage without the cross-check: one aggregator a part, x's false checks reject the
+    honest shards of every part it was given."""
+    monkeypatch.setattr(exchange, "PER_PART", 1)
+    run, keys = _run(tmp_path, bucket)
+    with LockStep(run, volunteers=True) as c:
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n])
+        x = c.aggregate("x", keys["x"])
+        c.aggregate("y", keys["y"])
+        honest = x.check
+        x.check = lambda close, k: [-1.0] * len(honest(close, k))
+        c.until(lambda: run.latest() > 0, 400, "state 1")
+    assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"]
+
+
+@pytest.mark.parametrize("attack", ["noise", "old part", "noise, lamb"])
+def test_an_aggregator_that_lies_changes_no_state_and_is_flagged(tmp_path, bucket, attack):
+    """x adds noise to its parameters (with LAMB too, its sums honest), or answers with an old
+    part: y disagrees, the organizer computes each part itself, and x, only x, is flagged; from
+    then on its offers are refused and z would take its place. Every state is the organizer's answer."""
+    run, keys = _run(tmp_path, bucket, **(LAMB if "lamb" in attack else {}))
+    states, _, _ = _collaborate(run, keys, tamper=lambda roles: (_old if attack == "old part" else _noise)(roles["x"]))
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert list(flags.read(run)) == ["x"]
+    assert "differs from the organizer's" in flags.read(run)["x"].reason
+    assert Close.read(run, 1).aggregators is None  # y alone offers now: the organizer's
+
+
+def test_control_with_one_aggregator_a_part_a_lie_is_committed(tmp_path, bucket, monkeypatch):
+    """The damage without the cross-check: one aggregator a part (PER_PART 1), x's noise is
+    committed wherever x was assigned."""
+    monkeypatch.setattr(exchange, "PER_PART", 1)
+    run, keys = _run(tmp_path, bucket)
+    with pytest.raises(AssertionError, match="is not the organizer's answer"):
+        _collaborate(run, keys, tamper=lambda roles: _noise(roles["x"]))
+
+
+def test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged(tmp_path, bucket):
+    """x reveals every parameter norm 1% high: no part's sums agree, the organizer sums every
+    part itself, x, only x, is flagged; every state is the organizer's answer."""
+    run, keys = _run(tmp_path, bucket, **LAMB)
+    states, _, _ = _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
+    assert run.read_record(run.keys.norms(0), "norms", round=0)["parts"] == []
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert list(flags.read(run)) == ["x"]
+    assert "partial sums" in flags.read(run)["x"].reason
+
+
+def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_path, bucket, monkeypatch):
+    """The damage without the cross-check of the sums: one aggregator a part, x's false norms
+    change every part's trust ratio, and the state is not the organizer's answer."""
+    monkeypatch.setattr(exchange, "PER_PART", 1)
+    run, keys = _run(tmp_path, bucket, **LAMB)
+    with pytest.raises(AssertionError, match="is not the organizer's answer"):
+        _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
+
+
+def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, bucket):
+    """x computes nothing: it claims a made-up digest, and once y reveals, copies y's objects and
+    result as its own. Its result is not its claim: flagged, the part the organizer's."""
+    run, keys = _run(tmp_path, bucket)
+
+    def copier(roles):
+        x, y = roles["x"], roles["y"]
+        x.compute = lambda r, k: {n: {a: np.zeros_like(v) for a, v in arrays.items()}
+                                  for n, arrays in y.compute(r, k).items()}
+        claim = x.step
+
+        def step():
+            v = view.read(run.bucket, run.keys, run.config.organizer_key)
+            if v is None or v.reveal != "parts":
+                return claim()
+            for (r, k), done in x.done.items():
+                theirs = run.bucket.read_json(run.keys.result(r, "y", k))
+                if theirs is not None:
+                    listed = run.bucket.listing(run.keys.answer(r, "y", k))
+                    for key in listed:
+                        run.bucket.copy(key, key.replace("/volunteers/y/", "/volunteers/x/"))
+                    x._write(run.keys.result(r, "x", k), {"round": r, "peer": "x", "part": k,
+                                                           "checksums": theirs["checksums"]})
+        x.step = step
+    states, _, _ = _collaborate(run, keys, tamper=copier)
+    assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
+    assert list(flags.read(run)) == ["x"] and "other than it claimed" in flags.read(run)["x"].reason
+
+# recomputation
+
+@pytest.mark.parametrize("attack", sorted(VERIFY_ATTACKS))
+@pytest.mark.slow
+def test_a_shard_that_does_not_match_its_claim_is_a_mismatch_and_flagged(make_run, attack):
+    run = make_run(codec="int8", target_batch_size=24, keep_states=10)
+    make, samples, ranges = VERIFY_ATTACKS[attack]
+    forged(run, "mallory", make(run), samples, ranges)
+    honest_upload(run, "alice")
+    honest_upload(run, "bob")  # three volunteers: each counts a third of the round
+    close_and_finish(run, 0)
+    record = verify.Verifier(run, fraction=1.0, device="cpu").verify_round(0)
+    got = verdicts(record)
+    assert got["alice"]["verdict"] == got["bob"]["verdict"] == "ok"
+    found = flags.read(run)
+    if attack == "honest":
+        assert got["mallory"]["verdict"] == "ok" and found == {}
+        return
+    assert got["mallory"]["verdict"] == "mismatch" and got["mallory"]["flag"], got["mallory"]
+    assert list(found) == ["mallory"] and found["mallory"].round == 0
+    assert found["mallory"].shard == got["mallory"]["key"] and "differs" in found["mallory"].reason
+    if attack == "scaled":
+        assert got["mallory"]["cosine"] > 0.99 and got["mallory"]["norm_ratio"] == pytest.approx(2, rel=0.01)
+
+
+@pytest.mark.parametrize("attack", ["poisoned", "honest"])
+def test_the_validator_flags_a_volunteer_whose_inner_steps_trained_on_other_samples(bucket, attack):
+    """Poisoned work looks honest to every screen before CLOSE (its pseudo-gradient is a real
+    one, of other samples of mallory's stream), so its shards are accepted; the validator
+    replays every accepted shard and flags mallory, and only mallory. Control: mallory honest,
+    nobody flagged."""
+    run, _, _ = diloco_run("int8", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    assert any(e.peer == "mallory" for r in range(2) for e in Close.read(run, r).accepted)
+    assert verify.Verifier(run, fraction=1.0, device="cpu").serve(until_round=1) == 2
+    shards = [s for r in range(2) for s in run.bucket.read_json(run.keys.verdicts(r))["shards"]]
+    assert all(s["verdict"] == "ok" for s in shards if s["peer"] != "mallory")
+    assert any(s["stale_samples"] for s in shards)
+    mine = [s for s in shards if s["peer"] == "mallory"]
+    if attack == "honest":
+        assert all(s["verdict"] == "ok" for s in mine) and flags.read(run) == {}
+        return
+    assert all(s["verdict"] == "mismatch" and s["flag"] for s in mine), mine
+    assert "pseudo-gradient replayed on its data differs" in mine[0]["reason"]
+    assert list(flags.read(run)) == ["mallory"]
+
+# copy screen
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_a_copy_of_another_volunteers_shard_is_found_without_being_drawn(make_run, copied):
+    """mallory uploads alice's very codes as its own (claiming its own stream): the pairwise
+    screen finds the pair with nothing drawn (fraction 0), recomputes both, and flags the one
+    whose data does not give its gradient, whichever was uploaded first. Control: mallory's own
+    honest shard, no pair."""
+    run = make_run(codec="int8", target_batch_size=48, keep_states=10)
+    alice = honest_upload(run, "alice")
+    entry = catalog.validate(run, 0, alice, run.bucket.read_bytes(run.keys.manifest(alice)))
+    if copied:
+        arrays = vector.read_vector(run.bucket, alice, run.grad_format, checksums=entry.checksums, raw=True)
+        forged(run, "mallory", None, entry.samples, [(0, entry.samples)], arrays=arrays)
+    else:
+        honest_upload(run, "mallory")
+    close_and_finish(run, 0)
+    record = verify.Verifier(run, fraction=0.0, at_least=0, device="cpu").verify_round(0)
+    got = verdicts(record)
+    if not copied:
+        assert got == {} and record["copy_screen"]["pairs"] == []
+        assert record["copy_screen"]["max_cosine"] < recompute.COPY_COSINE
+        return
+    assert record["copy_screen"]["pairs"][0]["cosine"] > 0.9999
+    assert got["alice"]["verdict"] == "ok" and got["alice"]["why"] == "copy screen"
+    assert got["mallory"]["verdict"] == "copy" and got["mallory"]["copy_of"] == alice
+    assert list(flags.read(run)) == ["mallory"]
+
+
+@pytest.mark.parametrize("attack,without", [("disguised", None), ("disguised", "overlap"), ("copied", None),
+                                            ("copied", "pair bound"), ("honest", None)])
+def test_a_sparse_copy_is_found_by_the_positions_it_kept(bucket, attack, without):
+    """mallory uploads volunteer a's sparse shard as its own: copied whole, or disguised (each
+    block scaled by its own random factor: other values, the same positions). Nothing is drawn
+    (fraction 0): the copy screen pairs the disguised copy with a by the overlap of their kept
+    positions (1.0; honest pairs under 0.1), the whole copy by its cosine, and calls mallory's
+    the copy, its kept entries' cosine with its replay (about 0.7) short of a's (0.999), though
+    above the sparse tolerance (0.5). Controls: without the overlap screen the disguised
+    copy (cosine about 0.87) is never paired; without the pair's bound the whole copy is paired
+    and passes; mallory honest, nobody is paired."""
+    run, _, _ = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    tol = recompute.tolerance(run.config)
+    verifier = verify.Verifier(run, fraction=0.0, at_least=0, device="cpu",
+                               copy_overlap=None if without == "overlap" else recompute.COPY_OVERLAP,
+                               tolerance=replace(tol, pair_cosine=None) if without == "pair bound" else None)
+    assert verifier.serve(until_round=1) == 2
+    records = [run.bucket.read_json(run.keys.verdicts(r)) for r in range(2)]
+    screens = [rec["copy_screen"] for rec in records]
+    shards = [s for rec in records for s in rec["shards"]]
+    mine = [s for s in shards if s["peer"] == "mallory"]
+    assert all(s["max_cosine"] < 0.95 for s in screens) == (attack != "copied")
+    assert all((s["max_overlap"] == 1.0) == (attack != "honest") for s in screens), screens
+    if attack == "honest" or without == "overlap":
+        assert shards == [] and all(s["pairs"] == [] for s in screens) and flags.read(run) == {}
+        assert attack != "honest" or all(s["max_overlap"] < 0.2 for s in screens)
+        return
+    assert all(len(s["pairs"]) == 1 for s in screens), screens
+    assert len(mine) == 2 and all(tol.min_cosine < s["cosine"] < tol.pair_cosine for s in mine), mine
+    assert all(s["verdict"] == "ok" and s["peer"] == "a" for s in shards if s["peer"] != "mallory")
+    if without == "pair bound":
+        assert all(s["verdict"] == "ok" for s in mine) and flags.read(run) == {}
+        return
+    assert all(s["verdict"] == "copy" for s in mine) and list(flags.read(run)) == ["mallory"]
+    a = next(s["key"] for s in shards if s["peer"] == "a")
+    assert "kept positions overlap 1.000" in mine[0]["reason"] and f"as far from 1 as that of {a}" in mine[0]["reason"]
+
+# reference pair
+
+@pytest.mark.parametrize("attack,drawn", [("poisoned", "all"), ("poisoned", "mallory"), ("poisoned", "no pair bound"),
+                                          ("honest", "mallory")])
+def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(bucket, monkeypatch, attack, drawn):
+    """mallory's inner steps train on other samples than it claims (poisoned). Its sparse
+    shards pass the sparse tolerance (kept entries' cosine about 0.7, bound 0.5) but are short of
+    the honest volunteers' replays of the same rounds (0.999: ``Tolerance.short_of``), so they
+    are mismatches, with every shard drawn or with mallory's alone (then one honest shard a
+    round is replayed as its reference). Controls: without the pair bound mallory passes;
+    mallory honest and drawn alone, no reference is replayed."""
+    run, _, _ = diloco_run("sparse", "fp32", attack, rounds=2, size=MICRO, bucket=bucket)
+    if drawn == "mallory":
+        monkeypatch.setattr(verify, "chosen", lambda accepted, *_: [e for e in accepted if e.peer == "mallory"])
+    tol = recompute.tolerance(run.config)
+    verifier = verify.Verifier(run, fraction=1.0, device="cpu",
+                               tolerance=replace(tol, pair_cosine=None) if drawn == "no pair bound" else None)
+    assert verifier.serve(until_round=1) == 2
+    shards = [s for r in range(2) for s in run.bucket.read_json(run.keys.verdicts(r))["shards"]]
+    mine = [s for s in shards if s["peer"] == "mallory"]
+    assert len(mine) == 2 and all(s["verdict"] == "ok" for s in shards if s["peer"] != "mallory"), shards
+    references = [s for s in shards if s["why"] == "reference"]
+    assert len(references) == (2 if (attack, drawn) == ("poisoned", "mallory") else 0), references
+    if attack == "honest" or drawn == "no pair bound":
+        assert all(s["verdict"] == "ok" for s in mine) and flags.read(run) == {}
+        assert attack == "honest" or all(tol.min_cosine < s["cosine"] < tol.pair_cosine for s in mine)
+        return
+    assert all(s["verdict"] == "mismatch" and s["flag"] and s["cosine"] < tol.pair_cosine for s in mine), mine
+    assert "of another volunteer" in mine[0]["reason"] and list(flags.read(run)) == ["mallory"]

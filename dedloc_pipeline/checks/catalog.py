@@ -4,8 +4,8 @@ A check has a name, the moment it runs at, what it catches and the setting that 
 scheduler runs the first two moments from here: each shard by itself as its manifest is read
 (``validate``: a ``validation.Claim`` in, ``Rejected`` out), then the round's shards among each
 other as CLOSE is written (``admit``: entries in, kept and rejected out). The checks after CLOSE
-and after COMMIT run where their inputs are (the aggregators' exchanges, the validator); they
-are listed here with the function that judges. docs/verification.md's table of checks is this
+run in the aggregators' exchanges (the referee's); the validator runs those after COMMIT in this
+list's order (``AFTER_COMMIT``). docs/verification.md's table of checks is this
 list (``markdown``), and tests/test_checks.py runs an attack and its control through each one.
 """
 
@@ -97,6 +97,7 @@ CHECKS: tuple[Check, ...] = (
 )
 VALIDATION = tuple(c for c in CHECKS if c.moment is Moment.VALIDATION)
 AT_CLOSE = tuple(c for c in CHECKS if c.moment is Moment.CLOSE)
+AFTER_COMMIT = tuple(c for c in CHECKS if c.moment is Moment.AFTER_COMMIT)  # the validator runs them in this order
 SPENT_FROM = "own stream"  # once this check passed, the manifest is its peer's own: its samples are spent
 
 

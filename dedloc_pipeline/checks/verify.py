@@ -47,6 +47,7 @@ from ..protocol.run import Run
 from ..protocol.shard import Entry, commit_hash
 from ..storage.bucket import StorageError
 from ..storage.layout import volunteer_of
+from . import catalog
 from .flags import Flag, raise_flag, revoke
 from .recompute import (
     COPY_COSINE,
@@ -153,11 +154,15 @@ class Verifier:
         accepted = close.accepted
         picks = {s.key: "chosen" for s in chosen(accepted, state_hash, self.fraction, self.at_least)}
         verdicts: dict[str, ShardVerdict] = {}
-        for entry in accepted:  # states first: loaded before later commits prune them
-            if entry.key in picks:
-                verdicts[entry.key] = self._judge(entry)
-        screen = self._screen(accepted, verdicts, picks)
-        self._refer(accepted, verdicts, picks, state_hash)
+        screen: dict = {}
+        # the validator's checks, in the catalog's order (recomputation first: the states it needs
+        # are loaded before later commits prune them)
+        steps = {
+            "recomputation": lambda: verdicts.update({e.key: self._judge(e) for e in accepted if e.key in picks}),
+            "copy screen": lambda: screen.update(self._screen(accepted, verdicts, picks)),
+            "reference pair": lambda: self._refer(accepted, verdicts, picks, state_hash)}
+        for check in catalog.AFTER_COMMIT:
+            steps[check.name]()
         record = {"round": r, "state_hash": state_hash, "fraction": self.fraction, "at_least": self.at_least,
                   "accepted": len(accepted), "codec": self.run.config.codec, "copy_cosine": self.copy_cosine,
                   "copy_overlap": self.copy_overlap,

@@ -46,7 +46,7 @@ CASES = {
 COMPUTE = """
 import json, sys
 from dedloc_pipeline.compute import aggregation, optim
-from dedloc_pipeline.protocol.close import closed
+from dedloc_pipeline.protocol.close import round_close
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 out = {}
@@ -61,7 +61,7 @@ for root in sys.argv[1:]:
     for k in range(run.n_parts):
         vectors = aggregation.next_part(run, 1, k, grads[k], norms)
         aggregation.write_part(Bucket(f"file://{root}"), "out", run, k, vectors)
-    accepted = closed(run, 1).accepted  # and each part's checks of the shards (checks/exchange.py)
+    accepted = round_close(run, 1).accepted  # and each part's checks of the shards (checks/exchange.py)
     checks = [aggregation.part_checks(run, k, accepted, aggregation.read_part(run, accepted, k))
               for k in range(run.n_parts)]
     with open(f"{root}/checks.json", "w") as f:

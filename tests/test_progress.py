@@ -15,7 +15,7 @@ from rich.console import Console
 import dedloc_pipeline
 from dedloc_pipeline.checks import catalog
 from dedloc_pipeline.monitoring.display import Display
-from dedloc_pipeline.monitoring.ledger import Ledger
+from dedloc_pipeline.monitoring.uploads import Uploads
 from dedloc_pipeline.monitoring.volunteer import summary, summary_text
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, init_run
@@ -69,7 +69,7 @@ def test_display_shows_the_worker_and_the_ledger(make_run):
     term.print(display.panel(f))
     assert "12/24 (50%) · ETA 0:00:06" in term.file.getvalue()
 
-    s = summary(alice, "until_round", Ledger(run))
+    s = summary(alice, "until_round", Uploads(run))
     assert (s["samples_uploaded"], s["shards"], s["rounds"]) == (alice.uploaded_samples, len(mine), 1)
     assert (s["samples_counted"], s["shards_counted"], s["samples_open"], s["rejected"]) == \
         (alice.uploaded_samples, len(mine), 0, [])

@@ -3,7 +3,7 @@ the same panel as one cell output updated in place; elsewhere (a log file, a pip
 plain line every few seconds, without escape codes.
 
 The display reads only ``Worker.snapshot()`` (no bucket call) and, once the state passes a round
-this peer uploaded to, that round's COMMIT (``Ledger``): whether the ledger counted the shards.
+this peer uploaded to, that round's COMMIT (``Uploads``): whether the ledger counted the shards.
 Its time is the worker's clock; its ETA is the round view's (``protocol.view.eta``).
 """
 
@@ -28,8 +28,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 
 from ..protocol import view as published
-from .ledger import Ledger
 from .stop import StopRequest
+from .uploads import Uploads
 
 if TYPE_CHECKING:  # the display needs no torch of its own
     from ..volunteer.worker import Progress, RoundView, Worker
@@ -72,7 +72,7 @@ class Display:
         else:
             self.mode = "plain"
         self.every = every
-        self.ledger = Ledger(worker.run)
+        self.ledger = Uploads(worker.run)
         self._rates: deque[tuple[float, int]] = deque()
         self._view: tuple[int | None, RoundView | None] = (None, None)
         self._counted: tuple[tuple | None, dict] = (None, {})

@@ -18,8 +18,8 @@ from rich.filesize import decimal
 
 from . import stop
 from .display import Display
-from .ledger import Ledger
 from .stop import StopRequest
+from .uploads import Uploads
 
 if TYPE_CHECKING:  # the display and the summary need no torch of their own
     from ..volunteer.worker import Worker
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the display and the summary need no torch of their own
 log = logging.getLogger(__name__)
 
 
-def summary(worker: Worker, ended: str, ledger: Ledger | None = None) -> dict:
+def summary(worker: Worker, ended: str, ledger: Uploads | None = None) -> dict:
     """What this session contributed. With a ledger, the COMMITs say what counted (a few bucket
     reads); without (a second Ctrl-C), only what was uploaded."""
     s = worker.snapshot()

@@ -1,4 +1,4 @@
-"""A volunteer's own ledger: its uploads against the COMMITs that counted, rejected or missed them."""
+"""A volunteer's own uploads against the COMMITs that counted, rejected or missed them (its side of the ledger)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ..protocol.run import Run
 
 
-class Ledger:
+class Uploads:
     """This peer's shards as the COMMITs record them: counted, rejected (why), missed (arrived
     after the round closed) or open (the round is not committed yet). A verdict is final once
     its COMMIT exists, so each COMMIT is read once."""

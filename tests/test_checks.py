@@ -99,13 +99,14 @@ def test_the_collaborations_attacks_exist(name, tests):
 
 @pytest.fixture
 def signed(tmp_path, bucket):
-    """A signed run with mallory enrolled, and a key nobody enrolled."""
-    org, mallory, stranger = (identity.generate(tmp_path / f"{n}.pem") for n in ("org", "mallory", "stranger"))
+    """A signed run with honest and mallory (as ``bad``) enrolled, and a key nobody enrolled."""
+    org, honest, mallory, stranger = (identity.generate(tmp_path / f"{n}.pem")
+                                      for n in ("org", "honest", "mallory", "stranger"))
     run = init_run(bucket, small_config("signed", organizer_key=identity.public(org), max_grad_norm=100.0),
                    organizer=org)
-    identity.update_roster(bucket, run.name, org, enroll={"honest": identity.public(mallory),
+    identity.update_roster(bucket, run.name, org, enroll={"honest": identity.public(honest),
                                                           "bad": identity.public(mallory)})
-    return run, mallory, stranger
+    return run, honest, mallory, stranger
 
 
 def _tamper(run, fault: str, signer=None, stranger=None) -> str:
@@ -168,10 +169,10 @@ def test_a_bad_shard_is_rejected_by_its_check_and_the_round_goes_on(make_run, si
     it; judged alone, the catalog names the check that refused it. Control: the honest shard of
     the same round (and the same shard untampered, below) passes every check."""
     if fault in SIGNED:
-        run, mallory, stranger = signed
+        run, honest, mallory, stranger = signed
         put_shard(run, 0, "honest", samples=24)
         m = run.bucket.read_json(run.keys.manifest(run.keys.shard(0, "honest", "0001")))
-        m["signature"] = identity.sign(mallory, {k: v for k, v in m.items() if k != "signature"})
+        m["signature"] = identity.sign(honest, {k: v for k, v in m.items() if k != "signature"})
         run.bucket.write_json(run.keys.manifest(run.keys.shard(0, "honest", "0001")), m)
         key = _tamper(run, fault, mallory, stranger)
     else:
@@ -631,3 +632,71 @@ def test_sparse_work_on_other_samples_is_held_against_another_volunteers_shard(b
         return
     assert all(s["verdict"] == "mismatch" and s["flag"] and s["cosine"] < tol.pair_cosine for s in mine), mine
     assert "of another volunteer" in mine[0]["reason"] and list(flags.read(run)) == ["mallory"]
+
+
+# one key, one volunteer: a name is not a person
+
+def test_the_roster_refuses_a_key_under_a_second_name(tmp_path, bucket):
+    """One person cannot hold two names: a key enrolled as one volunteer is refused under
+    another (at once or later), and a revoked one under any. Control: the same names with keys
+    of their own enrol, and enrolling a name again with its own key changes nothing."""
+    org, k1, k2 = (identity.generate(tmp_path / f"{n}.pem") for n in ("org", "k1", "k2"))
+    run = init_run(bucket, small_config("keys", organizer_key=identity.public(org)), organizer=org)
+    with pytest.raises(identity.IdentityError, match="one key is one volunteer"):
+        identity.update_roster(bucket, run.name, org, enroll={"m1": identity.public(k1), "m2": identity.public(k1)})
+    identity.update_roster(bucket, run.name, org, enroll={"m1": identity.public(k1)})
+    with pytest.raises(identity.IdentityError, match="enrolled as 'm1'"):
+        identity.update_roster(bucket, run.name, org, enroll={"m2": identity.public(k1)})
+    identity.update_roster(bucket, run.name, org, revoke=["m1"])
+    with pytest.raises(identity.IdentityError, match="revoked"):
+        identity.update_roster(bucket, run.name, org, enroll={"m3": identity.public(k1)})
+    roster = identity.update_roster(bucket, run.name, org, enroll={"m2": identity.public(k2)})
+    assert roster.volunteers == {"m1": identity.public(k1), "m2": identity.public(k2)}
+    assert identity.update_roster(bucket, run.name, org, enroll={"m2": identity.public(k2)}).volunteers == \
+        roster.volunteers
+
+
+def test_a_flagged_key_stays_out_under_any_name(tmp_path, bucket):
+    """mallory is flagged; the organizer gives the name to a new key and enrols her old key as
+    ``eve``: eve's shards and offers are refused, the flag binds the key. ``dedloc enroll``
+    refuses that key under any name. Control: a volunteer with a key of its own counts."""
+    from typer.testing import CliRunner
+
+    from dedloc_pipeline.checks import flags as flag_records
+    from dedloc_pipeline.cli import app
+    org, mallory, fresh, honest = (identity.generate(tmp_path / f"{n}.pem")
+                                   for n in ("org", "mallory", "fresh", "honest"))
+    run = init_run(bucket, small_config("flagged", organizer_key=identity.public(org), target_batch_size=8),
+                   organizer=org)
+    identity.update_roster(bucket, run.name, org, enroll={"mallory": identity.public(mallory),
+                                                          "honest": identity.public(honest)})
+    flag_records.raise_flag(run, Flag(volunteer="mallory", peer="mallory", round=0, verdict="mismatch",
+                                      reason="differs", flagged_at=0.0))
+    assert flag_records.read(run)["mallory"].key == identity.public(mallory)
+    res = CliRunner().invoke(app, ["enroll", "--bucket", bucket.url, "--run", run.name, "--organizer-key",
+                                   str(tmp_path / "org.pem"), "--volunteer", "eve",
+                                   "--public-key", identity.public(mallory)])
+    assert res.exit_code == 2 and "refused (mallory was flagged in round 0)" in res.output, res.output
+    identity.update_roster(bucket, run.name, org, enroll={"mallory": identity.public(fresh)}, replace=True)
+    identity.update_roster(bucket, run.name, org, enroll={"eve": identity.public(mallory)})  # past the CLI
+    roster = _roster(run)
+    eve, good = _entry("eve"), _entry("honest")
+    kept, out = catalog.admit([eve, good], catalog.Round(run.config, flag_records.read(run), roster))
+    assert [e.key for e in kept] == ["honest/0001"] and [x.key for x in out] == ["eve/0001"]
+    assert "volunteer mallory was flagged" in out[0].reason
+    assert flag_records.flag_of("eve", flag_records.read(run), roster) is not None
+    assert flag_records.flag_of("honest", flag_records.read(run), roster) is None
+    # the control: without the roster a flag binds only its name
+    assert catalog.admit([eve, good], catalog.Round(run.config, flag_records.read(run)))[1] == []
+
+
+def test_two_names_of_one_person_never_share_a_part():
+    """The pair rule is of people: two names of one key are never both assigned one part, and
+    with only them offering, nothing is assigned. Control: counted by name, they share parts."""
+    person = {"m1": "K", "m2": "K", "h": "H", "i": "I"}.__getitem__
+    offers = ["m1", "m2", "h", "i"]
+    assigned = exchange.assign("seed", 64, offers, person)
+    assert all(len({person(p) for p in pair}) == 2 for pair in assigned)
+    assert exchange.assign("seed", 8, ["m1", "m2"], person) is None
+    by_name = exchange.assign("seed", 64, offers)
+    assert any(set(pair) == {"m1", "m2"} for pair in by_name)

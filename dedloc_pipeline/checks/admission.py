@@ -18,8 +18,9 @@ import numpy as np
 from ..protocol.close import Rejection
 from ..protocol.shard import Entry
 from ..storage.layout import volunteer_of
+from ..trust import identity
 from . import direction
-from .flags import Flag
+from .flags import Flag, flag_of
 
 
 def folded(late: list[Entry]) -> list[Entry]:
@@ -133,16 +134,18 @@ def direction_screen(accepted: list[Entry], min_agreement: float | None) -> tupl
     return kept, out
 
 
-def unflagged(accepted: list[Entry], flags: dict[str, Flag]) -> tuple[list[Entry], list[Rejection]]:
-    """Shards of flagged volunteers (``flags``: volunteer -> its flag, ``flags.read``) are
-    refused, whenever they were uploaded."""
+def unflagged(accepted: list[Entry], flags: dict[str, Flag],
+              roster: identity.Roster | None = None) -> tuple[list[Entry], list[Rejection]]:
+    """Shards of flagged volunteers (``flags``: volunteer -> its flag, ``flags.read``; with the
+    ``roster``, also of any name enrolled with a flagged key) are refused, whenever they were
+    uploaded."""
     kept, out = [], []
     for s in accepted:
-        flag = flags.get(volunteer_of(s.peer))
+        flag = flag_of(s.peer, flags, roster)
         if flag is None:
             kept.append(s)
         else:
-            out.append(Rejection(key=s.key, reason=f"volunteer {volunteer_of(s.peer)} was flagged by the "
+            out.append(Rejection(key=s.key, reason=f"volunteer {flag.volunteer} was flagged by the "
                                  f"{flag.by} in round {flag.round}: {flag.reason}"))
     return kept, out
 

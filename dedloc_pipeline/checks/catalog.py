@@ -37,6 +37,7 @@ class Round:
 
     config: RunConfig
     flags: dict[str, Flag]
+    roster: identity.Roster | None = None  # who is whom: names of a flagged key are flagged too
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ CHECKS: tuple[Check, ...] = (
     Check("direction screen", Moment.CLOSE, "diloco: a volunteer whose shards point away from the median "
           "volunteer's", "close.min_agreement", where="admission.direction_screen",
           judge=lambda e, rd: admission.direction_screen(e, rd.config.close.min_agreement)),
-    Check("flags", Moment.CLOSE, "shards of a volunteer the validator or the scheduler flagged",
-          judge=lambda e, rd: admission.unflagged(e, rd.flags), where="admission.unflagged"),
+    Check("flags", Moment.CLOSE, "shards of a volunteer the validator or the scheduler flagged, under any "
+          "name of its key",
+          judge=lambda e, rd: admission.unflagged(e, rd.flags, rd.roster), where="admission.unflagged"),
     Check("checks after close", Moment.AFTER_CLOSE, "what the contents check catches, and the norm screen, for "
           "shards CLOSE admitted unread: each part checked by two aggregators, the organizer where they disagree",
           "max_grad_norm", where="admission.judge_contents (organizer/referee.py, organizer/judge.py)"),

@@ -161,16 +161,18 @@ def seed(close: Close) -> str:
     return hashlib.sha256(identity.canonical(close.dump())).hexdigest()
 
 
-def assign(seed_: str, parts: int, offers: list[str]) -> list[list[str]] | None:
-    """``PER_PART`` aggregators for each part, of as many volunteers, ranked per part by a hash
-    of the seed, the part and the peer; None with fewer volunteers offering than that."""
-    if len({volunteer_of(p) for p in offers}) < PER_PART:
+def assign(seed_: str, parts: int, offers: list[str],
+           person: Callable[[str], str] = volunteer_of) -> list[list[str]] | None:
+    """``PER_PART`` aggregators for each part, of as many people (``person``: who a peer is, the
+    roster's key of its volunteer: two names of one key are one person), ranked per part by a
+    hash of the seed, the part and the peer; None with fewer people offering than that."""
+    if len({person(p) for p in offers}) < PER_PART:
         return None
     out = []
     for k in range(parts):
         chosen: list[str] = []
         for peer in sorted(offers, key=lambda p: hashlib.sha256(f"{seed_}/{k}/{p}".encode()).hexdigest()):
-            if volunteer_of(peer) not in {volunteer_of(c) for c in chosen}:
+            if person(peer) not in {person(c) for c in chosen}:
                 chosen.append(peer)
             if len(chosen) == PER_PART:
                 break

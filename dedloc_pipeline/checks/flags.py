@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from ..protocol.run import Run
+from ..storage.layout import volunteer_of
 from ..trust import identity
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ class Flag(BaseModel):
     verdict: Literal["mismatch", "copy", "wrong part"]
     reason: str
     flagged_at: float
+    key: str | None = None  # its volunteer's enrolled public key (signed runs): the flag binds the person
     shard: str | None = None  # the validator's: the shard it caught, and how far it was from its recomputation
     cosine: float | None = None
     norm_ratio: float | None = None
@@ -46,8 +48,15 @@ class Flag(BaseModel):
 
 
 def raise_flag(run: Run, flag: Flag) -> bool:
-    """Write ``flag`` unless its volunteer has one already (create-once); True if it is new."""
+    """Write ``flag`` unless its volunteer has one already (create-once); True if it is new. In a
+    signed run it names the volunteer's enrolled key, so the person stays out under any name."""
+    if run.signed and flag.key is None:
+        roster = identity.read_roster(run.bucket, run.name, run.config.organizer_key)
+        if roster is not None and flag.volunteer in roster.volunteers:
+            flag = flag.model_copy(update={"key": roster.volunteers[flag.volunteer]})
     body = flag.model_dump(mode="json", exclude_unset=True, exclude={"run", "signature"})
+    if flag.key is not None:
+        body["key"] = flag.key
     new = run.bucket.create_json(run.keys.flag(flag.volunteer),
                                  run.record(f"flag of {flag.volunteer}", body, volunteer=flag.volunteer))
     if new:
@@ -74,6 +83,21 @@ def read(run: Run) -> dict[str, Flag]:
         except (ValueError, identity.IdentityError) as exc:
             log.warning("flag %s ignored: %s", key, exc)
     return out
+
+
+def flag_of(peer: str, flags: dict[str, Flag], roster: identity.Roster | None = None) -> Flag | None:
+    """The flag that shuts ``peer`` out: its volunteer's, or one naming its volunteer's enrolled
+    key (the same person under another name); None if it is not flagged."""
+    name = volunteer_of(peer)
+    if name in flags:
+        return flags[name]
+    key = roster.volunteers.get(name) if roster is not None else None
+    return next((f for f in flags.values() if key is not None and f.key == key), None)
+
+
+def refused_keys(flags: dict[str, Flag]) -> dict[str, str]:
+    """The keys flags name, with why: what the roster does not enrol again under any name."""
+    return {f.key: f"{f.volunteer} was flagged in round {f.round}" for f in flags.values() if f.key is not None}
 
 
 def revoke(run: Run, organizer: identity.Ed25519PrivateKey, volunteer: str) -> bool:

@@ -117,7 +117,8 @@ def policy(bucket: str = typer.Option(..., "--bucket", help="s3://bucket/prefix 
 
 
 def _change_roster(bucket: str, run: str, endpoint: str | None, organizer_key: str, **change):
-    """Enrol or revoke in a signed run's roster, with the key the run was created with."""
+    """Enrol or revoke in a signed run's roster, with the key the run was created with; a key a
+    flag names is not enrolled again, under any name."""
     setup(False)
     r = open_run(bucket, run, endpoint)
     org = identity.load(organizer_key)
@@ -125,7 +126,8 @@ def _change_roster(bucket: str, run: str, endpoint: str | None, organizer_key: s
         raise RunError(f"run {run!r} was created without --organizer-key: it accepts unsigned shards")
     if identity.public(org) != r.config.organizer_key:
         raise IdentityError(f"{organizer_key} is not the key run {run!r} was created with")
-    return identity.update_roster(r.bucket, run, org, **change)
+    from ..checks import flags
+    return identity.update_roster(r.bucket, run, org, refused=flags.refused_keys(flags.read(r)), **change)
 
 
 @app.command()

@@ -184,8 +184,8 @@ class Judge:
         them and no flag shutting them out (not yet read: CLOSE reads them, ``referee.Referee``)."""
         keys = self.run.keys
         offered = {keys.written(k).peer for k in keys.of_round(listed, r, "offer")}
-        return {volunteer_of(p) for p in offered if roster is not None and roster.may_aggregate(p)
-                and volunteer_of(p) not in self._flags}
+        return {roster.person(p) for p in offered if roster is not None and roster.may_aggregate(p)
+                and flags.flag_of(p, self._flags, roster) is None}
 
     def _check(self, r: int, mkey: str, data: bytes, roster: identity.Roster | None,
                stored: dict[str, int], opening: Opening, contents: bool = True) -> Entry | Rejection:
@@ -286,7 +286,7 @@ class Judge:
         if reread_flags:
             self._flags = flags.read(self.run)
         cfg, opening = self.run.config, self.opening(r)
-        accepted, rejected = catalog.admit(accepted, catalog.Round(cfg, self._flags))
+        accepted, rejected = catalog.admit(accepted, catalog.Round(cfg, self._flags, self._roster))
         others = admission.present_volunteers(live, opening.volunteers, opening.at, now, cfg.peer_timeout_s)
         enrolled = len(self._roster.volunteers) if self._roster is not None else 0
         since = opening.at if started_at is None else started_at

@@ -29,7 +29,7 @@ from ..checks.exchange import (
     fingerprints,
     read_signed,
 )
-from ..checks.flags import WRONG_PART, Flag, raise_flag
+from ..checks.flags import WRONG_PART, Flag, flag_of, raise_flag
 from ..compute import aggregation, optim
 from ..protocol.clock import Clock
 from ..protocol.close import Close
@@ -63,11 +63,11 @@ class Referee:
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
-        roster lets aggregate and no flag shuts out (one GET an offer)."""
+        roster lets aggregate and no flag shuts out, under any name (one GET an offer)."""
         out = []
         for key in self.run.keys.of_round(listed, r, "offer"):
             peer = self.run.keys.written(key).peer
-            if roster is None or not roster.may_aggregate(peer) or volunteer_of(peer) in flagged:
+            if roster is None or not roster.may_aggregate(peer) or flag_of(peer, flagged, roster) is not None:
                 continue
             if read_signed(self.run, key, Offer, roster, f"offer {key}", listed, round=r, peer=peer) is not None:
                 out.append(peer)

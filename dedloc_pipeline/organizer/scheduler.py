@@ -31,6 +31,7 @@ from ..protocol import heartbeat, view
 from ..protocol.clock import Clock
 from ..protocol.close import Close, round_close
 from ..protocol.run import Run, RunError
+from ..storage.layout import volunteer_of
 from ..trust import identity
 from . import referee
 from .close_out import CloseOut, close_out
@@ -149,8 +150,10 @@ class Scheduler:
                       opened_at=opened, started_at=self._started.get(r), closed_at=now,
                       reason="target" if samples >= target else "timeout")
         if self.referee is not None:
-            offers = self.referee.offers(r, listed, self.judge.roster(), self.judge.flags)
-            if assigned := exchange.assign(exchange.seed(close), self.run.n_parts, offers):
+            roster = self.judge.roster()
+            offers = self.referee.offers(r, listed, roster, self.judge.flags)
+            person = roster.person if roster is not None else volunteer_of
+            if assigned := exchange.assign(exchange.seed(close), self.run.n_parts, offers, person):
                 close = close.model_copy(update={"aggregators": assigned, "aggregate_by": now + rule.aggregate_s})
             elif any(e.norm is None for e in close.accepted):  # admitted unread, and nobody left to check them
                 close = self.judge.contents(close)

@@ -157,6 +157,11 @@ class Roster(BaseModel):
             raise IdentityError(f"volunteer {name!r} is revoked")
         return key
 
+    def person(self, peer: str) -> str:
+        """Who ``peer`` is: its volunteer's public key (its name, where it has none), so that two
+        names of one key count as one volunteer wherever that matters (pairs, flags)."""
+        return self.volunteers.get(volunteer_of(peer), volunteer_of(peer))
+
     def may_aggregate(self, peer: str) -> bool:
         """Whether ``peer``'s volunteer is enrolled, not revoked, and named an aggregator."""
         try:
@@ -181,10 +186,14 @@ def read_roster(bucket: Bucket, run: str, organizer_key: str) -> Roster | None:
 
 
 def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll: dict[str, str] | None = None,
-                  revoke: list[str] = (), replace: bool = False, aggregate: list[str] = ()) -> Roster:
+                  revoke: list[str] = (), replace: bool = False, aggregate: list[str] = (),
+                  refused: dict[str, str] | None = None) -> Roster:
     """Enrol volunteers (name -> public key), name those who may aggregate (enrolled ones), and
     revoke others by name; sign; write. A name enrolled with another key keeps it unless
-    ``replace``: a typo must not hand someone's name, and its stream, to another key."""
+    ``replace``: a typo must not hand someone's name, and its stream, to another key. One key is
+    one volunteer: a key enrolled under another name, revoked, or ``refused`` (key -> why: a
+    flag names it) is not enrolled again, so one person cannot hold two names, nor come back
+    under a new one."""
     org = public(organizer)
     roster = read_roster(bucket, run, org) or Roster(run=run)
     volunteers, revoked = dict(roster.volunteers), list(roster.revoked)
@@ -195,6 +204,11 @@ def update_roster(bucket: Bucket, run: str, organizer: Ed25519PrivateKey, enroll
             raise IdentityError(problem)
         if check_public(key) in revoked:
             raise IdentityError(f"that key was revoked: {name!r} needs a new one (`dedloc keygen`)")
+        if key in (refused or {}):
+            raise IdentityError(f"that key is refused ({refused[key]}): it is not enrolled again under any name")
+        if (other := next((n for n, k in volunteers.items() if k == key and n != name), None)) is not None:
+            raise IdentityError(f"that key is enrolled as {other!r}: one key is one volunteer (a volunteer runs "
+                                f"several machines as peers {other}.NAME)")
         if volunteers.get(name, key) != key and not replace:
             raise IdentityError(f"volunteer {name!r} is enrolled with another key: pass --replace to give the "
                                 "name to this key (the old key's shards are refused from then on)")

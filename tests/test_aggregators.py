@@ -145,6 +145,55 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
     assert flags.read(run) == {}
 
 
+@pytest.mark.parametrize("renewed", [True, False], ids=["renewed", "control: not renewed"])
+def test_no_wait_for_the_aggregators_lets_a_standby_take_a_live_run(tmp_path, bucket, renewed):
+    """y claims its parts and never reveals, so the scheduler waits the whole ``aggregate_s``
+    (120 s, twice the 60 s lease); a standby scheduler asks for the lease at every poll of the
+    wait. The waiting scheduler renews it as it waits: the standby never gets it, and the round
+    commits. Control: not renewed, the standby takes the run over mid-round."""
+    from dedloc_pipeline.organizer.lease import Lease, LeaseHeld, LeaseLost
+    org = identity.generate(tmp_path / "org.pem")
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("a", "b", "x", "y")}
+    cfg = small_config(organizer_key=identity.public(org), chunks_per_part=1, codec="int8",
+                       close={"aggregate_s": 120.0})
+    run = init_run(bucket, cfg, organizer=org)
+    identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()},
+                           aggregate=["x", "y"])
+    run = on_clock(run, DrivenClock(epoch=run.commit_of(0)["committed_at"]))
+    standby, took = Lease(run.bucket, run.keys, run.clock, holder="standby"), []
+
+    def ask() -> None:  # while round 0 is reduced
+        if not run.bucket.exists(run.keys.close(0)) or run.latest() > 0:
+            return
+        try:
+            standby.hold()
+            took.append(run.clock.monotonic())
+        except LeaseHeld:
+            pass
+    with LockStep(run, volunteers=True) as c:
+        if not renewed:
+            c.scheduler.referee.renew = lambda: None
+        for n, mb in (("a", 4), ("b", 3)):
+            c.join(n, mb, signer=keys[n])
+        roles = {n: c.aggregate(n, keys[n]) for n in ("x", "y")}
+        compute = roles["y"].compute
+
+        def compute_and_go(r, k):  # claims written on return; from the next poll on, it is gone
+            roles["y"].step = lambda: None
+            return compute(r, k)
+        roles["y"].compute = compute_and_go
+        run.clock.parties.append(ask)
+        c.until(lambda: run.latest() > 0, 400, "state 1")
+        assert run.commit_of(1)["aggregated_by"] == [["organizer"]] * run.n_parts
+        if renewed:
+            assert took == []
+            c.scheduler.poll()  # still its run
+        else:
+            assert took and took[0] < Close.read(run, 0).aggregate_by - run.commit_of(0)["committed_at"]
+            with pytest.raises(LeaseLost):
+                c.scheduler.poll()
+
+
 def test_volunteer_aggregators_need_a_signed_run(bucket, tmp_path):
     from dedloc_pipeline.organizer.scheduler import Scheduler
     unsigned = init_run(bucket, small_config())

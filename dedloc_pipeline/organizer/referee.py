@@ -58,8 +58,11 @@ class Settlement:
 class Referee:
     """The scheduler's side: which offers count, and how a closed round's parts settle."""
 
-    def __init__(self, run: Run, clock: Clock, poll_s: float = 2.0, parallel: int = 2):
-        self.run, self.clock, self.poll_s, self.parallel = run, clock, poll_s, parallel
+    def __init__(self, run: Run, clock: Clock, poll_s: float = 2.0, parallel: int = 2,
+                 renew: Callable[[], None] = lambda: None):
+        """``renew``: what keeps this scheduler's lease while it waits for the aggregators (a wait
+        of ``close.aggregate_s`` may outlast the lease: a standby must not take a live run)."""
+        self.run, self.clock, self.poll_s, self.parallel, self.renew = run, clock, poll_s, parallel, renew
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
@@ -131,6 +134,7 @@ class Referee:
                         try_part(k, listed, claims)
             if all(decided(k) for k in parts) or now >= by:
                 return
+            self.renew()
             self.clock.sleep(min(self.poll_s, max(0.0, by - now)))
 
     def _seal(self, close: Close, stage: Stage, claimed: list[tuple[int, str]], listed: dict, roster) -> dict:

@@ -85,9 +85,10 @@ class Scheduler:
         self.clock = run.clock if clock is None else clock
         if volunteers and (why := exchange.eligible(run)):
             raise RunError(f"run {run.name!r} cannot take volunteer aggregators: {why}")
-        self.referee = referee.Referee(run, self.clock, poll_s or 2.0, parallel) if volunteers else None
-        self.judge = Judge(run, parallel, defer=volunteers and run.config.algorithm != "diloco")
         self.lease = Lease(run.bucket, run.keys, self.clock, holder, lease_s)
+        self.referee = referee.Referee(run, self.clock, poll_s or 2.0, parallel,
+                                       renew=self.lease.hold) if volunteers else None
+        self.judge = Judge(run, parallel, defer=volunteers and run.config.algorithm != "diloco")
         self._beats = heartbeat.Heartbeats()
         self._ahead = heartbeat.Heartbeats()  # the next round's: peers computing ahead, for displays
         self._ahead_seen: tuple[int, float, heartbeat.Pending] = (-1, float("-inf"), heartbeat.Pending())
@@ -310,7 +311,7 @@ class Scheduler:
     def _referee(self) -> referee.Referee:
         """This scheduler's referee; a plain one for a CLOSE that another scheduler, run with
         volunteer aggregators, wrote."""
-        return self.referee or referee.Referee(self.run, self.clock, parallel=self.parallel)
+        return self.referee or referee.Referee(self.run, self.clock, parallel=self.parallel, renew=self.lease.hold)
 
     def step(self, pool: Executor) -> bool:
         """One unit of progress; False when the open round is still filling."""

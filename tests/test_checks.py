@@ -65,6 +65,7 @@ COLLABORATIONS = {
                     "refused_and_changes_nothing"],
     "checks after close": ["test_shards_admitted_unread_are_checked_by_the_aggregators"],
     "answers": ["test_an_aggregator_whose_checks_lie_is_flagged",
+                "test_a_pair_that_places_another_parts_object_in_its_answer_copies_nothing_of_it",
                 "test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards",
                 "test_an_aggregator_that_lies_changes_no_state_and_is_flagged",
                 "test_control_with_one_aggregator_a_part_a_lie_is_committed",
@@ -462,6 +463,42 @@ def test_lamb_control_with_one_aggregator_a_part_false_sums_are_committed(tmp_pa
     run, keys = _run(tmp_path, bucket, **LAMB)
     with pytest.raises(AssertionError, match="is not the organizer's answer"):
         _collaborate(run, keys, tamper=lambda roles: _false_sums(roles["x"]))
+
+
+@pytest.mark.parametrize("stray", [True, False], ids=["misplaced object", "control: its part's own objects"])
+def test_a_pair_that_places_another_parts_object_in_its_answer_copies_nothing_of_it(tmp_path, bucket, stray):
+    """x and y, one person's two names in effect, agree on every answer, and under their answer
+    for the last part both place a copy of one of its chunk objects at a chunk of part 0 (settled
+    before it). Only the keys of the part an aggregator was given are ever copied: the last part
+    is the organizer's, both are flagged, and every committed state passes its own COMMIT's
+    checks (``dedloc repair`` finds it healthy; copied, the stray object overwrote part 0's chunk).
+    Control: the same pair without the stray object settles every part, nobody flagged."""
+    from dedloc_pipeline.organizer import repair
+    run, keys = _run(tmp_path, bucket)
+    last, other = run.n_parts - 1, run.part_chunks(0)[0]
+
+    def misplace(roles):
+        for role in roles.values():
+            write = role._write
+
+            def _write(key, record, role=role, write=write):
+                r = record.get("round")
+                if stray and key == run.keys.result(r, role.peer, last):  # its objects are in: add the stray one
+                    base = run.keys.answer(r, role.peer, last)
+                    found = sorted(run.keys.state_path(base, k) for k in run.bucket.listing(base))
+                    path, chunk = next(x for x in found if x is not None)
+                    dest = path.removesuffix(f"/c/{chunk}") + f"/c/{other}"
+                    run.bucket.copy(run.keys.answer_object(r, role.peer, last, path),
+                                    run.keys.answer_object(r, role.peer, last, dest))
+                return write(key, record)
+            role._write = _write
+    states, _, _ = _collaborate(run, keys, tamper=misplace)
+    assert repair.diagnose(run).healthy
+    if stray:
+        assert states[0]["aggregated_by"][last] == ["organizer"] and sorted(flags.read(run)) == ["x", "y"]
+        assert "objects of other parts" in flags.read(run)["x"].reason
+    else:
+        assert all(sorted(by) == ["x", "y"] for by in states[0]["aggregated_by"]) and flags.read(run) == {}
 
 
 def test_an_aggregator_that_copies_its_partners_answer_is_flagged(tmp_path, bucket):

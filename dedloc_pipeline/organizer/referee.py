@@ -196,6 +196,12 @@ class Referee:
             if (k, peer) not in out.fingerprints and keys.result(r, peer, k) in listed:
                 found = fingerprints(run, keys.answer(r, peer, k), listed)
                 out.fingerprints[(k, peer)] = {path: tag for (path, _), tag in found.items()}
+                if stray := sorted(path for path, chunk in found if chunk not in run.part_chunks(k)):
+                    # only the keys of the part it was given are ever copied into a state
+                    out.liars[peer] = f"its answer for part {k} of round {r} holds objects of other parts ({stray[0]})"
+                    out.left[k] = f"{peer}'s answer holds objects of other parts"
+        if k in out.left:
+            return
         if (results := self._revealed(close, PARTS, k, listed, roster, claims, out.results, out.left,
                                       out.liars)) is None:
             return

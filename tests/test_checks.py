@@ -66,7 +66,7 @@ COLLABORATIONS = {
     "checks after close": ["test_shards_admitted_unread_are_checked_by_the_aggregators"],
     "answers": ["test_an_aggregator_whose_checks_lie_is_flagged",
                 "test_a_pair_that_places_another_parts_object_in_its_answer_copies_nothing_of_it",
-                "test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards",
+                "test_a_pair_that_agrees_every_shard_is_corrupt_decides_nothing",
                 "test_an_aggregator_that_lies_changes_no_state_and_is_flagged",
                 "test_control_with_one_aggregator_a_part_a_lie_is_committed",
                 "test_lamb_an_aggregator_with_false_sums_changes_no_state_and_is_flagged",
@@ -407,20 +407,29 @@ def test_an_aggregator_whose_checks_lie_is_flagged(tmp_path, bucket, monkeypatch
     assert list(flags.read(run)) == ["x"] and "checks" in flags.read(run)["x"].reason
 
 
-def test_control_with_one_aggregator_a_part_false_checks_reject_honest_shards(tmp_path, bucket, monkeypatch):
-    """The damage without the cross-check: one aggregator a part, x's false checks reject the
-    honest shards of every part it was given."""
-    monkeypatch.setattr(exchange, "PER_PART", 1)
+@pytest.mark.parametrize("rejudged", [True, False], ids=["judged again", "control: not judged again"])
+def test_a_pair_that_agrees_every_shard_is_corrupt_decides_nothing(tmp_path, bucket, monkeypatch, rejudged):
+    """x and y, one person's two names in effect, both report every shard corrupt in every part:
+    they agree, but a shard rejected by a part's aggregators is checked again in that part by the
+    organizer before the round counts without it. It is sound: nothing is rejected, the round's
+    step takes every shard, both are flagged. Control: not judged again, the pair rejects every
+    shard and the round commits a step on no gradient."""
+    if not rejudged:
+        monkeypatch.setattr(referee.Referee, "_rejudge", lambda self, close, checks, out: checks)
     run, keys = _run(tmp_path, bucket)
-    with LockStep(run, volunteers=True) as c:
-        for n, mb in (("a", 4), ("b", 3)):
-            c.join(n, mb, signer=keys[n])
-        x = c.aggregate("x", keys["x"])
-        c.aggregate("y", keys["y"])
-        honest = x.check
-        x.check = lambda close, k: [-1.0] * len(honest(close, k))
-        c.until(lambda: run.latest() > 0, 400, "state 1")
-    assert run.read_record(run.keys.screened(0), "checks", round=0)["rejected"]
+
+    def liars(roles):
+        for role in roles.values():
+            honest = role.check
+            role.check = lambda close, k, honest=honest: [-1.0] * len(honest(close, k))
+    states, _, _ = _collaborate(run, keys, tamper=liars)
+    rejected = run.read_record(run.keys.screened(0), "checks", round=0)["rejected"]
+    if rejudged:
+        assert rejected == [] and states[0]["contributors"] == ["a", "b"]
+        assert sorted(flags.read(run)) == ["x", "y"] and "organizer found sound" in flags.read(run)["x"].reason
+    else:
+        assert len(rejected) == len(Close.read(run, 0).accepted) and states[0]["samples"] == 0
+        assert flags.read(run) == {}
 
 
 @pytest.mark.parametrize("attack", ["noise", "old part", "noise, lamb"])

@@ -241,6 +241,7 @@ class Referee:
                     run, k, close.accepted, aggregation.read_part(run, close.accepted, k)), parts)))
 
         def record(checks: dict[int, list[float]]) -> dict:
+            checks = self._rejudge(close, checks, out)
             verdicts: dict[str, float | str] = {}
             for i, e in enumerate(close.accepted):
                 bad = [k for k in sorted(checks) if not checks[k][i] >= 0]
@@ -257,6 +258,25 @@ class Referee:
             return len(checks) == len(close.accepted) and all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks)
         return self._recorded(close, SCREEN, parts, start, by, roster, reveal, out, out.screened, out.screens,
                               lambda k: valid, own, record)
+
+    def _rejudge(self, close: Close, checks: dict[int, list[float]], out: Settlement) -> dict[int, list[float]]:
+        """A shard that the aggregators of a part agreed to reject there is checked again in
+        that part by the organizer (one ranged read of that part of that shard) before the round
+        counts without it: a pair, two names of one person perhaps, cannot decide alone what
+        counts. Where the organizer finds it sound, its check replaces theirs and they are flagged."""
+        run, r = self.run, close.round
+        checks = {k: list(v) for k, v in checks.items()}
+        for k, peers in sorted(out.screened.items()):
+            for i, e in enumerate(close.accepted):
+                if checks[k][i] >= 0:
+                    continue
+                mine = aggregation.part_checks(run, k, [e], aggregation.read_part(run, [e], k))[0]
+                if mine >= 0:
+                    checks[k][i] = mine
+                    for peer in peers:
+                        out.liars.setdefault(peer, f"its checks rejected shard {e.key} in part {k} of round {r}, "
+                                                   "which the organizer found sound")
+        return checks
 
     def _recorded(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
                   reveal: Callable[[str], None], out: Settlement, agreed: dict, seen: dict,

@@ -125,17 +125,24 @@ def test_control_without_volunteer_aggregators_the_organizer_computes_every_part
     assert all(Close.read(run, r).aggregators is None for r in range(ROUNDS)) and not roles["x"].done
 
 
-def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadline(tmp_path, bucket):
-    """y claims its parts, then vanishes before revealing: at the deadline the organizer computes
-    every part; nobody is flagged (vanishing is no lie), and the round commits."""
+@pytest.mark.parametrize("bench", [True, False], ids=["benched", "control: not benched"])
+def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadline(tmp_path, bucket, monkeypatch,
+                                                                                  bench):
+    """y claims its parts of round 0, then vanishes before revealing: at the deadline the
+    organizer computes every part; nobody is flagged (vanishing is no lie), and the round
+    commits. y is back for round 1, but withholding cost it the role for a while: round 1 is not
+    given to it (x alone offers: the organizer's). Control: not benched, round 1 is theirs again."""
+    if not bench:
+        monkeypatch.setattr(referee, "BENCHED_ROUNDS", 0)
     run, keys = _run(tmp_path, bucket)
 
     def vanish(roles):
         y = roles["y"]
-        compute = y.compute
+        compute, step = y.compute, y.step
 
-        def compute_and_go(r, k):  # its claims are written on return; from the next poll on, it is gone
-            y.step = lambda: None
+        def compute_and_go(r, k):  # its claims are written on return; from the next poll on, gone for the round
+            if r == 0:
+                y.step = lambda: run.latest() > 0 and step()
             return compute(r, k)
         y.compute = compute_and_go
     states, _, _ = _collaborate(run, keys, tamper=vanish)
@@ -143,6 +150,7 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert states[0]["committed_at"] >= close.aggregate_by
     assert flags.read(run) == {}
+    assert (Close.read(run, 1).aggregators is None) == bench
 
 
 @pytest.mark.parametrize("renewed", [True, False], ids=["renewed", "control: not renewed"])

@@ -53,6 +53,10 @@ class Settlement:
     sums: dict[tuple[int, str], Sums] = field(default_factory=dict)
     fingerprints: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
     liars: dict[str, str] = field(default_factory=dict)  # peer -> why, found without the organizer's answer
+    withheld: dict[str, str] = field(default_factory=dict)  # peer -> the answer it owed and never revealed
+
+
+BENCHED_ROUNDS = 10  # rounds an aggregator that withheld an answer is not assigned
 
 
 class Referee:
@@ -63,14 +67,18 @@ class Referee:
         """``renew``: what keeps this scheduler's lease while it waits for the aggregators (a wait
         of ``close.aggregate_s`` may outlast the lease: a standby must not take a live run)."""
         self.run, self.clock, self.poll_s, self.parallel, self.renew = run, clock, poll_s, parallel, renew
+        self.benched: dict[str, int] = {}  # who withheld an answer (its person) -> the last round it sits out
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
-        roster lets aggregate and no flag shuts out, under any name (one GET an offer)."""
+        roster lets aggregate and no flag shuts out, under any name, nor a recent withholding
+        (one GET an offer)."""
         out = []
         for key in self.run.keys.of_round(listed, r, "offer"):
             peer = self.run.keys.written(key).peer
             if roster is None or not roster.may_aggregate(peer) or flag_of(peer, flagged, roster) is not None:
+                continue
+            if self.benched.get(roster.person(peer), -1) >= r:
                 continue
             if read_signed(self.run, key, Offer, roster, f"offer {key}", listed, round=r, peer=peer) is not None:
                 out.append(peer)
@@ -96,14 +104,35 @@ class Referee:
             for k in set(parts) - set(kept):
                 out.left[k] = f"its {stage.noun} were the organizer's"
             parts = kept
-        self._exchange(close, PARTS, [k for k in parts if k not in out.agreed], start, close.aggregate_by, roster,
+        answering = [k for k in parts if k not in out.agreed]
+        self._exchange(close, PARTS, answering, start, close.aggregate_by, roster,
                        reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
                        lambda k: k in out.agreed or k in out.left)
         for k in range(len(close.aggregators)):
             if k not in out.agreed:
                 out.left.setdefault(k, "no agreement by the deadline")
                 log.warning("round %d: part %d left to the organizer: %s", r, k, out.left[k])
+        self._bench(close, [k for k in answering if k not in out.agreed], roster, out)
         return out
+
+    def _bench(self, close: Close, unsettled: list[int], roster, out: Settlement) -> None:
+        """An aggregator given one of the ``unsettled`` parts that never revealed an answer for it
+        (claimed and withheld, or never claimed) sits the next ``BENCHED_ROUNDS`` rounds out: a
+        withheld answer holds the round to its deadline, and is no lie to flag (one GET of the
+        sealed claims and one listing, only when a part went unsettled)."""
+        if not unsettled:
+            return
+        r, keys = close.round, self.run.keys
+        claims, (listed, _) = self._sealed(close, PARTS), self.run.written()
+        for k in unsettled:
+            for peer in close.aggregators[k]:
+                if keys.result(r, peer, k) in listed or peer in out.liars or peer in out.withheld:
+                    continue
+                claimed = claims is not None and (k, peer) in claims
+                out.withheld[peer] = f"{'claimed' if claimed else 'was given'} part {k} of round {r} and never revealed"
+                self.benched[roster.person(peer) if roster is not None else peer] = r + BENCHED_ROUNDS
+                log.warning("round %d: aggregator %s %s: not assigned until round %d", r, peer,
+                            out.withheld[peer], r + BENCHED_ROUNDS + 1)
 
     def _exchange(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
                   reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool]) -> None:

@@ -35,13 +35,13 @@ from dedloc_pipeline.volunteer.aggregator import AggregatorRole
 ROUNDS = 2
 
 
-def _run(tmp_path, bucket, **kw):
+def _run(tmp_path, bucket, aggregate_s: float = 60.0, **kw):
     """A signed run (micro, a part per chunk) with a, b computing and x, y, z enrolled, x and y as
     aggregators; its keys by name."""
     org = identity.generate(tmp_path / "org.pem")
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("a", "b", "x", "y", "z")}
     cfg = small_config(organizer_key=identity.public(org), chunks_per_part=1, codec="int8",
-                       close={"aggregate_s": 60.0}, **kw)
+                       close={"aggregate_s": aggregate_s}, **kw)
     run = init_run(bucket, cfg, organizer=org)
     identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()},
                            aggregate=["x", "y"])
@@ -160,14 +160,7 @@ def test_no_wait_for_the_aggregators_lets_a_standby_take_a_live_run(tmp_path, bu
     wait. The waiting scheduler renews it as it waits: the standby never gets it, and the round
     commits. Control: not renewed, the standby takes the run over mid-round."""
     from dedloc_pipeline.organizer.lease import Lease, LeaseHeld, LeaseLost
-    org = identity.generate(tmp_path / "org.pem")
-    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("a", "b", "x", "y")}
-    cfg = small_config(organizer_key=identity.public(org), chunks_per_part=1, codec="int8",
-                       close={"aggregate_s": 120.0})
-    run = init_run(bucket, cfg, organizer=org)
-    identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()},
-                           aggregate=["x", "y"])
-    run = on_clock(run, DrivenClock(epoch=run.commit_of(0)["committed_at"]))
+    run, keys = _run(tmp_path, bucket, aggregate_s=120.0)
     standby, took = Lease(run.bucket, run.keys, run.clock, holder="standby"), []
 
     def ask() -> None:  # while round 0 is reduced

@@ -98,16 +98,23 @@ def test_the_collaborations_attacks_exist(name, tests):
 
 # validation: one shard by itself
 
+def _signed(tmp_path, bucket, name: str, enrolled: dict[str, str], others: tuple[str, ...] = (), **cfg):
+    """A signed run ``name`` with ``enrolled`` (volunteer -> whose key) in its roster; the
+    organizer's key and the others' by name."""
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", *sorted(set(enrolled.values())), *others)}
+    run = init_run(bucket, small_config(name, organizer_key=identity.public(keys["org"]), **cfg), organizer=keys["org"])
+    if enrolled:
+        identity.update_roster(bucket, run.name, keys["org"],
+                               enroll={v: identity.public(keys[k]) for v, k in enrolled.items()})
+    return run, keys
+
+
 @pytest.fixture
 def signed(tmp_path, bucket):
     """A signed run with honest and mallory (as ``bad``) enrolled, and a key nobody enrolled."""
-    org, honest, mallory, stranger = (identity.generate(tmp_path / f"{n}.pem")
-                                      for n in ("org", "honest", "mallory", "stranger"))
-    run = init_run(bucket, small_config("signed", organizer_key=identity.public(org), max_grad_norm=100.0),
-                   organizer=org)
-    identity.update_roster(bucket, run.name, org, enroll={"honest": identity.public(honest),
-                                                          "bad": identity.public(mallory)})
-    return run, honest, mallory, stranger
+    run, keys = _signed(tmp_path, bucket, "signed", {"honest": "honest", "bad": "mallory"}, ("stranger",),
+                        max_grad_norm=100.0)
+    return run, keys["honest"], keys["mallory"], keys["stranger"]
 
 
 def _tamper(run, fault: str, signer=None, stranger=None) -> str:
@@ -686,8 +693,8 @@ def test_the_roster_refuses_a_key_under_a_second_name(tmp_path, bucket):
     """One person cannot hold two names: a key enrolled as one volunteer is refused under
     another (at once or later), and a revoked one under any. Control: the same names with keys
     of their own enrol, and enrolling a name again with its own key changes nothing."""
-    org, k1, k2 = (identity.generate(tmp_path / f"{n}.pem") for n in ("org", "k1", "k2"))
-    run = init_run(bucket, small_config("keys", organizer_key=identity.public(org)), organizer=org)
+    run, keys = _signed(tmp_path, bucket, "keys", {}, ("k1", "k2"))
+    org, k1, k2 = keys["org"], keys["k1"], keys["k2"]
     with pytest.raises(identity.IdentityError, match="one key is one volunteer"):
         identity.update_roster(bucket, run.name, org, enroll={"m1": identity.public(k1), "m2": identity.public(k1)})
     identity.update_roster(bucket, run.name, org, enroll={"m1": identity.public(k1)})
@@ -710,12 +717,9 @@ def test_a_flagged_key_stays_out_under_any_name(tmp_path, bucket):
 
     from dedloc_pipeline.checks import flags as flag_records
     from dedloc_pipeline.cli import app
-    org, mallory, fresh, honest = (identity.generate(tmp_path / f"{n}.pem")
-                                   for n in ("org", "mallory", "fresh", "honest"))
-    run = init_run(bucket, small_config("flagged", organizer_key=identity.public(org), target_batch_size=8),
-                   organizer=org)
-    identity.update_roster(bucket, run.name, org, enroll={"mallory": identity.public(mallory),
-                                                          "honest": identity.public(honest)})
+    run, keys = _signed(tmp_path, bucket, "flagged", {"mallory": "mallory", "honest": "honest"}, ("fresh",),
+                        target_batch_size=8)
+    org, mallory, fresh = keys["org"], keys["mallory"], keys["fresh"]
     flag_records.raise_flag(run, Flag(volunteer="mallory", peer="mallory", round=0, verdict="mismatch",
                                       reason="differs", flagged_at=0.0))
     assert flag_records.read(run)["mallory"].key == identity.public(mallory)

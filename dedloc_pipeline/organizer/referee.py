@@ -105,25 +105,24 @@ class Referee:
                 out.left[k] = f"its {stage.noun} were the organizer's"
             parts = kept
         answering = [k for k in parts if k not in out.agreed]
-        self._exchange(close, PARTS, answering, start, close.aggregate_by, roster,
-                       reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
-                       lambda k: k in out.agreed or k in out.left)
+        listed = self._exchange(close, PARTS, answering, start, close.aggregate_by, roster,
+                                reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
+                                lambda k: k in out.agreed or k in out.left)
         for k in range(len(close.aggregators)):
             if k not in out.agreed:
                 out.left.setdefault(k, "no agreement by the deadline")
                 log.warning("round %d: part %d left to the organizer: %s", r, k, out.left[k])
-        self._bench(close, [k for k in answering if k not in out.agreed], roster, out)
+        self._bench(close, [k for k in answering if k not in out.agreed], roster, listed, out)
         return out
 
-    def _bench(self, close: Close, unsettled: list[int], roster, out: Settlement) -> None:
+    def _bench(self, close: Close, unsettled: list[int], roster, listed: dict, out: Settlement) -> None:
         """An aggregator given one of the ``unsettled`` parts that never revealed an answer for it
         (claimed and withheld, or never claimed) sits the next ``BENCHED_ROUNDS`` rounds out: a
-        withheld answer holds the round to its deadline, and is no lie to flag (one GET of the
-        sealed claims and one listing, only when a part went unsettled)."""
+        withheld answer holds the round to its deadline, and is no lie to flag (what revealed: the
+        exchange's last listing; one GET of the sealed claims, only when a part went unsettled)."""
         if not unsettled:
             return
-        r, keys = close.round, self.run.keys
-        claims, (listed, _) = self._sealed(close, PARTS), self.run.written()
+        r, keys, claims = close.round, self.run.keys, self._sealed(close, PARTS)
         for k in unsettled:
             for peer in close.aggregators[k]:
                 if keys.result(r, peer, k) in listed or peer in out.liars or peer in out.withheld:
@@ -135,12 +134,13 @@ class Referee:
                             out.withheld[peer], r + BENCHED_ROUNDS + 1)
 
     def _exchange(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
-                  reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool]) -> None:
+                  reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool]) -> dict:
         """One ``stage`` of ``parts``, from ``start`` to ``by``: wait for their aggregators'
         claims; once all are in or half the time is out, read and seal them and ``reveal``; then
-        ``try_part`` each part not yet ``decided``, polling, until all are or ``by`` passes."""
+        ``try_part`` each part not yet ``decided``, polling, until all are or ``by`` passes. Its
+        last listing of the volunteers' prefixes."""
         if not parts:
-            return
+            return {}
         run, r, keys = self.run, close.round, self.run.keys
         claims = self._sealed(close, stage)
         if claims is not None:  # sealed before a restart: the answers may be revealed already, and are again
@@ -162,7 +162,7 @@ class Referee:
                     if not decided(k):
                         try_part(k, listed, claims)
             if all(decided(k) for k in parts) or now >= by:
-                return
+                return listed
             self.renew()
             self.clock.sleep(min(self.poll_s, max(0.0, by - now)))
 
@@ -296,12 +296,14 @@ class Referee:
         run, r = self.run, close.round
         checks = {k: list(v) for k, v in checks.items()}
         for k, peers in sorted(out.screened.items()):
-            for i, e in enumerate(close.accepted):
-                if checks[k][i] >= 0:
-                    continue
-                mine = aggregation.part_checks(run, k, [e], aggregation.read_part(run, [e], k))[0]
-                if mine >= 0:
-                    checks[k][i] = mine
+            refused = [i for i, _ in enumerate(close.accepted) if not checks[k][i] >= 0]
+            if not refused:
+                continue
+            shards = [close.accepted[i] for i in refused]  # part k of each, read once
+            mine = aggregation.part_checks(run, k, shards, aggregation.read_part(run, shards, k))
+            for i, e, value in zip(refused, shards, mine):
+                if value >= 0:
+                    checks[k][i] = value
                     for peer in peers:
                         out.liars.setdefault(peer, f"its checks rejected shard {e.key} in part {k} of round {r}, "
                                                    "which the organizer found sound")

@@ -35,13 +35,13 @@ from dedloc_pipeline.volunteer.aggregator import AggregatorRole
 ROUNDS = 2
 
 
-def _run(tmp_path, bucket, aggregate_s: float = 60.0, **kw):
-    """A signed run (micro, a part per chunk) with a, b computing and x, y, z enrolled, x and y as
-    aggregators; its keys by name."""
+def _run(tmp_path, bucket, aggregate_s: float = 60.0, close: dict | None = None, **kw):
+    """A signed run (micro, a part per chunk unless ``chunks_per_part`` says) with a, b computing
+    and x, y, z enrolled, x and y as aggregators; its keys by name."""
     org = identity.generate(tmp_path / "org.pem")
     keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("a", "b", "x", "y", "z")}
-    cfg = small_config(organizer_key=identity.public(org), chunks_per_part=1, codec="int8",
-                       close={"aggregate_s": aggregate_s}, **kw)
+    cfg = small_config(organizer_key=identity.public(org), codec="int8",
+                       close={"aggregate_s": aggregate_s, **(close or {})}, **{"chunks_per_part": 1, **kw})
     run = init_run(bucket, cfg, organizer=org)
     identity.update_roster(bucket, run.name, org, enroll={n: identity.public(k) for n, k in keys.items()},
                            aggregate=["x", "y"])
@@ -55,7 +55,7 @@ def _organizers(run, r: int) -> dict[str, list[str]]:
     grads = [aggregation.mean_gradient(run, r, k) for k in range(run.n_parts)]
     norms = None
     if run.config.aggregator_optimizer.name == "lamb":  # every part's partial sums, merged in part order
-        norms = optim.merge_partials([aggregation.part_sums(run, r, k, g) for k, g in enumerate(grads)])
+        norms = optim.merge_partials([s for k, g in enumerate(grads) for s in aggregation.part_sums(run, r, k, g)])
     for k in range(run.n_parts):
         vectors = aggregation.next_part(run, r, k, grads[k], norms)
         sums["params"] += vector.chunk_checksums(formats["params"], vectors["params"], run.part_chunks(k))["values"]
@@ -325,7 +325,10 @@ def test_a_settled_round_costs_the_organizer_what_the_model_says(tmp_path, s3_bu
     assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"])
     lay = Traffic(PlannedRun(cfg))
     shards = len(close.accepted)
-    want = lay.checked_finish(polls=3) + lay.prune_volunteers(lay.volunteer_objects(shards, 2, 1), 0)
+    want = (lay.checked_finish(polls=3) + lay.prune_volunteers(lay.volunteer_objects(shards, 2, 1), 0)
+            # every chunk while neither aggregator has earned trust: with LAMB, after the checks' and
+            # the sums' audits of every part, both have (``TRUSTED_AFTER``), and the answers' are sampled
+            + lay.audits(shards, lay.audited(), lay.audited(cfg.close.audit if optimizer == "lamb" else None)))
     assert {k: v for k, v in got.items() if v} == {k: v for k, v in want.as_dict().items() if v}
     # x, meanwhile: a view read for each stage the view says (a worker's bill has them: closed,
     # the checks and their record, the reveal; with LAMB the sums and the norms too) and its

@@ -266,12 +266,13 @@ def test_a_planned_round_adds_up_from_its_parts():
 
 
 def test_volunteer_aggregators_take_the_state_off_the_organizers_machine():
-    """With 4 volunteer aggregators (two to a part) the organizer reads no shard (they check
-    them) and writes records; each aggregator reads half the parts of every shard and of
-    the fp32 state (LAMB: params, two slots, the int4 delta's residual) and writes them back
-    with the delta. One aggregator is no check: refused."""
+    """With 4 volunteer aggregators (two to a part) the organizer reads of the shards and the
+    state only what its audits recompute (an eighth of each part: a chunk of 8) and writes
+    records; each aggregator reads half the parts of every shard and of the fp32 state (LAMB:
+    params, two slots, the int4 delta's residual) and writes them back with the delta. One
+    aggregator is no check: refused."""
     from dedloc_pipeline.planning.estimate import DELTA_BYTES_PER_PARAM, DENSE_BYTES_PER_PARAM, SHARD_BYTES_PER_PARAM
-    cfg = recipe_config("plan", "sahajbert")
+    cfg = recipe_config("plan", "sahajbert", chunk_size=1 << 17, chunks_per_part=8)
     kw = dict(peers=40, days=14, samples_per_s=1.0, reduce_s=10.0, uplink_mbit_s=100.0)
     alone, helped = estimate(cfg, **kw), estimate(cfg, **kw, aggregators=4)
     n, per_round = helped.n_params, helped.round_s / 3600
@@ -282,8 +283,13 @@ def test_volunteer_aggregators_take_the_state_off_the_organizers_machine():
     saved = (alone.scheduler_hour.bytes_down - helped.scheduler_hour.bytes_down) * per_round
     # the validation's and the reduction's reads of the shards, and the state's: the organizer's eight
     # dense reads a round with LAMB (parameters, the residual, the reduced gradient and its scratch, the
-    # slots twice)
-    assert saved == pytest.approx(2 * shards + 8 * dense)
+    # slots twice); less the audits' of a chunk a part: the shards in each of the three exchanges, the
+    # parameters and slots for the sums, and for the answers those, the residual and the answer's objects
+    audited = helped.audited_chunks / helped.chunks
+    assert helped.audited_chunks == len(range(0, helped.chunks, 8)) and helped.audit_survival == 7 / 8
+    audits = audited * (3 * shards + 3 * dense + (4 + 4) * dense + DELTA_BYTES_PER_PARAM["int4"] * n)
+    assert saved == pytest.approx(2 * shards + 8 * dense - audits)
+    assert audits < 0.2 * (2 * shards + 8 * dense)
     assert helped.scheduler_hour.bytes_up < alone.scheduler_hour.bytes_up / 1000
     s3 = helped.cost["s3"]
     assert s3.run == pytest.approx(40 * 14 * s3.volunteer_day.total + 14 * s3.scheduler_day.total

@@ -55,9 +55,8 @@ for root in sys.argv[1:]:
     grads = {k: aggregation.mean_gradient(run, 1, k) for k in range(run.n_parts)}
     norms, opt = None, run.config.aggregator_optimizer
     if opt.name == "lamb":
-        norms = optim.merge_partials([optim.partials(opt, run.flat, run.part_bounds(k)[0],
-                                                     *aggregation.read_state(run, 1, k, False)[:2], grads[k], 2)
-                                      for k in range(run.n_parts)])
+        norms = optim.merge_partials([s for k in range(run.n_parts)
+                                      for s in aggregation.part_sums(run, 1, k, grads[k])])
     for k in range(run.n_parts):
         vectors = aggregation.next_part(run, 1, k, grads[k], norms)
         aggregation.write_part(Bucket(f"file://{root}"), "out", run, k, vectors)

@@ -90,6 +90,9 @@ CHECKS: tuple[Check, ...] = (
           "max_grad_norm", where="admission.judge_contents (organizer/referee.py, organizer/judge.py)"),
     Check("answers", Moment.AFTER_CLOSE, "an aggregator whose checks, partial sums or answer are not what it "
           "claimed, or not the organizer's own: flagged", where="organizer/referee.py"),
+    Check("audit", Moment.AFTER_CLOSE, "two aggregators (one person's names perhaps) agreeing on a lie: chunks of "
+          "each part they agree on, drawn by the organizer's secret, recomputed from the frozen shards and the "
+          "answer's objects there read: both flagged", "close.audit", where="checks/audit.py (organizer/referee.py)"),
     Check("recomputation", Moment.AFTER_COMMIT, "a shard whose gradient is not what its samples give on its "
           "state: flagged", "dedloc verify --fraction", where="verify.Verifier"),
     Check("copy screen", Moment.AFTER_COMMIT, "a shard copied from another volunteer's, disguised or not: "

@@ -88,17 +88,18 @@ class Result(_Record):
 
 class Screen(_Record):
     """An aggregator's revealed check of a part of every shard of its round, in CLOSE's order:
-    each one's sum of squares there, or -1 (``aggregation.part_checks``)."""
+    each one's sum of squares in each chunk of the part, or -1 in each (``aggregation.part_checks``)."""
 
     part: int
-    checks: list[float]
+    checks: list[list[float]]
 
 
 class Sums(_Record):
-    """LAMB: an aggregator's revealed partial sums for a part, per tensor [sum p^2, sum u^2]."""
+    """LAMB: an aggregator's revealed partial sums for a part, for each of its chunks per tensor
+    [sum p^2, sum u^2] (``aggregation.part_sums``)."""
 
     part: int
-    sums: dict[str, list[float]]
+    sums: list[dict[str, list[float]]]
 
 
 @dataclass(frozen=True)
@@ -190,13 +191,16 @@ def eligible(run: Run) -> str | None:
 def bound(run: Run, model: type[BaseModel], shards: int = 0) -> int:
     """The most bytes an aggregator's record of ``model`` may take: a result lists a checksum
     (64 bytes, generously) per chunk of each array of a state's vectors over a part, partial
-    sums a name and two numbers per tensor (256 bytes), a check a number per shard of the round
-    (``shards``, 32 bytes); the others are a few fields. A larger one is refused unread: no
-    record slows the scheduler."""
+    sums a name and two numbers per tensor and chunk (256 bytes), a check a number per shard of
+    the round (``shards``) and chunk of the part (32 bytes); the others are a few fields. A larger
+    one is refused unread: no record slows the scheduler."""
+    chunks = run.config.chunks_per_part
     if model is Screen:
-        return 4096 + 32 * shards
+        return 4096 + 32 * shards * chunks
     if model is Sums:
-        return 4096 + 256 * max(len(list(run.flat.pieces(*run.part_bounds(k)))) for k in range(run.n_parts))
+        size = run.dense_format.chunk_size
+        return 4096 + 256 * max(len(list(run.flat.pieces(lo, min(lo + size, run.flat.n)))) * chunks
+                                for lo in range(0, run.flat.n, size))
     if model is not Result:
         return 4096
     arrays = sum(len(fmt.stored()) for fmt in aggregation.next_formats(run).values())

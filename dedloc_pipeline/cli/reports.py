@@ -116,6 +116,9 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
                                                    "its reads are no egress"),
           aggregators: int = typer.Option(0, help="volunteer aggregators, two to a part (docs/aggregators.md); "
                                           "0: the organizer aggregates"),
+          chunks_per_part: Optional[int] = typer.Option(None, min=1, help="chunks a part holds (default: the "
+                                                        "recipe's), the chunks as many times smaller: the audits "
+                                                        "of volunteer aggregators recompute a share of them"),
           as_json: bool = typer.Option(False, "--json", help="one JSON object")):
     """Price a collaboration in dollars at S3 and R2: requests, egress and storage, per volunteer-day and for the run."""  # noqa: E501
     setup(False)
@@ -130,6 +133,10 @@ def cost_(peers: int = typer.Option(..., help="volunteers training at once"),
         config = open_run(bucket, run, endpoint_url).config
     else:
         config = recipe_config("plan", preset or "tiny", target_batch_size=target_batch)
+    if chunks_per_part is not None:  # a part of the same size, cut into more chunks
+        size = max(config.block_size, config.chunk_size * config.chunks_per_part // chunks_per_part
+                   // config.block_size * config.block_size)
+        config = config.model_copy(update={"chunk_size": size, "chunks_per_part": chunks_per_part})
     table = load_prices(prices) if prices else PRICES
     e = estimate(config, peers, days, samples_per_s, prices=table, reduce_s=reduce_s, uplink_mbit_s=uplink_mbit,
                  scheduler_poll_s=scheduler_poll, micro_batch=micro_batch, scheduler_egress=not scheduler_in_region,

@@ -26,46 +26,61 @@ log = logging.getLogger(__name__)
 READ_BATCH = 32  # shards whose chunk range is read at once: requests overlap, memory stays bounded
 
 
-def read_part(run: Run, accepted: list, part: int) -> dict[str, dict | vector.CorruptShard]:
-    """Each of ``accepted``'s shards over this part's chunks, by key, from its frozen copy, held
-    to its manifest's checksums there (a CorruptShard where it is not)."""
-    out = {}
+def _chunks(run: Run, part: int, chunks: range | None) -> range:
+    """The chunks a computation covers: the part's, or a range of them (an audit's, ``checks/audit.py``)."""
+    whole = run.part_chunks(part)
+    if chunks is None:
+        return whole
+    if chunks.start < whole.start or chunks.stop > whole.stop:
+        raise ValueError(f"chunks {chunks} are not of part {part} ({whole})")
+    return chunks
+
+
+def read_part(run: Run, accepted: list, part: int, chunks: range | None = None) -> dict[str, dict | vector.CorruptShard]:
+    """Each of ``accepted``'s shards over this part's chunks (or ``chunks`` of them), by key, from
+    its frozen copy, held to its manifest's checksums there (a CorruptShard where it is not)."""
+    out, chunks = {}, _chunks(run, part, chunks)
     for i in range(0, len(accepted), READ_BATCH):
         batch = accepted[i:i + READ_BATCH]
         found = vector.read_vectors(run.bucket, [run.keys.frozen(s.key) for s in batch], run.grad_format,
-                                    run.part_chunks(part), [s.checksums for s in batch])
+                                    chunks, [s.checksums for s in batch])
         out.update({s.key: arrays for s, arrays in zip(batch, found)})
     return out
 
 
-def part_checks(run: Run, part: int, accepted: list, found: dict) -> list[float]:
-    """The check of this part of each of ``accepted``'s shards (``found``: ``read_part``), in
-    their order: its sum of squares there, the same on any machine (decoded, then summed in
-    numpy's pairwise order), or -1 where its chunks are not its manifest's, are malformed, or
-    hold non-finite values (checks/exchange.py merges the parts' checks into each shard's verdict)."""
-    fmt, (lo, hi) = run.grad_format, run.part_bounds(part)
+def part_checks(run: Run, part: int, accepted: list, found: dict, chunks: range | None = None) -> list[list[float]]:
+    """The check of this part (or of ``chunks`` of it) of each of ``accepted``'s shards
+    (``found``: ``read_part`` of the same chunks), in their order: its sum of squares in each
+    chunk, the same on any machine (decoded, then summed in numpy's pairwise order), or -1 in
+    every chunk where they are not its manifest's, are malformed, or hold a non-finite value
+    (checks/exchange.py merges the parts' checks into each shard's verdict; an audit recomputes
+    a few chunks' sums, ``checks/audit.py``)."""
+    fmt, chunks = run.grad_format, _chunks(run, part, chunks)
     out = []
     for s in accepted:
         arrays = found[s.key]
         try:
             if isinstance(arrays, vector.CorruptShard):
                 raise ValueError(arrays)
-            x = codec.decode(arrays, fmt.codec, fmt.block, hi - lo)
-            out.append(optim.sum_squares(x) if np.isfinite(x).all() else -1.0)
+            x = codec.decode(arrays, fmt.codec, fmt.block, fmt.elements(chunks))
+            if not np.isfinite(x).all():
+                raise ValueError("not finite")
+            out.append([optim.sum_squares(x[i:i + fmt.chunk_size]) for i in range(0, len(x), fmt.chunk_size)])
         except (ValueError, IndexError):  # a sparse position out of its block, arrays of other sizes
-            out.append(-1.0)
+            out.append([-1.0] * len(chunks))
     return out
 
 
-def mean_gradient(run: Run, r: int, part: int, found: dict | None = None) -> np.ndarray:
-    """Round r's mean gradient over this part's chunks (or its robust estimate), from the frozen
-    copies of CLOSE's accepted shards, in CLOSE's order: a fixed summation order, so the same
-    bytes on any machine (``optim``). ``found``: those shards' arrays there, read already
-    (``read_part``)."""
+def mean_gradient(run: Run, r: int, part: int, found: dict | None = None, chunks: range | None = None) -> np.ndarray:
+    """Round r's mean gradient over this part's chunks (or ``chunks`` of them; its robust
+    estimate), from the frozen copies of CLOSE's accepted shards, in CLOSE's order: a fixed
+    summation order, so the same bytes on any machine (``optim``), and each coordinate's the same
+    whatever chunks are computed with it (but for ``centered_clip``, which takes the part's norms).
+    ``found``: those shards' arrays there, read already (``read_part``)."""
     keys, bucket = run.keys, run.bucket
     accepted = round_close(run, r).accepted
-    chunks = run.part_chunks(part)
-    lo, hi = run.part_bounds(part)
+    chunks = _chunks(run, part, chunks)
+    lo, hi = run.dense_format.bounds("values", chunks)
     fmt = run.grad_format
     volunteers = sorted({volunteer_of(s.peer) for s in accepted})
     robust_mode = run.config.aggregation != "mean" and len(volunteers) > 2
@@ -102,18 +117,23 @@ def reduce_part(run: Run, r: int, part: int) -> str:
         return marker
     grad = mean_gradient(run, r, part)
     vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, run.part_chunks(part))
-    partials = part_sums(run, r, part, grad) if run.config.aggregator_optimizer.name == "lamb" else {}
+    partials = part_sums(run, r, part, grad) if run.config.aggregator_optimizer.name == "lamb" else []
     bucket.write_json(marker, {"part": part, "partials": partials})
     return marker
 
 
-def part_sums(run: Run, r: int, part: int, grad: np.ndarray, state: tuple | None = None) -> dict[str, list[float]]:
-    """LAMB: this part's share of each tensor's [sum p^2, sum u^2], which its trust ratio needs
-    whole (``optim.partials``): the reduction's second result. ``state``: state r over the part
-    as ``read_state`` gives it, already read (left unchanged)."""
-    p, slots, _ = read_state(run, r, part, residual=False) if state is None else state
-    return optim.partials(run.config.aggregator_optimizer, run.flat, run.part_bounds(part)[0], p, slots, grad,
-                          step=r + 1)
+def part_sums(run: Run, r: int, part: int, grad: np.ndarray, state: tuple | None = None,
+              chunks: range | None = None) -> list[dict[str, list[float]]]:
+    """LAMB: this part's (or its ``chunks``') share of each tensor's [sum p^2, sum u^2], which
+    its trust ratio needs whole (``optim.partials``), a chunk at a time: the reduction's second
+    result, and what an audit recomputes for a few chunks. ``grad`` and ``state`` (as
+    ``read_state`` gives it, already read, left unchanged): over the same chunks."""
+    chunks = _chunks(run, part, chunks)
+    p, slots, _ = read_state(run, r, part, residual=False, chunks=chunks) if state is None else state
+    lo, size = run.dense_format.bounds("values", chunks)[0], run.dense_format.chunk_size
+    return [optim.partials(run.config.aggregator_optimizer, run.flat, lo + i, p[i:i + size],
+                           {n: a[i:i + size] for n, a in slots.items()}, grad[i:i + size], step=r + 1)
+            for i in range(0, len(p), size)]
 
 
 def norms(run: Run, r: int) -> dict[str, list[float]]:
@@ -126,13 +146,13 @@ def norms(run: Run, r: int) -> dict[str, list[float]]:
     markers = run.bucket.read_many([run.keys.reduced_marker(r, k) for k in range(run.n_parts)])
     if any(v is None for v in markers.values()):
         raise RunError(f"round {r}: LAMB needs every part reduced first")
-    return optim.merge_partials([json.loads(v)["partials"] for v in markers.values()])
+    return optim.merge_partials([s for v in markers.values() for s in json.loads(v)["partials"]])
 
 
-def read_state(run: Run, r: int, part: int, residual: bool = True) -> tuple:
-    """State r over this part: its parameters, optimizer slots by name, and the download codec's
-    residual (None unless ``residual``), each a fresh array."""
-    chunks = run.part_chunks(part)
+def read_state(run: Run, r: int, part: int, residual: bool = True, chunks: range | None = None) -> tuple:
+    """State r over this part (or ``chunks`` of it): its parameters, optimizer slots by name, and
+    the download codec's residual (None unless ``residual``), each a fresh array."""
+    chunks = _chunks(run, part, chunks)
     fmt, keys = run.dense_format, run.keys
     p = vector.read_vector(run.bucket, keys.params(r), fmt, chunks).copy()
     state = {n: vector.read_vector(run.bucket, keys.optim(r, n), fmt, chunks).copy()
@@ -142,13 +162,15 @@ def read_state(run: Run, r: int, part: int, residual: bool = True) -> tuple:
 
 
 def next_part(run: Run, r: int, part: int, grad: np.ndarray, norms: dict | None = None,
-              state: tuple | None = None) -> dict[str, dict]:
-    """The optimizer step on this part of state r: state r+1's vectors over the part's chunks,
-    by name (``params``, ``delta`` and each optimizer slot, ``residual`` with a lossy delta), as
-    arrays of their formats (``next_formats``), not yet written anywhere. ``state``: as
-    ``read_state`` gives it, already read (its arrays are stepped in place)."""
-    lo, _ = run.part_bounds(part)
-    p_old, state, residual = read_state(run, r, part) if state is None else state
+              state: tuple | None = None, chunks: range | None = None) -> dict[str, dict]:
+    """The optimizer step on this part of state r (or on ``chunks`` of it, an audit's: every
+    coordinate comes out as with the whole part): state r+1's vectors there, by name
+    (``params``, ``delta`` and each optimizer slot, ``residual`` with a lossy delta), as arrays of
+    their formats (``next_formats``), not yet written anywhere. ``state``: as ``read_state``
+    gives it, already read (its arrays are stepped in place)."""
+    chunks = _chunks(run, part, chunks)
+    lo, _ = run.dense_format.bounds("values", chunks)
+    p_old, state, residual = read_state(run, r, part, chunks=chunks) if state is None else state
     p = p_old.copy()
     optim.apply(run.config.aggregator_optimizer, run.flat, lo, p, state, grad, step=r + 1, norms=norms)
     # Peers download the delta, not the snapshot: what they can rebuild is what gets committed.

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..checks import admission, exchange
+from ..checks import admission, audit, exchange
 from ..checks.exchange import (
     PARTS,
     SCREEN,
@@ -54,9 +54,12 @@ class Settlement:
     fingerprints: dict[tuple[int, str], dict[str, str]] = field(default_factory=dict)
     liars: dict[str, str] = field(default_factory=dict)  # peer -> why, found without the organizer's answer
     withheld: dict[str, str] = field(default_factory=dict)  # peer -> the answer it owed and never revealed
+    audits: list[dict] = field(default_factory=list)  # each agreement audited: stage, part, chunks, by, found
 
 
-BENCHED_ROUNDS = 10  # rounds an aggregator that withheld an answer is not assigned
+BENCHED_ROUNDS = 10  # rounds an aggregator that withheld an answer is not assigned, and every part is
+# audited whole after a lie was caught
+TRUSTED_AFTER = 8  # parts a volunteer's aggregators must have passed audits for before an audit samples theirs
 
 
 class Referee:
@@ -68,6 +71,9 @@ class Referee:
         of ``close.aggregate_s`` may outlast the lease: a standby must not take a live run)."""
         self.run, self.clock, self.poll_s, self.parallel, self.renew = run, clock, poll_s, parallel, renew
         self.benched: dict[str, int] = {}  # who withheld an answer (its person) -> the last round it sits out
+        self.passed: dict[str, int] = {}  # a person -> the parts its aggregators passed audits for (this process)
+        self.alert_until = -1  # the last round every part is audited whole: a lie was caught
+        self._secret: tuple[int, str] | None = None  # the round's draw (``audit.secret``), once made
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
@@ -113,7 +119,41 @@ class Referee:
                 out.left.setdefault(k, "no agreement by the deadline")
                 log.warning("round %d: part %d left to the organizer: %s", r, k, out.left[k])
         self._bench(close, [k for k in answering if k not in out.agreed], roster, listed, out)
+        if out.audits:
+            run.bucket.write_json(keys.audits(r), run.record(f"audits of round {r}", {
+                "round": r, "secret": self._drawn_by(close), "fraction": run.config.close.audit,
+                "audits": out.audits}, round=r))
         return out
+
+    def _drawn_by(self, close: Close) -> str:
+        if self._secret is None or self._secret[0] != close.round:
+            self._secret = (close.round, audit.secret(self.run, close))
+        return self._secret[1]
+
+    def _audited(self, close: Close, stage: Stage, k: int, roster, check: Callable[[list[int]], str | None],
+                 out: Settlement) -> bool:
+        """Whether part k's agreement in ``stage`` passes its audit (``audit.py``): ``check`` of the
+        chunks drawn, all of them where an aggregator's volunteer has not passed ``TRUSTED_AFTER``
+        audits yet, after a caught lie, or where a coordinate's value takes the whole part's
+        (``centered_clip``). A failed one flags both aggregators and audits every part whole for
+        ``BENCHED_ROUNDS`` rounds."""
+        run, r, peers = self.run, close.round, close.aggregators[k]
+        person = (lambda p: roster.person(p)) if roster is not None else (lambda p: p)
+        whole = (r <= self.alert_until or run.config.aggregation == "centered_clip"
+                 or any(self.passed.get(person(p), 0) < TRUSTED_AFTER for p in peers))
+        chunks = audit.draw(self._drawn_by(close), k, run.part_chunks(k), 1.0 if whole else run.config.close.audit)
+        found = check(chunks)
+        out.audits.append({"stage": stage.reveal, "part": k, "chunks": chunks, "by": list(peers), "found": found})
+        if found is None:
+            for p in {person(p) for p in peers}:
+                self.passed[p] = self.passed.get(p, 0) + 1
+            return True
+        for peer in peers:
+            out.liars[peer] = f"the organizer's audit of part {k} of round {r} ({stage.noun}): {found}"
+        self.alert_until = r + BENCHED_ROUNDS
+        log.warning("round %d: the audit of part %d's %s agreed by %s found a lie (%s): every part audited whole "
+                    "until round %d", r, k, stage.noun, " and ".join(peers), found, self.alert_until)
+        return False
 
     def _bench(self, close: Close, unsettled: list[int], roster, listed: dict, out: Settlement) -> None:
         """An aggregator given one of the ``unsettled`` parts that never revealed an answer for it
@@ -242,6 +282,10 @@ class Referee:
         if set(results[a].checksums) != set(aggregation.next_formats(run)):
             out.left[k] = "an answer without every vector of a state, or with others"
             return
+        if not self._audited(close, PARTS, k, roster, lambda chunks: audit.answer(
+                run, close, k, chunks, results[a].checksums, keys.answer(r, a, k)), out):
+            out.left[k] = "its audit found a lie"
+            return
         copied = []
         try:
             for path, tag in sorted(out.fingerprints[(k, a)].items()):
@@ -264,17 +308,17 @@ class Referee:
         the round takes). When the next exchange starts, and its parts."""
         run, r = self.run, close.round
 
-        def own(parts: list[int]) -> dict[int, list[float]]:
+        def own(parts: list[int]) -> dict[int, list[list[float]]]:
             with ThreadPoolExecutor(self.parallel) as pool:
                 return dict(zip(parts, pool.map(lambda k: aggregation.part_checks(
                     run, k, close.accepted, aggregation.read_part(run, close.accepted, k)), parts)))
 
-        def record(checks: dict[int, list[float]]) -> dict:
+        def record(checks: dict[int, list[list[float]]]) -> dict:
             checks = self._rejudge(close, checks, out)
             verdicts: dict[str, float | str] = {}
             for i, e in enumerate(close.accepted):
-                bad = [k for k in sorted(checks) if not checks[k][i] >= 0]
-                norm = math.sqrt(sum(checks[k][i] for k in sorted(checks))) if not bad else 0.0
+                bad = [k for k in sorted(checks) if not min(checks[k][i]) >= 0]
+                norm = math.sqrt(sum(x for k in sorted(checks) for x in checks[k][i])) if not bad else 0.0
                 verdicts[e.key] = (f"its chunks of part {bad[0]} are not its manifest's, malformed or not finite "
                                    "(checked after CLOSE)") if bad else norm
             kept, rejected = admission.judge_contents(close.accepted, verdicts, run.config.max_grad_norm,
@@ -283,12 +327,16 @@ class Referee:
                 log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
             return {"rejected": [x.dump() for x in rejected], "norms": {e.key: e.norm for e in kept}}
 
-        def valid(checks: list[float]) -> bool:
-            return len(checks) == len(close.accepted) and all(math.isfinite(x) and (x >= 0 or x == -1) for x in checks)
+        def valid(k: int) -> Callable[[list[list[float]]], bool]:
+            n = len(run.part_chunks(k))  # per shard, each chunk's sum of squares, or -1 in each
+            return lambda checks: len(checks) == len(close.accepted) and all(
+                len(x) == n and (all(math.isfinite(v) and v >= 0 for v in x) or all(v == -1 for v in x))
+                for x in checks)
         return self._recorded(close, SCREEN, parts, start, by, roster, reveal, out, out.screened, out.screens,
-                              lambda k: valid, own, record)
+                              valid, own, record, lambda k, chunks, value: audit.screen(run, close, k, chunks, value))
 
-    def _rejudge(self, close: Close, checks: dict[int, list[float]], out: Settlement) -> dict[int, list[float]]:
+    def _rejudge(self, close: Close, checks: dict[int, list[list[float]]],
+                 out: Settlement) -> dict[int, list[list[float]]]:
         """A shard that the aggregators of a part agreed to reject there is checked again in
         that part by the organizer (one ranged read of that part of that shard) before the round
         counts without it: a pair, two names of one person perhaps, cannot decide alone what
@@ -296,13 +344,13 @@ class Referee:
         run, r = self.run, close.round
         checks = {k: list(v) for k, v in checks.items()}
         for k, peers in sorted(out.screened.items()):
-            refused = [i for i, _ in enumerate(close.accepted) if not checks[k][i] >= 0]
+            refused = [i for i, _ in enumerate(close.accepted) if not min(checks[k][i]) >= 0]
             if not refused:
                 continue
             shards = [close.accepted[i] for i in refused]  # part k of each, read once
             mine = aggregation.part_checks(run, k, shards, aggregation.read_part(run, shards, k))
             for i, e, value in zip(refused, shards, mine):
-                if value >= 0:
+                if min(value) >= 0:
                     checks[k][i] = value
                     for peer in peers:
                         out.liars.setdefault(peer, f"its checks rejected shard {e.key} in part {k} of round {r}, "
@@ -311,14 +359,15 @@ class Referee:
 
     def _recorded(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
                   reveal: Callable[[str], None], out: Settlement, agreed: dict, seen: dict,
-                  valid: Callable[[int], Callable], own: Callable[[list[int]], dict], record: Callable[[dict], dict]
-                  ) -> tuple[float, list[int]]:
+                  valid: Callable[[int], Callable], own: Callable[[list[int]], dict], record: Callable[[dict], dict],
+                  check: Callable[[int, list[int], object], str | None]) -> tuple[float, list[int]]:
         """An exchange before the answers' (``stage``) over ``parts``, from ``start`` to ``by``:
         what two aggregators agree on (``agreed``, each part's results ``valid(k)``), the
         organizer's ``own`` for every other part, and whoever revealed other than that flagged;
         then the scheduler's record of it (``record`` of every part's value, signed) and
-        ``reveal(stage.recorded)``. When the next exchange starts, and its parts: those agreed
-        on (read back from the record after a restart)."""
+        ``reveal(stage.recorded)``. Each agreement is audited first (``check(k, chunks, value)``,
+        ``_audited``). When the next exchange starts, and its parts: those agreed on and audited
+        (read back from the record after a restart)."""
         run, r = self.run, close.round
         key, what = stage.record(run.keys, r), f"{stage.record.__name__} of round {r}"
         found = run.read_record(key, what, round=r)
@@ -329,6 +378,11 @@ class Referee:
                 if self._agreed(close, stage, k, listed, roster, claims, seen, left, out.liars, valid(k)):
                     agreed[k] = list(close.aggregators[k])
             self._exchange(close, stage, parts, start, by, roster, reveal, settle, lambda k: k in agreed or k in left)
+            for k, peers in sorted(agreed.items()):
+                value = getattr(seen[(k, peers[0])], stage.field)
+                if not self._audited(close, stage, k, roster, lambda chunks: check(k, chunks, value), out):
+                    del agreed[k]
+                    left[k] = "its audit found a lie"
             mine = [k for k in range(len(close.aggregators)) if k not in agreed]
             for k in mine:
                 log.warning("round %d: the %s of part %d left to the organizer: %s", r, stage.noun, k,
@@ -365,18 +419,21 @@ class Referee:
         step takes). When the steps' exchange starts, and its parts."""
         run, r, keys = self.run, close.round, self.run.keys
 
-        def own(mine: list[int]) -> dict[int, dict]:
+        def own(mine: list[int]) -> dict[int, list[dict]]:
             with ThreadPoolExecutor(self.parallel) as pool:
                 list(pool.map(lambda k: aggregation.reduce_part(run, r, k), mine))
             markers = run.bucket.read_many([keys.reduced_marker(r, k) for k in mine])
             return {k: json.loads(markers[keys.reduced_marker(r, k)])["partials"] for k in mine}
 
-        def valid(k: int) -> Callable[[dict], bool]:
-            tensors = {t.name for t, _, _ in run.flat.pieces(*run.part_bounds(k))}
-            return lambda sums: set(sums) == tensors and all(
-                len(v) == 2 and all(math.isfinite(x) and x >= 0 for x in v) for v in sums.values())
+        def valid(k: int) -> Callable[[list[dict]], bool]:
+            fmt = run.dense_format  # per chunk, each tensor's sums there
+            tensors = [{t.name for t, _, _ in run.flat.pieces(*fmt.bounds("values", range(c, c + 1)))}
+                       for c in run.part_chunks(k)]
+            return lambda sums: len(sums) == len(tensors) and all(set(s) == t for s, t in zip(sums, tensors)) and all(
+                len(v) == 2 and all(math.isfinite(x) and x >= 0 for x in v) for s in sums for v in s.values())
         return self._recorded(close, SUMS, parts, start, by, roster, reveal, out, out.summed, out.sums, valid, own,
-                              lambda sums: {"norms": optim.merge_partials([sums[k] for k in sorted(sums)])})
+                              lambda sums: {"norms": optim.merge_partials([s for k in sorted(sums) for s in sums[k]])},
+                              lambda k, chunks, value: audit.sums(run, close, k, chunks, value))
 
     def judge(self, close: Close, out: Settlement) -> None:
         """Once the organizer has computed the parts left: flag each aggregator whose revealed

@@ -18,6 +18,11 @@ def show(e: Estimate, prices: PriceTable, console) -> None:
     console.print(Text(f"{e.preset}: {e.n_params:,} parameters in {e.chunks} chunks; {plan} at {e.samples_per_s:g} "
                        f"samples/s each, target {e.target}: a round every {duration(e.round_s)} ({per_hour:,.1f} "
                        f"an hour, {e.rounds:,.0f} in the run)", style="bold"))
+    if e.aggregators:
+        console.print(Text(f"audits: {e.audited_chunks} of the {e.chunks} chunks recomputed by the organizer in each "
+                           f"exchange a round; a lie over one chunk of a part survives a round's audit with "
+                           f"probability {e.audit_survival:.3f}, over a whole part never (docs/aggregators.md; "
+                           "more chunks a part, --chunks-per-part, make audits cheaper)", style="dim"))
     console.print("\nrequests per volunteer-hour and GB per volunteer-day (the scheduler's and an aggregator's: "
                   "per hour, per day)")
     traffic = Table(box=box.SIMPLE_HEAD, show_edge=False)

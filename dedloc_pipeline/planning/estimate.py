@@ -17,6 +17,7 @@ from typing import Mapping
 
 from pydantic import BaseModel, Field
 
+from ..checks import audit
 from ..organizer.lease import LEASE_S, RENEW
 from ..protocol import view
 from ..protocol.config import RunConfig
@@ -78,6 +79,10 @@ class Estimate(BaseModel):
     scheduler_hour: Rates
     aggregators: int = Field(0, description="volunteer aggregators, two to a part (0: the organizer aggregates)")
     aggregator_hour: Rates | None = None
+    audited_chunks: int = Field(0, description="with volunteer aggregators: chunks of each exchange the organizer's "
+                                "audits recompute a round (close.audit of each part's, one at least)")
+    audit_survival: float | None = Field(None, description="the chance that a lie over one chunk of a part survives "
+                                         "a round's audit (none survives over a whole part)")
     scheduler_egress: bool = Field(description="the scheduler's reads billed as egress (it runs outside the "
                                    "provider's region)")
     storage_gb: float = Field(description="stored on average over the run")
@@ -121,7 +126,9 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     heartbeat once per write and each manifest once, then validates, reduces, applies, commits
     and prunes. With ``aggregators`` (volunteer aggregators, docs/aggregators.md; all of them
     settling every part) the scheduler validates, settles the parts and commits: the reduction's
-    and the state's reads and writes are theirs, each doing two parts in ``aggregators``.
+    and the state's reads and writes are theirs, each doing two parts in ``aggregators``, but for
+    the organizer's audits of ``close.audit`` of each part's chunks in each exchange (trusted
+    aggregators: the steady state).
     """
     if peers < 1 or days <= 0:
         raise ValueError("a planned run needs at least 1 peer and more than 0 days")
@@ -173,8 +180,9 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # with volunteer aggregators, the scheduler lists every 2 s while they compute and reveal, and
     # in the gradient mode they check the shards' contents too: it reads none of their chunks
     unread = bool(aggregators) and config.algorithm != "diloco"
+    audited = traffic.audited(config.close.audit)
     finish = (traffic.checked_finish(max(1.0, reduce_s / 2.0)) + Requests(get=aggregators)  # and their offers
-              if aggregators else traffic.finish(peers))
+              + traffic.audits(peers, audited) if aggregators else traffic.finish(peers))
     sched = (traffic.scheduler_poll(0, 0, view=False, listed=listed) * polls + Requests(put=view_writes, get=roster)
              + Requests(get=1 + changed + peers) + traffic.closing(peers, unread) + finish
              + traffic.prune_steady(peers, peers) + traffic.between_rounds()
@@ -188,8 +196,13 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
     # in the gradient mode (checked part by part as they are read for the reduction)
     aggregation_down = peers * shard_b + state_reads * dense
     aggregation_up = (2 + optim_writes) * dense + delta_b
+    # the audits (checks/audit.py) read their chunks of every shard in each exchange, of the state
+    # for LAMB's sums and the answers, and of the answers' objects
+    audit_down = audited / traffic.chunks * (peers * shard_b * (int(unread) + int(traffic.lamb) + 1)
+                                             + (1 + traffic.slots) * dense * int(traffic.lamb)
+                                             + (2 + traffic.slots + 1 + optim_writes) * dense + delta_b)
     sched_down = (traffic.commit_bytes(peers) + changed * HEARTBEAT_BYTES + peers * traffic.manifest_bytes()
-                  + (0 if unread else peers * shard_b) + (0 if aggregators else aggregation_down))
+                  + (0 if unread else peers * shard_b) + (audit_down if aggregators else aggregation_down))
     close_b = 200 + peers * traffic.manifest_bytes()
     sched_up = view_writes * view_b + close_b + (0 if aggregators else aggregation_up) + traffic.commit_bytes(peers)
     share = 2 / aggregators if aggregators else 0.0  # of the parts, each aggregator's
@@ -247,8 +260,15 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
                     settle_s=settle_s, rounds=rounds, view_reads_per_round=reads_open + closed_reads,
                     heartbeats_per_round=beats, scheduler_polls_per_round=polls, volunteer_hour=vol_hour,
                     scheduler_hour=sched_hour, aggregators=aggregators, aggregator_hour=agg_hour,
+                    audited_chunks=audited if aggregators else 0,
+                    audit_survival=_survival(max(traffic.parts), config.close.audit) if aggregators else None,
                     scheduler_egress=scheduler_egress, storage_gb=stored_gb,
                     storage_gb_months=gb_months, prices_date=prices.date, cost=cost)
+
+
+def _survival(n: int, fraction: float) -> float:
+    """The chance that a lie over one of a part's ``n`` chunks survives an audit of ``fraction`` of them."""
+    return audit.survival(n, len(audit.draw("", 0, range(n), fraction)), 1)
 
 
 def _view_bytes(config: RunConfig) -> int:

@@ -174,6 +174,30 @@ class Traffic:
         commit = Requests(get=5 + len(self.parts), put=3)
         return total + commit
 
+    def audited(self, fraction: float | None = None) -> int:
+        """Chunks an exchange's audits recompute in a round (``checks/audit.py``): every chunk
+        (``fraction`` None: an aggregator not yet trusted, or after a lie), or ``fraction`` of each
+        part's, one at least."""
+        if fraction is None:
+            return sum(self.parts)
+        return sum(min(c, max(1, math.ceil(fraction * c - 1e-9))) for c in self.parts)
+
+    def audits(self, shards: int, chunks: int, answers: int | None = None) -> Requests:
+        """The organizer's audits of ``chunks`` chunks in each exchange of a settled round
+        (``answers`` of them in the answers', if other): the
+        checks of the shards (those chunks of each shard read), with LAMB the partial sums (the
+        round's CLOSE and checks, the chunks of each shard, of the parameters and the optimizer
+        slots), and the answers (the same reads, the residual too, the norms with LAMB once a
+        part, and the answer's objects of those chunks, decoded), then the round's audit record."""
+        grads = 2 + shards * _reads(self.grad, 1)  # CLOSE, the checks' record, each shard's chunk
+        objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
+        screened = self.config.algorithm != "diloco"
+        before = Requests(get=shards * _reads(self.grad, 1)) * int(screened) + Requests(
+            get=grads + 1 + self.slots) * int(self.lamb)
+        answer = Requests(get=grads + 2 + self.slots + objects)
+        return (before * chunks + answer * (chunks if answers is None else answers)
+                + Requests(get=len(self.parts) * int(self.lamb), put=1))
+
     def checked_finish(self, polls: float) -> Requests:
         """``Scheduler.finish`` with volunteer aggregators settling every part
         (``checks/exchange.py``, a signed run): the roster, the sealed claims (none yet), the

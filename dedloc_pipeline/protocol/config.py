@@ -84,6 +84,11 @@ class CloseRule(BaseModel):
     aggregate_s: float = Field(120.0, gt=0, description="volunteer aggregators (a scheduler run with them): "
                                "seconds after CLOSE in which two aggregators' agreeing answers settle a part; "
                                "then the organizer computes the parts left")
+    audit: float = Field(0.125, gt=0, le=1, description="volunteer aggregators: the share of the chunks of "
+                         "each part two aggregators agree on that the organizer recomputes before it counts "
+                         "(one at least; all of them for an aggregator with few parts audited yet, and for 10 "
+                         "rounds after a lie was caught): a lie over c of a part's n chunks survives an audit "
+                         "of a with probability C(n-c, a)/C(n, a)")
 
 
 class Cadence(BaseModel):

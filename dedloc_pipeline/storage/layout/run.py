@@ -123,6 +123,11 @@ class RunLayout(VolunteerKeys):
         """LAMB: round r's merged partial sums, which every part's step takes (checks/exchange.py)."""
         return f"{self.round(r)}/norms.json"
 
+    def audits(self, r: int) -> str:
+        """Round r's audits of what its volunteer aggregators agreed on: the organizer's secret
+        that drew the chunks recomputed, which, and what was found (checks/audit.py)."""
+        return f"{self.round(r)}/audits.json"
+
     def reduced_dir(self, r: int) -> str:
         """Scratch of round r's reduction: anything here means it has begun."""
         return f"{self.round(r)}/reduced"

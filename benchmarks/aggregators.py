@@ -166,7 +166,8 @@ def table(res: dict):
             x = res[mode]["per_round"][who]
             q = x["requests"]
             t.add_row(mode, who if who == "organizer" else "both aggregators", f"{x['bytes_read'] / 1e6:.2f}",
-                      f"{x['bytes_written'] / 1e6:.2f}", *(f"{q.get(k, 0):.0f}" for k in ("get", "put", "list", "head")),
+                      f"{x['bytes_written'] / 1e6:.2f}",
+                      *(f"{q.get(k, 0):.0f}" for k in ("get", "put", "list", "head")),
                       f"{res[mode]['audit_s']:.2f}" if who == "organizer" and mode != "organizer" else "")
     return t
 

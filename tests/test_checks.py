@@ -554,7 +554,6 @@ def test_a_sampled_audit_finds_a_lie_where_its_draw_falls(tmp_path, bucket, monk
     each part's three chunks. x and y lie together in every part: over the whole part, every
     audit finds it; in the part's first chunk only, exactly the audits whose draw holds that
     chunk do, before a lie is caught, and every part after (audited whole once one was)."""
-    from dedloc_pipeline.checks import audit
     monkeypatch.setattr(referee, "TRUSTED_AFTER", 0)
     run, keys = _run(tmp_path, bucket, chunks_per_part=3, close={"audit": 1 / 3})
     size = run.dense_format.chunk_size

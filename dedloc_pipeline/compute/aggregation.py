@@ -36,7 +36,8 @@ def _chunks(run: Run, part: int, chunks: range | None) -> range:
     return chunks
 
 
-def read_part(run: Run, accepted: list, part: int, chunks: range | None = None) -> dict[str, dict | vector.CorruptShard]:
+def read_part(run: Run, accepted: list, part: int,
+              chunks: range | None = None) -> dict[str, dict | vector.CorruptShard]:
     """Each of ``accepted``'s shards over this part's chunks (or ``chunks`` of them), by key, from
     its frozen copy, held to its manifest's checksums there (a CorruptShard where it is not)."""
     out, chunks = {}, _chunks(run, part, chunks)

@@ -217,9 +217,9 @@ from dedloc_pipeline.volunteer.aggregator import AggregatorRole
 from dedloc_pipeline.protocol.run import Run
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.trust import identity
-url, name, key, until, lie = sys.argv[1:]
+url, name, peer, key, until, lie = sys.argv[1:]
 run = Run(Bucket(url), name)
-role = AggregatorRole(run, "mallory", identity.load(key))
+role = AggregatorRole(run, peer, identity.load(key))
 honest = role.compute
 
 def noisy(r, k):
@@ -262,7 +262,7 @@ def test_real_processes_on_s3_two_aggregators_one_malicious(tmp_path, s3_bucket,
     commands += [[dedloc, "worker", *common, "--peer-id", p, "--key", pem[p], "--organizer", identity.public(org),
                   "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
                  for p in ("alice", "bob", "carol")]
-    commands.append([sys.executable, "-c", MALLORY, url, name, pem["mallory"], str(rounds), mallory])
+    commands.append([sys.executable, "-c", MALLORY, url, name, "mallory", pem["mallory"], str(rounds), mallory])
     tails = run_processes(commands, tmp_path, env, timeout_s=300)
     run = Run(s3_bucket, name)
     commits = [run.commit_of(s) for s in range(1, rounds + 1)]
@@ -436,3 +436,46 @@ def test_an_oversized_result_is_refused_unread(tmp_path, bucket, monkeypatch, bo
     else:
         assert downloaded and most == exchange.bound(run, exchange.Result) + 1
     assert flags.read(run) == {}
+
+
+@pytest.mark.slow
+def test_real_processes_on_s3_two_colluding_aggregators_of_one_person(tmp_path, s3_bucket):
+    """On moto's S3 server: `dedloc aggregate --volunteers`, alice and bob computing, carol
+    computing and aggregating honestly (`dedloc worker --aggregate`), and mallory and her second
+    name eve (two keys, one person) aggregating in two processes that tell the same lie (their
+    parameters shifted by 1e-3), so they agree wherever CLOSE gives them the same part. No
+    committed part differs from the organizer's own answer (a part of theirs is found by its
+    audit, one shared with carol by the disagreement) and both end flagged; every part the
+    colluders shared was audited and found."""
+    rounds, name = 3, "colluding"
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", "mallory", "eve")}
+    org = keys["org"]
+    cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
+                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 120.0})
+    run = init_run(s3_bucket, cfg, organizer=org)
+    identity.update_roster(run.bucket, name, org, aggregate=["carol", "mallory", "eve"],
+                           enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
+    dedloc = os.path.join(os.path.dirname(sys.executable), "dedloc")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    url, pem = s3_bucket.url, {n: str(tmp_path / f"{n}.pem") for n in keys}
+    common = ["--bucket", url, "--run", name, "--until-round", str(rounds)]
+    commands = [[dedloc, "aggregate", *common, "--organizer-key", pem["org"], "--poll", "0.5", "--volunteers"]]
+    commands += [[dedloc, "worker", *common, "--peer-id", p, "--key", pem[p], "--organizer", identity.public(org),
+                  "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
+                 for p in ("alice", "bob", "carol")]
+    commands += [[sys.executable, "-c", MALLORY, url, name, p, pem[p], str(rounds), "noise"]
+                 for p in ("mallory", "eve")]
+    tails = run_processes(commands, tmp_path, env, timeout_s=300)
+    run = Run(s3_bucket, name)
+    for r in range(rounds):
+        commit = run.commit_of(r + 1)
+        assert commit["checksums"] == _organizers(run, r), f"state {r + 1} is not the organizer's answer\n{tails}"
+        assert all("carol" in by or by == ["organizer"] for by in commit["aggregated_by"]), tails
+    assigned = [r for r in range(rounds) if Close.read(run, r).aggregators]
+    assert assigned, f"no round had two aggregators offering\n{tails}"
+    assert sorted(flags.read(run)) == ["eve", "mallory"], tails
+    for r in assigned:
+        found = run.read_record(run.keys.audits(r), "audits", round=r) or {"audits": []}
+        for k, pair in enumerate(Close.read(run, r).aggregators):
+            if sorted(pair) == ["eve", "mallory"]:
+                assert any(a["part"] == k and a["found"] for a in found["audits"]), (r, k, found)

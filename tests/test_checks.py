@@ -176,8 +176,10 @@ def _roster(run):
 @pytest.mark.parametrize("check,fault,reason", [(c, f, r) for c, faults in VALIDATION.items() for f, r in faults])
 def test_a_bad_shard_is_rejected_by_its_check_and_the_round_goes_on(make_run, signed, caplog, check, fault, reason):
     """The scheduler rejects the shard with the reason, logged, and commits the round without
-    it; judged alone, the catalog names the check that refused it. Control: the honest shard of
-    the same round (and the same shard untampered, below) passes every check."""
+    it; judged alone, the catalog names the check that refused it. Values out of any bound
+    (non-finite, a norm above ``max_grad_norm``) flag their volunteer too: it cannot try again
+    for free; no other rejection flags anyone. Control: the honest shard of the same round (and
+    the same shard untampered, below) passes every check."""
     if fault in SIGNED:
         run, honest, mallory, stranger = signed
         put_shard(run, 0, "honest", samples=24)
@@ -199,6 +201,11 @@ def test_a_bad_shard_is_rejected_by_its_check_and_the_round_goes_on(make_run, si
     assert any("rejected shard" in r.message and key in r.message for r in caplog.records)
     commit = finish(run, 0)  # the round goes on without it
     assert commit["contributors"] == ["honest"] and commit["rejected"] == [x.dump() for x in close.rejected]
+    found = flags.read(run)
+    if fault in ("nan", "huge"):
+        assert list(found) == ["bad"] and found["bad"].verdict == flags.OUT_OF_BOUNDS and key in found["bad"].reason
+    else:
+        assert found == {}
 
 
 def test_control_an_honest_shard_passes_every_validation_check(make_run):
@@ -396,7 +403,11 @@ def test_shards_admitted_unread_are_checked_by_the_aggregators(tmp_path, bucket,
     why = "above the bound" if fault == "scaled" else "not its manifest's"
     assert all(why in x["reason"] for x in commit["rejected"] if x["key"] in _shards(run, 0, "b"))
     assert commit["contributors"] == ["a"] and commit["checksums"] == _organizers(run, 0)
-    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"]) and flags.read(run) == {}
+    assert all(sorted(by) == ["x", "y"] for by in commit["aggregated_by"])
+    # a norm out of bounds is b's own doing: flagged; a frozen copy that no longer matches its
+    # checksums may be the store's: nobody is
+    assert {n: f.verdict for n, f in flags.read(run).items()} == ({"b": flags.OUT_OF_BOUNDS} if fault == "scaled"
+                                                                    else {})
 
 # answers
 

@@ -121,8 +121,8 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
     for check in VALIDATION:
         try:
             check.judge(claim)
-        except Rejected as exc:
-            raise Rejected(str(exc), data=claim.manifest.data if spent else None, check=check.name) from exc
+        except Rejected as exc:  # of its kind: an OutOfBounds flags its volunteer
+            raise type(exc)(str(exc), data=claim.manifest.data if spent else None, check=check.name) from exc
         spent = spent or check.name == SPENT_FROM
     return claim.entry
 

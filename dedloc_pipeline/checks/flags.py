@@ -2,7 +2,10 @@
 
 Two judges raise one: the validator, whose recomputation a shard does not match (or which finds
 it a copy), and the scheduler, which catches an aggregator answering other than it claimed or
-than the organizer's own answer. Both write it through ``raise_flag`` and everyone reads it
+than the organizer's own answer (or than its audit), and a volunteer whose signed shard holds
+values out of any bound (non-finite, or a norm above ``max_grad_norm``: no honest computation
+gives them, and a rejection alone would let it try again every round for free). Both write it
+through ``raise_flag`` and everyone reads it
 through ``read``, so a flag has one shape whoever found it. The first flag of a volunteer stays.
 """
 
@@ -21,6 +24,7 @@ from ..trust import identity
 log = logging.getLogger(__name__)
 
 WRONG_PART = "wrong part"  # the scheduler's verdict on an aggregator's answer
+OUT_OF_BOUNDS = "out of bounds"  # the scheduler's verdict on a shard's values
 
 
 class Flag(BaseModel):
@@ -31,7 +35,7 @@ class Flag(BaseModel):
     volunteer: str
     peer: str
     round: int
-    verdict: Literal["mismatch", "copy", "wrong part"]
+    verdict: Literal["mismatch", "copy", "wrong part", "out of bounds"]
     reason: str
     flagged_at: float
     key: str | None = None  # its volunteer's enrolled public key (signed runs): the flag binds the person
@@ -44,7 +48,7 @@ class Flag(BaseModel):
     @property
     def by(self) -> str:
         """Who raised it, as a rejection names them."""
-        return "scheduler, as an aggregator," if self.verdict == WRONG_PART else "validator"
+        return {WRONG_PART: "scheduler, as an aggregator,", OUT_OF_BOUNDS: "scheduler"}.get(self.verdict, "validator")
 
 
 def raise_flag(run: Run, flag: Flag) -> bool:
@@ -63,6 +67,13 @@ def raise_flag(run: Run, flag: Flag) -> bool:
         log.warning("round %d: volunteer %s flagged by the %s: %s", flag.round, flag.volunteer,
                     flag.by.removesuffix(","), flag.reason)
     return new
+
+
+def out_of_bounds(run: Run, r: int, shard: str, reason: str) -> bool:
+    """Flag the volunteer of ``shard`` (a key of round r's) for values out of bounds (``reason``)."""
+    peer = run.keys.shard_parts(shard)[1]
+    return raise_flag(run, Flag(volunteer=volunteer_of(peer), peer=peer, round=r, verdict=OUT_OF_BOUNDS,
+                                reason=f"its shard {shard}: {reason}", shard=shard, flagged_at=run.clock.time()))
 
 
 def read(run: Run) -> dict[str, Flag]:

@@ -181,6 +181,11 @@ def inspected(c: Claim) -> None:
         c.inspect(c.entry, c.arrays)
 
 
+class OutOfBounds(Rejected):
+    """Values no honest computation gives (non-finite, a norm above the bound), checked against
+    the manifest's checksums, so its volunteer's own: the scheduler flags it (``flags.out_of_bounds``)."""
+
+
 def check_contents(run: Run, frozen: str, checksums: dict[str, list[str]]) -> tuple[dict[str, np.ndarray], float]:
     """A frozen shard's contents: its arrays and norm, or Rejected if its chunks are not those
     its manifest's checksums name, or hold non-finite values, or its norm is above the run's
@@ -191,10 +196,10 @@ def check_contents(run: Run, frozen: str, checksums: dict[str, list[str]]) -> tu
     except vector.CorruptShard as exc:
         raise Rejected(str(exc)) from exc
     if not all(np.isfinite(a).all() for a in arrays.values() if a.dtype.kind == "f"):
-        raise Rejected("non-finite gradient values")
+        raise OutOfBounds("non-finite gradient values")
     norm = math.sqrt(codec.squared_norm(arrays, fmt.codec, fmt.block))
     if norm > run.config.max_grad_norm:
-        raise Rejected(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
+        raise OutOfBounds(f"gradient norm {norm:.3g} above the bound {run.config.max_grad_norm:.3g}")
     return arrays, norm
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..checks import admission, catalog, direction, flags
 from ..checks.probe import LossProbe
-from ..checks.validation import check_contents, manifest_limit
+from ..checks.validation import OutOfBounds, check_contents, manifest_limit
 from ..protocol.close import Close, Rejection, amend
 from ..protocol.run import Run, RunError
 from ..protocol.shard import DataRef, Entry, Rejected, commit_hash
@@ -197,6 +197,8 @@ class Judge:
             return catalog.validate(self.run, r, shard, data, roster, stored, opening.state_hash, end,
                                     self._inspector(r), contents)
         except Rejected as exc:
+            if isinstance(exc, OutOfBounds):
+                flags.out_of_bounds(self.run, r, shard, str(exc))
             return self.reject(r, shard, str(exc), exc.data)
         except StorageError:
             raise  # the bucket's fault, not the shard's: a clear error, as everywhere
@@ -233,6 +235,8 @@ class Judge:
                 verdicts[e.key] = check_contents(self.run, self.run.keys.frozen(e.key), e.checksums)[1]
             except Rejected as exc:
                 verdicts[e.key] = str(exc)
+                if isinstance(exc, OutOfBounds):
+                    flags.out_of_bounds(self.run, close.round, e.key, str(exc))
         with ThreadPoolExecutor(2 * self.parallel) as pool:
             list(pool.map(check, [e for e in close.accepted if e.norm is None]))
         cfg = self.run.config

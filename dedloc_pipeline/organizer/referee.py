@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..checks import admission, audit, exchange
+from ..checks import admission, audit, exchange, flags
 from ..checks.exchange import (
     PARTS,
     SCREEN,
@@ -325,6 +325,8 @@ class Referee:
                                                 run.config.norm_screen)
             for x in rejected:
                 log.warning("round %d: rejected shard %s: %s", r, x.key, x.reason)
+                if isinstance(norm := verdicts[x.key], float) and norm > run.config.max_grad_norm:
+                    flags.out_of_bounds(run, r, x.key, x.reason)  # its own values: it cannot retry for free
             return {"rejected": [x.dump() for x in rejected], "norms": {e.key: e.norm for e in kept}}
 
         def valid(k: int) -> Callable[[list[list[float]]], bool]:

@@ -284,13 +284,16 @@ def test_a_shard_names_a_contiguous_run_of_its_own_stream(make_run, attack, reas
 
 
 def test_refused_samples_still_advance_their_stream(make_run):
-    """A shard refused after its manifest proved its own (here: too large a norm) spends its
-    samples: the stream's next shard starts after them, and is not refused for the gap."""
-    run = make_run(target_batch_size=8, max_grad_norm=10.0)
+    """A shard refused after its manifest proved its own (here: its chunk is not the one its
+    checksums name) spends its samples: the stream's next shard starts after them, and is not
+    refused for the gap. (Values out of bounds would flag its volunteer: tests/test_checks.py.)"""
+    run = make_run(target_batch_size=8)
     _shard(run, 0, "a", _noise(run, 0), 8)
-    _shard(run, 0, "a", _noise(run, 1, scale=1.0), 8, part="0002")  # norm ~ 1e3 times the first's
+    bad = _shard(run, 0, "a", _noise(run, 1), 8, part="0002")
+    chunk = f"{bad}/values/c/0"
+    run.bucket.write_bytes(chunk, run.bucket.read_bytes(f"{run.keys.shard(0, 'a', '0001')}/values/c/0"))
     close = Scheduler(run, 1, 0).try_close(0)
-    assert len(close.accepted) == 1 and "above the bound" in close.rejected[0].reason
+    assert len(close.accepted) == 1 and "checksum" in close.rejected[0].reason
     _finish(run, 0)
     assert run.stream_ends(1) == {"a": 16}
 

@@ -5,8 +5,8 @@ it a copy), and the scheduler, which catches an aggregator answering other than 
 than the organizer's own answer (or than its audit), and a volunteer whose signed shard holds
 values out of any bound (non-finite, or a norm above ``max_grad_norm``: no honest computation
 gives them, and a rejection alone would let it try again every round for free). Both write it
-through ``raise_flag`` and everyone reads it
-through ``read``, so a flag has one shape whoever found it. The first flag of a volunteer stays.
+through ``raise_flag`` and everyone reads it through ``read``, so a flag has one shape whoever
+found it. The first flag of a volunteer stays.
 """
 
 from __future__ import annotations

@@ -128,10 +128,12 @@ def test_control_without_volunteer_aggregators_the_organizer_computes_every_part
 @pytest.mark.parametrize("bench", [True, False], ids=["benched", "control: not benched"])
 def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadline(tmp_path, bucket, monkeypatch,
                                                                                   bench):
-    """y claims its parts of round 0, then vanishes before revealing: at the deadline the
+    """y claims its parts of round 0, then vanishes before revealing: once a reveal has had as
+    long as the claims took (``REVEAL_POLLS`` polls at least), well before the deadline, the
     organizer computes every part; nobody is flagged (vanishing is no lie), and the round
-    commits. y is back for round 1, but withholding cost it the role for a while: round 1 is not
-    given to it (x alone offers: the organizer's). Control: not benched, round 1 is theirs again."""
+    commits. y is back for round 1, but withholding cost it the role for a while (the standing
+    says so, for a restarted scheduler too): round 1 is not given to it (x alone offers: the
+    organizer's). Control: not benched, round 1 is theirs again."""
     if not bench:
         monkeypatch.setattr(referee, "BENCHED_ROUNDS", 0)
     run, keys = _run(tmp_path, bucket)
@@ -148,19 +150,22 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
     states, _, _ = _collaborate(run, keys, tamper=vanish)
     close = Close.read(run, 0)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
-    assert states[0]["committed_at"] >= close.aggregate_by
+    assert states[0]["committed_at"] < close.closed_at + (close.aggregate_by - close.closed_at) / 2
     assert flags.read(run) == {}
     assert (Close.read(run, 1).aggregators is None) == bench
+    standing = referee.Referee(run, run.clock).standing  # as a restarted scheduler reads it
+    assert bool(standing.benched) == bench and all(until >= 1 for until in standing.benched.values())
 
 
 @pytest.mark.parametrize("renewed", [True, False], ids=["renewed", "control: not renewed"])
 def test_no_wait_for_the_aggregators_lets_a_standby_take_a_live_run(tmp_path, bucket, renewed):
-    """y claims its parts and never reveals, so the scheduler waits the whole ``aggregate_s``
-    (120 s, twice the 60 s lease); a standby scheduler asks for the lease at every poll of the
-    wait. The waiting scheduler renews it as it waits: the standby never gets it, and the round
-    commits. Control: not renewed, the standby takes the run over mid-round."""
+    """y never claims its parts, so the scheduler waits for the claims of the first exchange
+    (the checks of the shards) half its share of ``aggregate_s`` (480 s: 120 s, twice the 60 s
+    lease); a standby scheduler asks for the lease at every poll of the wait. The waiting
+    scheduler renews it as it waits: the standby never gets it, and the round commits. Control:
+    not renewed, the standby takes the run over mid-round."""
     from dedloc_pipeline.organizer.lease import Lease, LeaseHeld, LeaseLost
-    run, keys = _run(tmp_path, bucket, aggregate_s=120.0)
+    run, keys = _run(tmp_path, bucket, aggregate_s=480.0)
     standby, took = Lease(run.bucket, run.keys, run.clock, holder="standby"), []
 
     def ask() -> None:  # while round 0 is reduced
@@ -177,12 +182,7 @@ def test_no_wait_for_the_aggregators_lets_a_standby_take_a_live_run(tmp_path, bu
         for n, mb in (("a", 4), ("b", 3)):
             c.join(n, mb, signer=keys[n])
         roles = {n: c.aggregate(n, keys[n]) for n in ("x", "y")}
-        compute = roles["y"].compute
-
-        def compute_and_go(r, k):  # claims written on return; from the next poll on, it is gone
-            roles["y"].step = lambda: None
-            return compute(r, k)
-        roles["y"].compute = compute_and_go
+        roles["y"]._claim = lambda w: None  # it offers, and once given its parts it is silent
         run.clock.parties.append(ask)
         c.until(lambda: run.latest() > 0, 400, "state 1")
         assert run.commit_of(1)["aggregated_by"] == [["organizer"]] * run.n_parts

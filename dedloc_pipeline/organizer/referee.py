@@ -11,8 +11,10 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
 
 from ..checks import admission, audit, exchange, flags
 from ..checks.exchange import (
@@ -60,6 +62,20 @@ class Settlement:
 BENCHED_ROUNDS = 10  # rounds an aggregator that withheld an answer is not assigned, and every part is
 # audited whole after a lie was caught
 TRUSTED_AFTER = 8  # parts a volunteer's aggregators must have passed audits for before an audit samples theirs
+REVEAL_POLLS = 4  # the least time, in the scheduler's polls, an aggregator has to reveal what it claimed
+
+
+class Standing(BaseModel):
+    """What the referee remembers of the aggregators from round to round, kept in the bucket
+    (``RunLayout.standing``, signed) so a restarted scheduler trusts and benches the same: parts
+    each person (its key) passed audits for, the last round each withholder sits out, and the last
+    round every part is audited whole."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    passed: dict[str, int] = {}
+    benched: dict[str, int] = {}
+    alert_until: int = -1
 
 
 class Referee:
@@ -70,10 +86,23 @@ class Referee:
         """``renew``: what keeps this scheduler's lease while it waits for the aggregators (a wait
         of ``close.aggregate_s`` may outlast the lease: a standby must not take a live run)."""
         self.run, self.clock, self.poll_s, self.parallel, self.renew = run, clock, poll_s, parallel, renew
-        self.benched: dict[str, int] = {}  # who withheld an answer (its person) -> the last round it sits out
-        self.passed: dict[str, int] = {}  # a person -> the parts its aggregators passed audits for (this process)
-        self.alert_until = -1  # the last round every part is audited whole: a lie was caught
+        self._standing: Standing | None = None  # read at first need (one GET), written when a round changed it
         self._secret: tuple[int, str] | None = None  # the round's draw (``audit.secret``), once made
+
+    @property
+    def standing(self) -> Standing:
+        if self._standing is None:
+            found = self.run.read_record(self.run.keys.standing, "the aggregators' standing")
+            self._standing = Standing.model_validate({k: v for k, v in (found or {}).items()
+                                                      if k in Standing.model_fields})
+        return self._standing
+
+    def _keep(self, before: Standing, r: int) -> None:
+        """Write the standing if settling round r changed it (one PUT), the benches served forgotten."""
+        self.standing.benched = {p: until for p, until in self.standing.benched.items() if until > r}
+        if self.standing != before:
+            self.run.bucket.write_json(self.run.keys.standing, self.run.record(
+                "the aggregators' standing", self.standing.model_dump()))
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
@@ -84,7 +113,7 @@ class Referee:
             peer = self.run.keys.written(key).peer
             if roster is None or not roster.may_aggregate(peer) or flag_of(peer, flagged, roster) is not None:
                 continue
-            if self.benched.get(roster.person(peer), -1) >= r:
+            if self.standing.benched.get(roster.person(peer), -1) >= r:
                 continue
             if read_signed(self.run, key, Offer, roster, f"offer {key}", listed, round=r, peer=peer) is not None:
                 out.append(peer)
@@ -97,7 +126,7 @@ class Referee:
         partial sums, ``_norms``), each in its share of the time left, each leaving the organizer
         the parts it did not settle, then the answers'."""
         run, r, keys = self.run, close.round, self.run.keys
-        out = Settlement()
+        out, standing = Settlement(), self.standing.model_copy(deep=True)
         for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
             if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
@@ -111,9 +140,23 @@ class Referee:
                 out.left[k] = f"its {stage.noun} were the organizer's"
             parts = kept
         answering = [k for k in parts if k not in out.agreed]
-        listed = self._exchange(close, PARTS, answering, start, close.aggregate_by, roster,
-                                reveal, lambda k, listed, claims: self._try(close, k, listed, roster, claims, out),
-                                lambda k: k in out.agreed or k in out.left)
+        with ThreadPoolExecutor(self.parallel) as pool:
+            early: dict[int, Future] = {}
+
+            def compute_left() -> None:
+                """The parts left to the organizer so far, computed at once while the others are answered."""
+                for k in sorted(set(out.left) - set(early)):
+                    early[k] = pool.submit(self._compute, r, k)
+
+            def try_part(k: int, listed: dict, claims: dict) -> None:
+                self._try(close, k, listed, roster, claims, out)
+                compute_left()
+            compute_left()
+            listed = self._exchange(close, PARTS, answering, start, close.aggregate_by, roster, reveal, try_part,
+                                    lambda k: k in out.agreed or k in out.left,
+                                    lambda k, why: (out.left.setdefault(k, why), compute_left()), out)
+            for future in early.values():
+                future.result()
         for k in range(len(close.aggregators)):
             if k not in out.agreed:
                 out.left.setdefault(k, "no agreement by the deadline")
@@ -123,7 +166,13 @@ class Referee:
             run.bucket.write_json(keys.audits(r), run.record(f"audits of round {r}", {
                 "round": r, "secret": self._drawn_by(close), "fraction": run.config.close.audit,
                 "audits": out.audits}, round=r))
+        self._keep(standing, r)
         return out
+
+    def _compute(self, r: int, k: int) -> None:
+        """Part k of state r+1 as the organizer computes it (what ``close_out`` would, later)."""
+        aggregation.reduce_part(self.run, r, k)
+        aggregation.apply_part(self.run, r, k)
 
     def _drawn_by(self, close: Close) -> str:
         if self._secret is None or self._secret[0] != close.round:
@@ -139,27 +188,27 @@ class Referee:
         ``BENCHED_ROUNDS`` rounds."""
         run, r, peers = self.run, close.round, close.aggregators[k]
         person = (lambda p: roster.person(p)) if roster is not None else (lambda p: p)
-        whole = (r <= self.alert_until or run.config.aggregation == "centered_clip"
-                 or any(self.passed.get(person(p), 0) < TRUSTED_AFTER for p in peers))
+        standing = self.standing
+        whole = (r <= standing.alert_until or run.config.aggregation == "centered_clip"
+                 or any(standing.passed.get(person(p), 0) < TRUSTED_AFTER for p in peers))
         chunks = audit.draw(self._drawn_by(close), k, run.part_chunks(k), 1.0 if whole else run.config.close.audit)
         found = check(chunks)
         out.audits.append({"stage": stage.reveal, "part": k, "chunks": chunks, "by": list(peers), "found": found})
         if found is None:
             for p in {person(p) for p in peers}:
-                self.passed[p] = self.passed.get(p, 0) + 1
+                standing.passed[p] = standing.passed.get(p, 0) + 1
             return True
         for peer in peers:
             out.liars[peer] = f"the organizer's audit of part {k} of round {r} ({stage.noun}): {found}"
-        self.alert_until = r + BENCHED_ROUNDS
+        standing.alert_until = r + BENCHED_ROUNDS
         log.warning("round %d: the audit of part %d's %s agreed by %s found a lie (%s): every part audited whole "
-                    "until round %d", r, k, stage.noun, " and ".join(peers), found, self.alert_until)
+                    "until round %d", r, k, stage.noun, " and ".join(peers), found, standing.alert_until)
         return False
 
     def _bench(self, close: Close, unsettled: list[int], roster, listed: dict, out: Settlement) -> None:
         """An aggregator given one of the ``unsettled`` parts that never revealed an answer for it
-        (claimed and withheld, or never claimed) sits the next ``BENCHED_ROUNDS`` rounds out: a
-        withheld answer holds the round to its deadline, and is no lie to flag (what revealed: the
-        exchange's last listing; one GET of the sealed claims, only when a part went unsettled)."""
+        (claimed and withheld, or never claimed) withheld it (``_withheld``); what revealed: the
+        exchange's last listing (one GET of the sealed claims, only when a part went unsettled)."""
         if not unsettled:
             return
         r, keys, claims = close.round, self.run.keys, self._sealed(close, PARTS)
@@ -168,23 +217,34 @@ class Referee:
                 if keys.result(r, peer, k) in listed or peer in out.liars or peer in out.withheld:
                     continue
                 claimed = claims is not None and (k, peer) in claims
-                out.withheld[peer] = f"{'claimed' if claimed else 'was given'} part {k} of round {r} and never revealed"
-                self.benched[roster.person(peer) if roster is not None else peer] = r + BENCHED_ROUNDS
-                log.warning("round %d: aggregator %s %s: not assigned until round %d", r, peer,
-                            out.withheld[peer], r + BENCHED_ROUNDS + 1)
+                self._withheld(close, peer, f"{'claimed' if claimed else 'was given'} part {k} of round {r} and "
+                               "never revealed", roster, out)
+
+    def _withheld(self, close: Close, peer: str, why: str, roster, out: Settlement) -> None:
+        """``peer`` owed a result and did not reveal it in time: it sits the next ``BENCHED_ROUNDS``
+        rounds out (its person, kept in the standing: a restarted scheduler benches it too); a
+        withheld answer holds its part up, and is no lie to flag."""
+        r = close.round
+        out.withheld[peer] = why
+        self.standing.benched[roster.person(peer) if roster is not None else peer] = r + BENCHED_ROUNDS
+        log.warning("round %d: aggregator %s %s: not assigned until round %d", r, peer, why, r + BENCHED_ROUNDS + 1)
 
     def _exchange(self, close: Close, stage: Stage, parts: list[int], start: float, by: float, roster,
-                  reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool]) -> dict:
+                  reveal: Callable[[str], None], try_part: Callable, decided: Callable[[int], bool],
+                  leave: Callable[[int, str], None], out: Settlement) -> dict:
         """One ``stage`` of ``parts``, from ``start`` to ``by``: wait for their aggregators'
         claims; once all are in or half the time is out, read and seal them and ``reveal``; then
-        ``try_part`` each part not yet ``decided``, polling, until all are or ``by`` passes. Its
-        last listing of the volunteers' prefixes."""
+        ``try_part`` each part not yet ``decided``, polling, until all are or ``by`` passes. A
+        result is an upload of what was claimed: one not revealed within as long as the claims
+        took (``REVEAL_POLLS`` polls at least) is withheld (``_withheld``), and its part is
+        ``leave``-d to the organizer then, not at ``by``. Its last listing of the volunteers' prefixes."""
         if not parts:
             return {}
         run, r, keys = self.run, close.round, self.run.keys
-        claims = self._sealed(close, stage)
+        claims, reveal_by = self._sealed(close, stage), by
         if claims is not None:  # sealed before a restart: the answers may be revealed already, and are again
             reveal(stage.reveal)
+            reveal_by = min(by, self.clock.time() + REVEAL_POLLS * self.poll_s)
         wanted = {(k, p) for k in parts for p in close.aggregators[k]}
         half = start + (by - start) / 2
         while True:
@@ -197,14 +257,23 @@ class Referee:
                     # read and sealed before anyone may reveal: a claim written after could copy an answer
                     claims = self._seal(close, stage, sorted(wanted & claimed), listed, roster)
                     reveal(stage.reveal)
+                    reveal_by = min(by, now + max(now - start, REVEAL_POLLS * self.poll_s))
             if claims is not None:
                 for k in parts:
                     if not decided(k):
                         try_part(k, listed, claims)
+                for k in [k for k in parts if not decided(k)] if now >= reveal_by else []:
+                    late = [p for p in close.aggregators[k]
+                            if (k, p) in claims and stage.result(keys, r, p, k) not in listed]
+                    for peer in late:
+                        self._withheld(close, peer, f"claimed its {stage.noun} for part {k} of round {r} and did "
+                                       "not reveal them in time", roster, out)
+                    if late:
+                        leave(k, f"{' and '.join(late)} did not reveal in time")
             if all(decided(k) for k in parts) or now >= by:
                 return listed
             self.renew()
-            self.clock.sleep(min(self.poll_s, max(0.0, by - now)))
+            self.clock.sleep(min(self.poll_s, max(0.0, (by if now >= reveal_by else reveal_by) - now)))
 
     def _seal(self, close: Close, stage: Stage, claimed: list[tuple[int, str]], listed: dict, roster) -> dict:
         """The ``claimed`` claims of ``stage``, read and sealed (one signed record) before the reveal."""
@@ -379,7 +448,8 @@ class Referee:
             def settle(k: int, listed: dict, claims: dict) -> None:
                 if self._agreed(close, stage, k, listed, roster, claims, seen, left, out.liars, valid(k)):
                     agreed[k] = list(close.aggregators[k])
-            self._exchange(close, stage, parts, start, by, roster, reveal, settle, lambda k: k in agreed or k in left)
+            self._exchange(close, stage, parts, start, by, roster, reveal, settle, lambda k: k in agreed or k in left,
+                           left.setdefault, out)
             for k, peers in sorted(agreed.items()):
                 value = getattr(seen[(k, peers[0])], stage.field)
                 if not self._audited(close, stage, k, roster, lambda chunks: check(k, chunks, value), out):

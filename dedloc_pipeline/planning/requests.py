@@ -188,7 +188,8 @@ class Traffic:
         checks of the shards (those chunks of each shard read), with LAMB the partial sums (the
         round's CLOSE and checks, the chunks of each shard, of the parameters and the optimizer
         slots), and the answers (the same reads, the residual too, the norms with LAMB once a
-        part, and the answer's objects of those chunks, decoded), then the round's audit record."""
+        part, and the answer's objects of those chunks, decoded), then the round's audit record and
+        the aggregators' standing (their audits passed)."""
         grads = 2 + shards * _reads(self.grad, 1)  # CLOSE, the checks' record, each shard's chunk
         objects = 1 + len(self.delta.arrays()) + self.slots + int(self.lossy_delta)
         screened = self.config.algorithm != "diloco"
@@ -196,7 +197,7 @@ class Traffic:
             get=grads + 1 + self.slots) * int(self.lamb)
         answer = Requests(get=grads + 2 + self.slots + objects)
         return (before * chunks + answer * (chunks if answers is None else answers)
-                + Requests(get=len(self.parts) * int(self.lamb), put=1))
+                + Requests(get=len(self.parts) * int(self.lamb), put=2))
 
     def checked_finish(self, polls: float) -> Requests:
         """``Scheduler.finish`` with volunteer aggregators settling every part

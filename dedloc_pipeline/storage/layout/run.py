@@ -165,6 +165,13 @@ class RunLayout(VolunteerKeys):
         return self.part_number(name) if name != key else None
 
     @property
+    def standing(self) -> str:
+        """The volunteer aggregators' standing, as the scheduler keeps it across restarts: audits
+        passed by each, who sits rounds out for withholding, until when every part is audited
+        whole (organizer/referee.py)."""
+        return f"{self.root}/aggregators.json"
+
+    @property
     def flags_dir(self) -> str:
         return f"{self.root}/flags"
 

@@ -124,7 +124,8 @@ class Referee:
         (the run's clock), calling ``reveal(stage)`` when the round view is to say what they may
         show: first the exchanges before the answers' (the checks of the shards, ``_screen``; LAMB's
         partial sums, ``_norms``), each in its share of the time left, each leaving the organizer
-        the parts it did not settle, then the answers'."""
+        the parts it did not settle, then the answers', the organizer computing each part left to
+        it as soon as it is, while the others are answered."""
         run, r, keys = self.run, close.round, self.run.keys
         out, standing = Settlement(), self.standing.model_copy(deep=True)
         for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart

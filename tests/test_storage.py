@@ -90,6 +90,32 @@ def test_local_writes_land_whole(tmp_path):
     assert [f for f in os.listdir(tmp_path / "b") if f.startswith(".")] == []
 
 
+@pytest.mark.parametrize("when", ["before its bytes", "before its rename", "control: no prune"])
+@pytest.mark.parametrize("call", ["write_bytes", "create"])
+def test_a_write_into_a_folder_a_prune_removes_meanwhile_lands(tmp_path, monkeypatch, when, call):
+    """On a local folder a write makes its folder, writes its bytes beside the key, then renames
+    (or links) them into place; a prune of the same prefix (the scheduler's of a volunteer's old
+    round, as the volunteer heartbeats into it) may remove the folder between those steps. The
+    write lands anyway, as on S3, where no folder is in the way: the folder is made again (a
+    worker died of this, [Errno 2], on the embedded default bucket)."""
+    b = Bucket(str(tmp_path / "b"))
+    b.write_bytes("r/00000025/old.json", b"x")
+    step = {"before its bytes": "pipe_file", "before its rename": "mv" if call == "write_bytes" else "link"}.get(when)
+    pruned = []
+    if step is not None:
+        original = getattr(type(b.fs), step)
+
+        def interleaved(fs, *args, **kwargs):
+            if not pruned:  # the prune runs just before this step, once
+                pruned.append(True)
+                b.delete("r/00000025")
+            return original(fs, *args, **kwargs)
+        monkeypatch.setattr(type(b.fs), step, interleaved)
+    getattr(b, call)("r/00000025/progress.json", b"beat")
+    assert b.read_bytes("r/00000025/progress.json") == b"beat" and bool(pruned) == (step is not None)
+    assert [f for f in os.listdir(tmp_path / "b" / "r" / "00000025") if f.startswith(".")] == []
+
+
 def test_transient_errors_are_retried(tmp_path, monkeypatch):
     b = Bucket(str(tmp_path / "b"))
     b.write_json("k", {"ok": True})

@@ -14,18 +14,34 @@ from tenacity import Retrying
 
 from .stats import IOStats
 
+ATTEMPTS = 3  # a write whose folder a prune removes meanwhile makes it again: on S3 no folder is in the way
+
 
 def write(fs, path: str, data: bytes) -> None:
     """``data`` at ``path`` whole: written beside it, then renamed into place."""
-    with _beside(fs, path, data) as tmp:
-        fs.mv(tmp, path)
+    _again(lambda: _placed(fs, path, data, fs.mv))
 
 
 def create(fs, path: str, data: bytes) -> None:
     """``data`` at ``path`` whole, FileExistsError if something is there: a hard link fails
     where a rename would replace."""
+    _again(lambda: _placed(fs, path, data, fs.link))
+
+
+def _placed(fs, path: str, data: bytes, place: Callable[[str, str], None]) -> None:
     with _beside(fs, path, data) as tmp:
-        fs.link(tmp, path)
+        place(tmp, path)
+
+
+def _again(attempt: Callable[[], None]) -> None:
+    """``attempt`` again where its folder vanished under it (FileNotFoundError: a prune of the
+    same prefix removed it between the folder's making and the write), ``ATTEMPTS`` times at most."""
+    for i in range(ATTEMPTS):
+        try:
+            return attempt()
+        except FileNotFoundError:
+            if i == ATTEMPTS - 1:
+                raise
 
 
 @contextmanager

@@ -139,11 +139,36 @@ def test_late_shard_never_joins_its_closed_round(make_run, policy):
     folded = [s for s in close1.accepted if s.key == late]
     if policy == "fold":
         assert folded and folded[0].late and close1.samples == 28
-    else:
+    else:  # not counted, but its samples are spent: its stream moves past them
         assert not folded and close1.samples == 24
+        (missed,) = [x for x in close1.rejected if x.key == late]
+        assert "missed the CLOSE of round 0" in missed.reason and missed.data.ranges == [(0, 4)]
     commit = finish(run, 1)
     assert ("slow" in commit["contributors"]) == (policy == "fold")
     assert run.bucket.read_json(run.keys.close(0))["samples"] == 24  # round 0 untouched
+    assert run.stream_ends(2)["slow"] == 4
+
+
+def test_an_honest_worker_whose_shards_keep_missing_their_rounds_is_not_refused_for_the_gaps(make_run):
+    """A slow worker's shards miss round after round (policy ``reject``): each one's samples are
+    spent though never counted, so when one lands in time it starts where its stream was left,
+    within the stream window, and counts. Control: were missed samples not spent, the gaps would
+    add up past the window (``validation.stream_window``) and its honest shard be refused."""
+    from dedloc_pipeline.checks.validation import stream_window
+    run = make_run()
+    window, start = stream_window(run), 0
+    r = 0
+    while start <= window:  # its shards miss every round until the gaps alone exceed the window
+        put_shard(run, r, "a", samples=24)
+        assert Scheduler(run, 1, 0).try_close(r)
+        finish(run, r)
+        put_shard(run, r, "slow", samples=20, manifest={"data": {"stream": "slow", "ranges": [[start, 20]]}})
+        start, r = start + 20, r + 1
+    put_shard(run, r, "a", samples=12)
+    put_shard(run, r, "slow", samples=12, manifest={"data": {"stream": "slow", "ranges": [[start, 12]]}})
+    close = Scheduler(run, 1, 0).try_close(r)
+    assert sorted(e.peer for e in close.accepted) == ["a", "slow"], close.rejected
+
 
 
 # invariant 4: idempotent, restartable, committed once

@@ -18,7 +18,7 @@ from enum import Enum
 from ..protocol.close import Rejection
 from ..protocol.config import RunConfig
 from ..protocol.run import Run
-from ..protocol.shard import Entry, Rejected
+from ..protocol.shard import DataRef, Entry, Rejected
 from ..trust import identity
 from . import admission, validation
 from .flags import Flag
@@ -125,6 +125,21 @@ def validate(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | N
             raise type(exc)(str(exc), data=claim.manifest.data if spent else None, check=check.name) from exc
         spent = spent or check.name == SPENT_FROM
     return claim.entry
+
+
+def spent(run: Run, r: int, key: str, raw: bytes, roster: identity.Roster | None = None) -> DataRef | None:
+    """The samples shard ``key`` of round r (its manifest ``raw``) names, once the checks up to
+    ``SPENT_FROM`` find the manifest its peer's own; None where one refuses it. What a shard that
+    is never counted (it missed its round) spends of its stream."""
+    claim = validation.Claim(run, r, key, raw, roster)
+    for check in VALIDATION:
+        try:
+            check.judge(claim)
+        except Rejected:
+            return None
+        if check.name == SPENT_FROM:
+            return claim.manifest.data
+    return None
 
 
 def admit(entries: list[Entry], round_: Round,

@@ -52,6 +52,7 @@ class Judge:
         self._roster: identity.Roster | None = None  # the newest seen, from ROSTER.json or the history
         self._flags: dict[str, flags.Flag] = {}  # volunteer -> its flag (checks/flags.py)
         self._closes: dict[int, Close] = {}  # previous rounds' CLOSEs, which never change
+        self._missed: dict[str, Rejection | None] = {}  # round r-1's manifests that missed its CLOSE -> spent
         self._resketched: dict[tuple[str, int], object] = {}  # late diloco shards' sketches on round r's chunks
         probe = run.config.close.probe_samples
         self.probe = LossProbe(run, probe) if run.config.algorithm == "diloco" and probe else None
@@ -254,16 +255,45 @@ class Judge:
         """A CLOSE entry of a rejected shard; ``data``, the samples its own peer spent on it."""
         return self.logged(r, [Rejection(key=shard, reason=reason, data=data)])[0]
 
-    def late(self, r: int, listed: Listing) -> list[Entry]:
-        """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``), from
-        the volunteers' listing ``listed``."""
-        if r == 0 or self.run.config.close.late_shards != "fold":
-            return []
+    def closed(self, close: Close) -> None:
+        """A CLOSE this scheduler wrote or read: the next round tells round r's late shards by it."""
+        self._closes = {close.round: close}
+
+    def _previous(self, r: int) -> Close | None:
+        """Round r-1's CLOSE (one GET, only where this scheduler did not write it)."""
         if r - 1 not in self._closes:
             prev = Close.read(self.run, r - 1)
             if prev is None:
-                return []
+                return None
             self._closes = {r - 1: prev}
+        return self._closes[r - 1]
+
+    def missed(self, r: int, listed: Listing) -> list[Rejection]:
+        """Shards of round r-1 that missed its CLOSE, under the policy ``reject``: never counted,
+        but the samples a manifest names, once it is its peer's own (``catalog.spent``), are
+        spent: round r's CLOSE lists it rejected with them, so its stream moves past them and an
+        honest worker whose shard missed a round is not refused later for the gap it left
+        (``validation.stream_window``). One GET a late manifest, once."""
+        if r == 0 or self.run.config.close.late_shards != "reject" or (prev := self._previous(r)) is None:
+            return []
+        keys, skip = self.run.keys, prev.listed()
+        manifests = [k for k in keys.of_round(listed, r - 1, "manifest") if keys.shard_of(k) not in skip]
+        self._missed = {k: v for k, v in self._missed.items() if k in manifests}
+        new = [k for k in manifests if k not in self._missed and listed[k][0] <= manifest_limit(self.run.grad_format)]
+        if new:
+            roster = self.roster()
+            for k, raw in self.run.bucket.read_many(new).items():
+                data = catalog.spent(self.run, r - 1, keys.shard_of(k), raw, roster) if raw is not None else None
+                self._missed[k] = None if data is None else Rejection(
+                    key=keys.shard_of(k), data=data, reason=f"missed the CLOSE of round {r - 1} "
+                    "(close.late_shards=reject): not counted, its samples spent")
+        return [x for k in manifests if (x := self._missed.get(k)) is not None]
+
+    def late(self, r: int, listed: Listing) -> list[Entry]:
+        """Shards of round r-1 that missed its CLOSE, folded into round r (policy ``fold``), from
+        the volunteers' listing ``listed``."""
+        if r == 0 or self.run.config.close.late_shards != "fold" or self._previous(r) is None:
+            return []
         skip = self._closes[r - 1].listed()
         late, _ = self.verdicts(r - 1, listed, skip=skip)
         folded = admission.folded(late)

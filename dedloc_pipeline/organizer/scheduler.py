@@ -117,6 +117,7 @@ class Scheduler:
         listed = self._written()  # heartbeats and manifests, both as of `at`
         close = self._existing_close(r) if self._unclosed != r else None
         if close is not None:
+            self.judge.closed(close)
             self._publish(r, at, listed, close=close)
             return close
         self._unclosed = r
@@ -127,6 +128,7 @@ class Scheduler:
         pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected), refused)
         candidates = accepted + self.judge.late(r, listed)
+        rejected += self.judge.missed(r, listed)  # round r-1's shards that missed it: their samples spent
         live = self.judge.enrolled(pending.volunteers)
         now = self.clock.time() if now is None else now
         target, opened = cfg.target_batch_size, self.judge.opening(r).at
@@ -164,6 +166,7 @@ class Scheduler:
         close = self._existing_close(r)
         if close is None:  # a forged one stood there: deleted, so the next poll closes the round
             return None
+        self.judge.closed(close)
         log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close.samples,
                  len(close.accepted), len(close.rejected))
         self._publish(r, at, listed, close=close)

@@ -131,9 +131,7 @@ class Traffic:
         pages = max(1, math.ceil(listed / S3_PAGE))
         r = Requests(get=heartbeats + manifests + 3 * int(first), put=int(view), head=1, list=pages + int(first))
         r += Requests(get=int(cfg.organizer_key is not None and manifests > 0))  # the roster
-        if cfg.close.late_shards == "fold":  # the previous round's CLOSE read once (its shards are listed)
-            r += Requests(get=int(first))
-        return r
+        return r  # the previous round's CLOSE, which tells its late shards, is the one it wrote
 
     def closing(self, shards: int, unread: bool = False) -> Requests:
         """What closing adds to its poll: each new shard frozen (a server-side copy of each of its

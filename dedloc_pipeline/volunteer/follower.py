@@ -45,6 +45,7 @@ class Follower:
         self.looked = float("-inf")  # clock.monotonic() of the last round-view read
         self.behind = False  # the fresh view is of an older state than this worker's
         self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
+        self._closed_at: float | None = None  # ... and when the scheduler closed it, by its own clock
         self._full_seen: float | None = None  # ... full (closed, or its validated samples at the target)
         self._reduce_s: float | None = None  # from then to the next state, last time
         self._installed_at: float | None = None  # clock.monotonic() when ``state`` was installed
@@ -100,8 +101,12 @@ class Follower:
         elif latest > self.state + 1 and self.local.acc is not None:
             self.local.drop(self.params)
         now = self.clock.monotonic()
-        if self._closed_seen is not None:
-            self._reduce_s, self._closed_seen = now - self._closed_seen, None
+        if self._closed_seen is not None:  # the reduction's length by the scheduler's clock where known:
+            # by when this worker noticed the state, its own lateness would stretch its next waits
+            reduced = commit.get("committed_at", 0.0) - self._closed_at if self._closed_at is not None else None
+            self._reduce_s = max(0.0, reduced) if reduced is not None and latest == self.state + 1 \
+                else now - self._closed_seen
+            self._closed_seen = self._closed_at = None
         self._full_seen = None
         if self.state is not None and latest == self.state + 1 and self._installed_at is not None:
             self.round_s = now - self._installed_at
@@ -165,7 +170,7 @@ class Follower:
             if v.state > self.state:  # a state once committed stays committed
                 self.prefetch(v.state)
             elif v.state == self.state and v.closed and self._closed_seen is None:
-                self._closed_seen = self.clock.monotonic()
+                self._closed_seen, self._closed_at = self.clock.monotonic(), v.at
         if not (fresh and v.state == self.state) and self.transfers.fetching is None \
                 and self.clock.time() - self._last_sync >= self.fallback_s:
             self.sync()

@@ -16,7 +16,7 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ VOCAB PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install lock lint browser corpus test test-fast bench quality pretrain worker eval status server stop clean
+.PHONY: install lock lint browser corpus test test-fast bench bench-compare quality pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -64,6 +64,13 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# The same benchmarks for another commit (REF: a release tag by default) beside the working tree,
+# one run, with the ratio of every number: make bench-compare [REF=v2026.12.07] [BENCH="aggregation aggregators"].
+REF ?= $(shell git describe --tags --abbrev=0 2>/dev/null)
+BENCH ?= aggregation
+bench-compare: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks.compare $(REF) $(BENCH)
 
 # Refresh the lock from .venv after changing a dependency (to upgrade one package:
 # .venv/bin/pip install -c constraints.txt -U NAME, then make lock). It holds the bench extra too (hivemind adds packages and pins none of the others), so

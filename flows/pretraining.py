@@ -50,8 +50,8 @@ def flag_liars(bucket: str, run: str, r: int, poll_s: float | None, settled: Set
 
 
 @task(retries=3, retry_delay_seconds=2)
-def commit(bucket: str, run: str, r: int) -> dict:
-    c = ledger.commit(open_run(bucket, run), r)
+def commit(bucket: str, run: str, r: int, stages: dict | None = None) -> dict:
+    c = ledger.commit(open_run(bucket, run), r, stages)
     return {k: c[k] for k in ("state", "round", "samples", "loss", "contributors", "closed_at", "committed_at")}
 
 
@@ -87,7 +87,7 @@ def round_flow(bucket: str, run: str, r: int, poll_s: float | None = None, max_w
         reduce=lambda ks: parts(reduce_part, ks),
         apply=lambda ks: parts(apply_part, ks),
         flag_liars=(lambda settled: flag_liars(bucket, run, r, poll_s, settled)) if volunteers else lambda _: None,
-        commit=lambda: commit(bucket, run, r)))
+        commit=lambda stages: commit(bucket, run, r, stages)))
     summary["duration_s"] = summary["committed_at"] - summary["closed_at"]
     create_table_artifact(
         key=artifact_key(run, "round"), description=f"round {r} of run {run}",

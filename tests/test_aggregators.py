@@ -151,6 +151,9 @@ def test_an_aggregator_that_vanishes_mid_round_holds_nothing_up_past_the_deadlin
     close = Close.read(run, 0)
     assert states[0]["aggregated_by"] == [["organizer"]] * run.n_parts
     assert states[0]["committed_at"] < close.closed_at + (close.aggregate_by - close.closed_at) / 2
+    stages = states[0]["stages"]  # the organizer's seconds of each step from CLOSE: the wait was the settling
+    assert set(stages) == {"settle_s", "reduce_s", "apply_s", "judge_s"} and stages["settle_s"] > 0
+    assert sum(stages.values()) <= states[0]["committed_at"] - close.closed_at
     assert flags.read(run) == {}
     assert (Close.read(run, 1).aggregators is None) == bench
     standing = referee.Referee(run, run.clock).standing  # as a restarted scheduler reads it

@@ -431,13 +431,24 @@ def test_the_verdict_cache_stays_bounded_when_the_flow_drives_the_steps(make_run
 
 def test_a_closed_round_ends_in_one_order_whoever_drives_it():
     """``close_out`` (what Scheduler.finish and the Prefect round flow both run): settle, then the
-    organizer reduces and steps only the parts left, flags liars with its answers known, commits."""
+    organizer reduces and steps only the parts left, flags liars with its answers known, commits,
+    with each step's seconds by the driver's clock."""
     from dedloc_pipeline.organizer.close_out import CloseOut, close_out
     from dedloc_pipeline.organizer.referee import Settlement
     calls: list = []
     settled = Settlement(agreed={1: ["a", "b"]})
-    steps = CloseOut(settle=lambda: calls.append("settle") or settled,
-                     reduce=lambda ks: calls.append(("reduce", ks)), apply=lambda ks: calls.append(("apply", ks)),
-                     flag_liars=lambda s: calls.append(("flag", s)), commit=lambda: calls.append("commit") or {"s": 1})
-    assert close_out(3, steps) == {"s": 1}
-    assert calls == ["settle", ("reduce", [0, 2]), ("apply", [0, 2]), ("flag", settled), "commit"]
+    clock = iter(range(100))  # each step takes a tick more than the one before, each reading of it one
+    ticks = {"settle": 1, "reduce": 2, "apply": 3, "flag": 4}
+
+    def step(name, value=None):
+        def run(*args):
+            calls.append((name, *args))
+            for _ in range(ticks[name]):
+                next(clock)
+            return value
+        return run
+    steps = CloseOut(settle=step("settle", settled), reduce=step("reduce"), apply=step("apply"),
+                     flag_liars=step("flag"), commit=lambda stages: calls.append(("commit", stages)) or {"s": 1})
+    assert close_out(3, steps, clock=lambda: float(next(clock))) == {"s": 1}
+    assert calls[:-1] == [("settle",), ("reduce", [0, 2]), ("apply", [0, 2]), ("flag", settled)]
+    assert calls[-1] == ("commit", {"settle_s": 2.0, "reduce_s": 3.0, "apply_s": 4.0, "judge_s": 5.0})

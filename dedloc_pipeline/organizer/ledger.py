@@ -43,16 +43,17 @@ def round_loss(accepted: list[Entry]) -> float:
                              for mine in by_volunteer.values())
 
 
-def commit(run: Run, r: int) -> dict:
-    """COMMIT state r+1 from its applied parts, then prune what no one reads again."""
-    c = _write_commit(run, r)
+def commit(run: Run, r: int, stages: dict[str, float] | None = None) -> dict:
+    """COMMIT state r+1 from its applied parts (``stages``: how long the steps of ending its
+    round took, ``close_out``), then prune what no one reads again."""
+    c = _write_commit(run, r, stages)
     log.info("state %d committed: loss %.4f, %d samples, %d contributors", r + 1,
              c["loss"], c["samples"], len(c["contributors"]))
     prune(run, r + 1)
     return c
 
 
-def _write_commit(run: Run, r: int) -> dict:
+def _write_commit(run: Run, r: int, stages: dict[str, float] | None = None) -> dict:
     """COMMIT of state r+1 (once, create-only), then LATEST. Returns the COMMIT."""
     keys, bucket = run.keys, run.bucket
     try:
@@ -87,6 +88,7 @@ def _write_commit(run: Run, r: int) -> dict:
             "checksums": {"params": [s for a in applied for s in a["checksums"]["params"]],
                           "delta": delta_sums},
             "aggregated_by": [a.get("by", ["organizer"]) for a in applied],  # per part: who computed it
+            **({"stages": stages} if stages else {}),  # seconds of each step from CLOSE to here (close_out)
         }
         if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit, state=r + 1)):
             log.info("state %d was committed by another scheduler", r + 1)

@@ -295,7 +295,7 @@ class Scheduler:
             reduce=lambda parts: list(pool.map(lambda k: aggregation.reduce_part(run, r, k), parts)),
             apply=lambda parts: list(pool.map(lambda k: aggregation.apply_part(run, r, k), parts)),
             flag_liars=lambda settled: self.flag_liars(close, settled),
-            commit=lambda: commit(run, r)))
+            commit=lambda stages: commit(run, r, stages)), self.clock.monotonic)
 
     def settle(self, close: Close) -> referee.Settlement:
         """The parts of a closed round its volunteer aggregators settle by agreeing (none if its

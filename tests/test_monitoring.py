@@ -78,6 +78,8 @@ def test_status_equals_the_ledger(collab):
         assert c["opened_at"] <= began < c["committed_at"]
         assert h["duration_s"] == pytest.approx(c["committed_at"] - began) and h["duration_s"] > 0
         assert h["samples_per_s"] == pytest.approx(c["samples"] / h["duration_s"])
+        assert h["settled_s"] == pytest.approx(c["committed_at"] - c["closed_at"]) and h["stages"] == c["stages"]
+        assert sum(h["stages"].values()) <= h["settled_s"] + 1e-6  # the organizer's steps from CLOSE to COMMIT
     board = {p["peer_id"]: p for p in s["peers"]}
     assert set(board) == {name for name, _ in PEERS} | set(beats)  # "broken" is skipped, XSS_PEER never read
     for name, _ in PEERS:

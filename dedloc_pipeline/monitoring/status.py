@@ -77,7 +77,7 @@ def _round(c: dict) -> dict:
     return {"round": c["round"], "samples": c["samples"], "contributors": c["contributors"],
             "peers": len(set(c["contributors"])), "loss": c["loss"], "rejected": len(c.get("rejected", [])),
             "lr": c.get("lr"), "opened_at": opened, "closed_at": c["closed_at"], "committed_at": committed,
-            "duration_s": duration,
+            "duration_s": duration, "settled_s": committed - c["closed_at"], "stages": c.get("stages"),
             "samples_per_s": c["samples"] / duration if duration and duration > 0 else None}
 
 
@@ -169,12 +169,13 @@ def show(s: dict, console) -> None:
 
     rounds = Table(box=None, show_header=False, title="last rounds", title_justify="left", padding=(0, 1),
                    pad_edge=False)
-    for _ in range(6):
+    for _ in range(7):
         rounds.add_column(no_wrap=True)
     for h in s["history"][-10:]:
         speed = f"{h['samples_per_s']:.1f} samples/s" if h["samples_per_s"] else ""
         rounds.add_row(f"round {h['round']}:", f"loss {h['loss']:.4f}", f"{h['samples']} samples",
-                       f"{h['peers']} contributors", duration(h["duration_s"]), speed)
+                       f"{h['peers']} contributors", duration(h["duration_s"]), speed,
+                       f"committed {duration(h['settled_s'])} after CLOSE")
     if s["history"]:
         console.print(rounds)
 

@@ -141,7 +141,8 @@ def test_late_shard_never_joins_its_closed_round(make_run, policy):
         assert folded and folded[0].late and close1.samples == 28
     else:  # not counted, but its samples are spent: its stream moves past them
         assert not folded and close1.samples == 24
-        (missed,) = [x for x in close1.rejected if x.key == late]
+        (missed,) = [x for x in close1.missed if x.key == late]
+        assert late not in close1.listed()  # neither accepted nor rejected: round 1 never judged it
         assert "missed the CLOSE of round 0" in missed.reason and missed.data.ranges == [(0, 4)]
     commit = finish(run, 1)
     assert ("slow" in commit["contributors"]) == (policy == "fold")

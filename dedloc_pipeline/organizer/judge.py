@@ -271,7 +271,7 @@ class Judge:
     def missed(self, r: int, listed: Listing) -> list[Rejection]:
         """Shards of round r-1 that missed its CLOSE, under the policy ``reject``: never counted,
         but the samples a manifest names, once it is its peer's own (``catalog.spent``), are
-        spent: round r's CLOSE lists it rejected with them, so its stream moves past them and an
+        spent: round r's CLOSE lists it (``missed``) with them, so its stream moves past them and an
         honest worker whose shard missed a round is not refused later for the gap it left
         (``validation.stream_window``). One GET a late manifest, once."""
         if r == 0 or self.run.config.close.late_shards != "reject" or (prev := self._previous(r)) is None:

@@ -24,9 +24,11 @@ LEDGER_FIELDS = set(LedgerShard.model_fields)  # of each accepted shard's CLOSE 
 
 def stream_ends(before: dict[str, int], close: Close) -> dict[str, int]:
     """Each stream's end, as of this round's shards, accepted or refused once known to be their
-    peer's own (deterministic: safe to repeat)."""
+    peer's own, and the shards of the round before that missed its CLOSE (deterministic: safe to
+    repeat)."""
     ends = dict(before)
-    for data in [e.data for e in close.accepted] + [e.data for e in close.rejected if e.data is not None]:
+    for data in [e.data for e in close.accepted] + [e.data for e in close.rejected + close.missed
+                                                       if e.data is not None]:
         ends[data.stream] = max([ends.get(data.stream, 0)] + [a + c for a, c in data.ranges])
     return ends
 

@@ -128,7 +128,6 @@ class Scheduler:
         pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
                                       cfg.cadence.heartbeat_max_s, self.judge.landed(accepted, rejected), refused)
         candidates = accepted + self.judge.late(r, listed)
-        rejected += self.judge.missed(r, listed)  # round r-1's shards that missed it: their samples spent
         live = self.judge.enrolled(pending.volunteers)
         now = self.clock.time() if now is None else now
         target, opened = cfg.target_batch_size, self.judge.opening(r).at
@@ -151,7 +150,8 @@ class Scheduler:
         close = Close(round=r, samples=samples, target=target, accepted=sorted(accepted, key=lambda s: s.key),
                       roster=self.judge.roster_version, rejected=sorted(rejected, key=lambda s: s.key),
                       opened_at=opened, started_at=self._started.get(r), closed_at=now,
-                      reason="target" if samples >= target else "timeout")
+                      reason="target" if samples >= target else "timeout",
+                      missed=self.judge.missed(r, listed))  # round r-1's shards that missed it: samples spent
         if self.referee is not None:
             roster = self.judge.roster()
             offers = self.referee.offers(r, listed, roster, self.judge.flags)

@@ -47,6 +47,9 @@ class Close(BaseModel):
     # scheduler's clock) their answers may settle it before the organizer computes it
     aggregators: list[list[str]] | None = None
     aggregate_by: float | None = None
+    # shards of the round before that missed its CLOSE (policy reject): never counted, their
+    # samples spent (``Judge.missed``), so their streams move past them
+    missed: list[Rejection] = []
     run: str | None = None  # the run it closes, in a signed run (Run.record binds it there)
     signature: str | None = None  # the organizer's, in a signed run (Run.record)
 
@@ -56,7 +59,8 @@ class Close(BaseModel):
                 "accepted": [e.dump() for e in self.accepted], "roster": self.roster,
                 "rejected": [e.dump() for e in self.rejected], "opened_at": self.opened_at,
                 "started_at": self.started_at, "closed_at": self.closed_at, "reason": self.reason,
-                **({"aggregators": self.aggregators, "aggregate_by": self.aggregate_by} if self.aggregators else {})}
+                **({"aggregators": self.aggregators, "aggregate_by": self.aggregate_by} if self.aggregators else {}),
+                **({"missed": [e.dump() for e in self.missed]} if self.missed else {})}
 
     def listed(self) -> set[str]:
         """Every shard key this CLOSE judged, accepted or rejected."""

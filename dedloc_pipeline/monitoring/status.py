@@ -169,13 +169,12 @@ def show(s: dict, console) -> None:
 
     rounds = Table(box=None, show_header=False, title="last rounds", title_justify="left", padding=(0, 1),
                    pad_edge=False)
-    for _ in range(7):
+    for _ in range(6):
         rounds.add_column(no_wrap=True)
     for h in s["history"][-10:]:
         speed = f"{h['samples_per_s']:.1f} samples/s" if h["samples_per_s"] else ""
         rounds.add_row(f"round {h['round']}:", f"loss {h['loss']:.4f}", f"{h['samples']} samples",
-                       f"{h['peers']} contributors", duration(h["duration_s"]), speed,
-                       f"committed {duration(h['settled_s'])} after CLOSE")
+                       f"{h['peers']} contributors", duration(h["duration_s"]), speed)
     if s["history"]:
         console.print(rounds)
 

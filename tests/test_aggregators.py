@@ -235,6 +235,32 @@ role.serve(lambda: run.latest() >= int(until), poll_s=0.2)
 """
 
 
+def _processes(tmp_path, s3_bucket, name: str, rounds: int, lies: dict[str, str]) -> str:
+    """A LAMB run on moto's S3 server as real processes: `dedloc aggregate --volunteers`, alice
+    and bob computing (`dedloc worker`), carol computing and aggregating honestly (`dedloc worker
+    --aggregate`), and an AggregatorRole process for each of ``lies`` (peer -> "honest" or
+    "noise": its parameters shifted by 1e-3), each its own enrolled key. The processes' output."""
+    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", *lies)}
+    org = keys["org"]
+    cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
+                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 120.0}, **LAMB)
+    # generous: each of the three exchanges seals its claims at half its share of that time, and no
+    # answer of an honest process on a loaded machine may miss it (agreeing answers settle at once)
+    run = init_run(s3_bucket, cfg, organizer=org)
+    identity.update_roster(run.bucket, name, org, aggregate=["carol", *lies],
+                           enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
+    dedloc = os.path.join(os.path.dirname(sys.executable), "dedloc")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    url, pem = s3_bucket.url, {n: str(tmp_path / f"{n}.pem") for n in keys}
+    common = ["--bucket", url, "--run", name, "--until-round", str(rounds)]
+    commands = [[dedloc, "aggregate", *common, "--organizer-key", pem["org"], "--poll", "0.5", "--volunteers"]]
+    commands += [[dedloc, "worker", *common, "--peer-id", p, "--key", pem[p], "--organizer", identity.public(org),
+                  "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
+                 for p in ("alice", "bob", "carol")]
+    commands += [[sys.executable, "-c", MALLORY, url, name, p, pem[p], str(rounds), lie] for p, lie in lies.items()]
+    return run_processes(commands, tmp_path, env, timeout_s=300)
+
+
 @pytest.mark.slow
 def test_real_processes_on_s3_two_honest_aggregators_agree_on_every_part(tmp_path, s3_bucket):
     """On moto's S3 server, a LAMB run (sahajBERT's recipe: the partial sums' exchange, then the
@@ -245,25 +271,7 @@ def test_real_processes_on_s3_two_honest_aggregators_agree_on_every_part(tmp_pat
     part of every such round agreed by carol and mallory, in real processes that computed their
     parts apart, every state the organizer's own answer, nobody flagged."""
     rounds, name = 4, "procs"
-    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", "mallory")}
-    org = keys["org"]
-    cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
-                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 120.0}, **LAMB)
-    # generous: each of the three exchanges seals its claims at half its share of that time, and no
-    # answer of an honest process on a loaded machine may miss it (agreeing answers settle at once)
-    run = init_run(s3_bucket, cfg, organizer=org)
-    identity.update_roster(run.bucket, name, org, aggregate=["carol", "mallory"],
-                           enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
-    dedloc = os.path.join(os.path.dirname(sys.executable), "dedloc")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    url, pem = s3_bucket.url, {n: str(tmp_path / f"{n}.pem") for n in keys}
-    common = ["--bucket", url, "--run", name, "--until-round", str(rounds)]
-    commands = [[dedloc, "aggregate", *common, "--organizer-key", pem["org"], "--poll", "0.5", "--volunteers"]]
-    commands += [[dedloc, "worker", *common, "--peer-id", p, "--key", pem[p], "--organizer", identity.public(org),
-                  "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
-                 for p in ("alice", "bob", "carol")]
-    commands.append([sys.executable, "-c", MALLORY, url, name, "mallory", pem["mallory"], str(rounds), "honest"])
-    tails = run_processes(commands, tmp_path, env, timeout_s=300)
+    tails = _processes(tmp_path, s3_bucket, name, rounds, {"mallory": "honest"})
     run = Run(s3_bucket, name)
     commits = [run.commit_of(s) for s in range(1, rounds + 1)]
     for r, commit in enumerate(commits):
@@ -443,24 +451,7 @@ def test_real_processes_on_s3_two_colluding_aggregators_of_one_person(tmp_path, 
     audit, one shared with carol by the disagreement) and both end flagged; every part the
     colluders shared was audited and found."""
     rounds, name = 3, "colluding"
-    keys = {n: identity.generate(tmp_path / f"{n}.pem") for n in ("org", "alice", "bob", "carol", "mallory", "eve")}
-    org = keys["org"]
-    cfg = small_config(name, organizer_key=identity.public(org), chunks_per_part=2, codec="int8",
-                       target_batch_size=32, keep_states=rounds + 1, close={"aggregate_s": 120.0}, **LAMB)
-    run = init_run(s3_bucket, cfg, organizer=org)
-    identity.update_roster(run.bucket, name, org, aggregate=["carol", "mallory", "eve"],
-                           enroll={n: identity.public(k) for n, k in keys.items() if n != "org"})
-    dedloc = os.path.join(os.path.dirname(sys.executable), "dedloc")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    url, pem = s3_bucket.url, {n: str(tmp_path / f"{n}.pem") for n in keys}
-    common = ["--bucket", url, "--run", name, "--until-round", str(rounds)]
-    commands = [[dedloc, "aggregate", *common, "--organizer-key", pem["org"], "--poll", "0.5", "--volunteers"]]
-    commands += [[dedloc, "worker", *common, "--peer-id", p, "--key", pem[p], "--organizer", identity.public(org),
-                  "--threads", "1", "--poll", "0.2", "--plain", *(["--aggregate"] if p == "carol" else [])]
-                 for p in ("alice", "bob", "carol")]
-    commands += [[sys.executable, "-c", MALLORY, url, name, p, pem[p], str(rounds), "noise"]
-                 for p in ("mallory", "eve")]
-    tails = run_processes(commands, tmp_path, env, timeout_s=300)
+    tails = _processes(tmp_path, s3_bucket, name, rounds, {"mallory": "noise", "eve": "noise"})
     run = Run(s3_bucket, name)
     for r in range(rounds):
         commit = run.commit_of(r + 1)

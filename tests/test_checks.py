@@ -549,17 +549,17 @@ def test_two_names_of_one_person_agreeing_on_a_lie_are_caught_by_the_audit(tmp_p
 
 def test_the_draw_leaves_a_lie_the_chance_the_docs_state():
     """A lie over c of a part's n chunks survives an audit of a drawn chunks with probability
-    C(n-c, a)/C(n, a) (``audit.survival``, the number docs/aggregators.md states): measured over
+    C(n-c, a)/C(n, a) (``draw.survival``, the number docs/aggregators.md states): measured over
     4,000 secrets, within four standard errors; a lie over the whole part never survives."""
-    from dedloc_pipeline.checks import audit
+    from dedloc_pipeline.checks import draw
     n, lied, trials = 8, {0, 1}, 4000
     for fraction in (1 / 8, 1 / 4, 1 / 2):
         a = math.ceil(fraction * n)
-        survived = sum(not lied & set(audit.draw(str(i), 0, range(n), fraction)) for i in range(trials)) / trials
-        p = audit.survival(n, a, len(lied))
+        survived = sum(not lied & set(draw.draw(str(i), 0, range(n), fraction)) for i in range(trials)) / trials
+        p = draw.survival(n, a, len(lied))
         assert abs(survived - p) < 4 * math.sqrt(p * (1 - p) / trials), (fraction, survived, p)
-        assert audit.survival(n, a, n) == 0.0
-        assert all(set(audit.draw(str(i), 0, range(n), fraction)) & set(range(n)) for i in range(100))
+        assert draw.survival(n, a, n) == 0.0
+        assert all(set(draw.draw(str(i), 0, range(n), fraction)) & set(range(n)) for i in range(100))
 
 
 @pytest.mark.parametrize("where", ["whole part", "one chunk"])

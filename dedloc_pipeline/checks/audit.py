@@ -14,14 +14,12 @@ signatures are deterministic, so a restarted scheduler draws the same), hashed w
 and chunk. Nobody but the organizer can compute it before the round's audit record publishes
 it, and anyone can check it then with the organizer's public key. A lie that changes c of a
 part's n chunks survives an audit of a of them with probability C(n-c, a) / C(n, a)
-(``survival``): a lie over a whole part never does.
+(``draw.survival``): a lie over a whole part never does.
 """
 
 from __future__ import annotations
 
 import base64
-import hashlib
-import math
 
 from ..compute import aggregation
 from ..protocol.close import Close
@@ -31,30 +29,20 @@ from ..trust import identity
 from . import exchange
 
 
+def _signed(run: Run, close: Close) -> dict:
+    """What the organizer signs to draw round ``close.round``'s audits: its run, round and CLOSE."""
+    return {"audit": run.name, "round": close.round, "seed": exchange.seed(close)}
+
+
 def secret(run: Run, close: Close) -> str:
-    """What round ``close.round``'s draw is seeded by: the organizer's signature over its run,
-    round and CLOSE (base64), published in the round's audit record once the round is settled."""
-    body = {"audit": run.name, "round": close.round, "seed": exchange.seed(close)}
-    return base64.b64encode(run.organizer("the audits' draw").sign(identity.canonical(body))).decode()
+    """What round ``close.round``'s draw is seeded by: the organizer's signature over ``_signed``
+    (base64), published in the round's audit record once the round is settled."""
+    return base64.b64encode(run.organizer("the audits' draw").sign(identity.canonical(_signed(run, close)))).decode()
 
 
 def check_secret(run: Run, close: Close, drawn_by: str) -> bool:
     """Whether ``drawn_by`` is the organizer's secret for this round (anyone can check a draw)."""
-    body = {"audit": run.name, "round": close.round, "seed": exchange.seed(close)}
-    return identity.verify(run.config.organizer_key, body, drawn_by)
-
-
-def draw(drawn_by: str, part: int, chunks: range, fraction: float) -> list[int]:
-    """The chunks of ``part`` (``chunks``) audited: a ``fraction`` of them, rounded up, one at
-    least, ranked by a hash of the secret, the part and the chunk."""
-    a = min(len(chunks), max(1, math.ceil(fraction * len(chunks) - 1e-9)))
-    ranked = sorted(chunks, key=lambda c: hashlib.sha256(f"{drawn_by}/{part}/{c}".encode()).hexdigest())
-    return sorted(ranked[:a])
-
-
-def survival(n: int, a: int, c: int) -> float:
-    """The chance that a lie changing ``c`` of a part's ``n`` chunks survives an audit of ``a``."""
-    return math.comb(n - c, a) / math.comb(n, a) if c <= n - a else 0.0
+    return identity.verify(run.config.organizer_key, _signed(run, close), drawn_by)
 
 
 def screen(run: Run, close: Close, part: int, chunks: list[int], claimed: list[list[float]]) -> str | None:

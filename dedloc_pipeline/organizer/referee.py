@@ -14,9 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict
-
-from ..checks import admission, audit, exchange, flags
+from ..checks import admission, audit, draw, exchange, flags
 from ..checks.exchange import (
     PARTS,
     SCREEN,
@@ -37,6 +35,8 @@ from ..protocol.clock import Clock
 from ..protocol.close import Close
 from ..protocol.run import Run
 from ..storage.layout import volunteer_of
+from . import standing
+from .standing import Standing
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +65,6 @@ TRUSTED_AFTER = 8  # parts a volunteer's aggregators must have passed audits for
 REVEAL_POLLS = 4  # the least time, in the scheduler's polls, an aggregator has to reveal what it claimed
 
 
-class Standing(BaseModel):
-    """What the referee remembers of the aggregators from round to round, kept in the bucket
-    (``RunLayout.standing``, signed) so a restarted scheduler trusts and benches the same: parts
-    each person (its key) passed audits for, the last round each withholder sits out, and the last
-    round every part is audited whole."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    passed: dict[str, int] = {}
-    benched: dict[str, int] = {}
-    alert_until: int = -1
-
-
 class Referee:
     """The scheduler's side: which offers count, and how a closed round's parts settle."""
 
@@ -92,17 +79,8 @@ class Referee:
     @property
     def standing(self) -> Standing:
         if self._standing is None:
-            found = self.run.read_record(self.run.keys.standing, "the aggregators' standing")
-            self._standing = Standing.model_validate({k: v for k, v in (found or {}).items()
-                                                      if k in Standing.model_fields})
+            self._standing = standing.read(self.run)
         return self._standing
-
-    def _keep(self, before: Standing, r: int) -> None:
-        """Write the standing if settling round r changed it (one PUT), the benches served forgotten."""
-        self.standing.benched = {p: until for p, until in self.standing.benched.items() if until > r}
-        if self.standing != before:
-            self.run.bucket.write_json(self.run.keys.standing, self.run.record(
-                "the aggregators' standing", self.standing.model_dump()))
 
     def offers(self, r: int, listed: dict, roster, flagged: dict) -> list[str]:
         """The peers whose offers for round r are in ``listed``, signed, of volunteers the
@@ -127,7 +105,7 @@ class Referee:
         the parts it did not settle, then the answers', the organizer computing each part left to
         it as soon as it is, while the others are answered."""
         run, r, keys = self.run, close.round, self.run.keys
-        out, standing = Settlement(), self.standing.model_copy(deep=True)
+        out, kept = Settlement(), self.standing.model_copy(deep=True)
         for key in run.bucket.listing(keys.applied_dir(r + 1)):  # parts settled before a restart
             if (k := keys.applied_part(r + 1, key)) is not None and k < len(close.aggregators):
                 out.agreed[k] = close.aggregators[k]
@@ -167,7 +145,8 @@ class Referee:
             run.bucket.write_json(keys.audits(r), run.record(f"audits of round {r}", {
                 "round": r, "secret": self._drawn_by(close), "fraction": run.config.close.audit,
                 "audits": out.audits}, round=r))
-        self._keep(standing, r)
+        self.standing.benched = {p: until for p, until in self.standing.benched.items() if until > r}  # served
+        standing.keep(self.run, self.standing, before=kept)
         return out
 
     def _compute(self, r: int, k: int) -> None:
@@ -189,21 +168,21 @@ class Referee:
         ``BENCHED_ROUNDS`` rounds."""
         run, r, peers = self.run, close.round, close.aggregators[k]
         person = (lambda p: roster.person(p)) if roster is not None else (lambda p: p)
-        standing = self.standing
-        whole = (r <= standing.alert_until or run.config.aggregation == "centered_clip"
-                 or any(standing.passed.get(person(p), 0) < TRUSTED_AFTER for p in peers))
-        chunks = audit.draw(self._drawn_by(close), k, run.part_chunks(k), 1.0 if whole else run.config.close.audit)
+        held = self.standing
+        whole = (r <= held.alert_until or run.config.aggregation == "centered_clip"
+                 or any(held.passed.get(person(p), 0) < TRUSTED_AFTER for p in peers))
+        chunks = draw.draw(self._drawn_by(close), k, run.part_chunks(k), 1.0 if whole else run.config.close.audit)
         found = check(chunks)
         out.audits.append({"stage": stage.reveal, "part": k, "chunks": chunks, "by": list(peers), "found": found})
         if found is None:
             for p in {person(p) for p in peers}:
-                standing.passed[p] = standing.passed.get(p, 0) + 1
+                held.passed[p] = held.passed.get(p, 0) + 1
             return True
         for peer in peers:
             out.liars[peer] = f"the organizer's audit of part {k} of round {r} ({stage.noun}): {found}"
-        standing.alert_until = r + BENCHED_ROUNDS
+        held.alert_until = r + BENCHED_ROUNDS
         log.warning("round %d: the audit of part %d's %s agreed by %s found a lie (%s): every part audited whole "
-                    "until round %d", r, k, stage.noun, " and ".join(peers), found, standing.alert_until)
+                    "until round %d", r, k, stage.noun, " and ".join(peers), found, held.alert_until)
         return False
 
     def _bench(self, close: Close, unsettled: list[int], roster, listed: dict, out: Settlement) -> None:

@@ -17,6 +17,7 @@ from typing import Mapping
 
 from pydantic import BaseModel, Field
 
+from ..checks import draw
 from ..organizer.lease import LEASE_S, RENEW
 from ..protocol import view
 from ..protocol.config import RunConfig
@@ -267,8 +268,7 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
 
 def _survival(n: int, fraction: float) -> float:
     """The chance that a lie over one of a part's ``n`` chunks survives an audit of ``fraction`` of them."""
-    from ..checks import audit  # here: the audits' module reads the model (torch), the light commands do not
-    return audit.survival(n, len(audit.draw("", 0, range(n), fraction)), 1)
+    return draw.survival(n, draw.count(n, fraction), 1)
 
 
 def _view_bytes(config: RunConfig) -> int:

@@ -13,6 +13,7 @@ import json
 import math
 from dataclasses import astuple, dataclass, fields
 
+from ..checks import draw
 from ..protocol.run import LIVE_ROUNDS, Run
 from ..protocol.shard import DataRef, Manifest
 from ..storage.layout import LAYOUT_VERSION
@@ -178,7 +179,7 @@ class Traffic:
         part's, one at least."""
         if fraction is None:
             return sum(self.parts)
-        return sum(min(c, max(1, math.ceil(fraction * c - 1e-9))) for c in self.parts)
+        return sum(draw.count(c, fraction) for c in self.parts)
 
     def audits(self, shards: int, chunks: int, answers: int | None = None) -> Requests:
         """The organizer's audits of ``chunks`` chunks in each exchange of a settled round

@@ -30,6 +30,8 @@ import psutil
 from dedloc_pipeline.protocol import heartbeat
 from dedloc_pipeline.protocol.heartbeat import Heartbeat
 
+from . import latency
+
 DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
 ENV = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
@@ -47,7 +49,7 @@ def _heartbeats(bucket, keys, peers: list[str]) -> dict[str, Heartbeat]:
 
 
 def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: str = "int8", preset: str = "tiny",
-                warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float = 1.0,
+                warmup: int = 2, rounds: int = 5, delayed: bool = True, poll: float | None = None,
                 timeout_s: float = 600, worker_args: tuple[str, ...] = (), url: str | None = None,
                 endpoint_url: str | None = None, env: dict | None = None,
                 prefixes: dict[str, list[str]] | None = None, config: dict | None = None) -> dict:
@@ -69,7 +71,8 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     end = warmup + rounds
     names = [f"peer-{i}" for i in range(peers)]
     logs, procs = {}, {}
-    common = ["--bucket", url, "--run", "bench", "--until-round", str(end), "--poll", str(poll)]
+    common = ["--bucket", url, "--run", "bench", "--until-round", str(end),
+              *(["--poll", str(poll)] if poll is not None else [])]  # None: the run's cadence, as users run
     for name in ["scheduler", *names]:
         logs[name] = open(tmp / f"{name}.log", "w")
         args = ["aggregate"] if name == "scheduler" else ["worker", "--peer-id", name, "--threads", "1",
@@ -80,9 +83,13 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
     handles = {n: psutil.Process(p.pid) for n, p in procs.items()}
     deadline = time.monotonic() + timeout_s
     stop_cpu: dict = {}
+    recorder, observed = latency.Recorder(bucket, run.keys, names), 0.0
     try:
         start = None
         while True:
+            if time.monotonic() - observed >= 1.0:  # each heartbeat holds a volunteer's last 4 states
+                recorder.observe()
+                observed = time.monotonic()
             if start is None and bucket.exists(run.keys.commit(warmup)):
                 start = _heartbeats(bucket, run.keys, names)
                 cpu0 = {n: _cpu(h) for n, h in handles.items()}
@@ -94,6 +101,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
                 raise RuntimeError("collaboration failed or timed out:\n" + _tails(tmp, procs))
             time.sleep(0.2)
         stop = _heartbeats(bucket, run.keys, names)
+        recorder.observe()
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -115,6 +123,11 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
         "up_bytes_per_param": sum(w["bytes_up"] for w in window.values()) / len(window) / rounds / n,
         "down_bytes_per_param": sum(w["bytes_down"] for w in window.values()) / len(window) / rounds / n,
         "stale_fraction": sum(s["stale_samples"] for c in commits[1:] for s in _shards(run, c)) / samples,
+        # rounds warmup..end-1 (their states are commits[1:]), stage by stage
+        "latency": recorder.budget(run, warmup, end - 1),
+        # one target batch a round, as hivemind counts its own (in samples: target x rounds per second)
+        "target_samples_per_s": rounds * target / span,
+        "counted_fraction": _counted_fraction(run, warmup, end),
         # where the machine's CPU went in the window: share of (cores x window) per role
         "cpu_share": {"scheduler": (stop_cpu["scheduler"] - cpu0["scheduler"]) / span / os.cpu_count(),
                       "workers": sum(stop_cpu[p] - cpu0[p] for p in names) / span / os.cpu_count()},
@@ -127,6 +140,27 @@ def _cpu(proc) -> float:
         return t.user + t.system
     except psutil.NoSuchProcess:  # exited right at the end: its last reading is lost
         return float("nan")
+
+
+def _counted_fraction(run, first: int, end: int) -> float:
+    """Of the samples the workers computed for rounds ``first`` to ``end - 1``, the share those
+    rounds counted. A worker's stream runs on without gaps, so what it computed is the span of
+    its stream from its end before round ``first`` (anything any CLOSE named) to the end of what
+    those rounds counted; the gaps are samples thrown away (shards rejected or late, samples
+    dropped as too stale)."""
+    before: dict[str, int] = {}
+    counted: dict[str, list[tuple[int, int]]] = {}
+    for r in range(end):
+        close = run.bucket.read_json(run.keys.close(r))
+        for entry in close["accepted"] + close["rejected"] + close.get("missed", []):
+            ranges = (entry.get("data") or {}).get("ranges", [])
+            peer = entry.get("peer") or (entry.get("data") or {}).get("stream")
+            if r < first:
+                before[peer] = max([before.get(peer, 0), *(a + c for a, c in ranges)])
+            elif entry in close["accepted"]:
+                counted.setdefault(peer, []).extend(ranges)
+    spans = sum(max(a + c for a, c in rs) - before.get(p, 0) for p, rs in counted.items())
+    return sum(c for rs in counted.values() for _, c in rs) / spans
 
 
 def _shards(run, commit: dict) -> list[dict]:

@@ -156,12 +156,19 @@ def test_a_heartbeat_is_written_and_parsed_as_one_record(make_run):
     raw = run.bucket.read_bytes(run.keys.progress(0, "a"))
     assert set(json.loads(raw)) == {"peer", "round", "samples", "sending", "samples_per_s", "next_s", "time",
                                     "uploaded_samples", "compute_s", "wall_s", "bytes_up", "bytes_down", "left",
-                                    "landed"}
+                                    "landed", "upload_s", "held"}
     assert heartbeat.parse(raw) == w._beats[-1]
     odd = heartbeat.parse(b'{"round": 2, "time": 5, "samples_per_s": 1e12, "compute_s": "x", "bytes_up": 1e999}')
     assert (odd.round, odd.samples, odd.samples_per_s, odd.next_s) == (2, 0, heartbeat.MAX_PEER_SPEED, None)
     assert (odd.compute_s, odd.bytes_up, odd.peer) == (0.0, 0, "")
     assert heartbeat.parse(b'{"round": 0.5, "time": 1}') is None
+    # the states it held and when: display and benchmarks only, bounded, or none at all
+    held = heartbeat.parse(b'{"round": 3, "time": 5, "held": [[2, null, 4.0, 4.5], [3, 5.0, 5.1, 5.6]]}').held
+    assert held == ((2, None, 4.0, 4.5), (3, 5.0, 5.1, 5.6))
+    for odd in ('[[2, 1, 2]]', '[[2.5, 1, 2, 3]]', '[[2, 1, "x", 3]]', '[[1e999, 1, 2, 3]]', '[[2, 1, 2, null]]',
+                '[[%d, 1, 2, 3]]' % 10 ** 400, '5', '[' + ', '.join(['[1, 1, 2, 3]'] * (heartbeat.HELD + 1)) + ']'):
+        beat = heartbeat.parse(b'{"round": 3, "time": 5, "held": %s}' % odd.encode())
+        assert beat is not None and beat.held == ()
     assert heartbeat.parse(b" " * (heartbeat.MAX_HEARTBEAT_BYTES + 1)) is None
 
 
@@ -495,3 +502,98 @@ def test_a_worker_computing_ahead_reads_the_view_seldom_while_its_round_is_reduc
         for w in workers:
             w.leave()
     assert_counted_once(run)
+
+
+# when the CLOSE waits, and how soon the scheduler looks again
+
+def _peers_of(close) -> list[str]:
+    return sorted(e.peer for e in close.accepted)
+
+
+def test_the_close_waits_a_share_of_the_fill_for_live_volunteers_that_sent_nothing_yet(make_run):
+    """Two parts reach the target while a third live volunteer, with samples of the round, has
+    sent none: CLOSE waits for it (it sends at once once it sees the round full; closed a poll
+    earlier, its samples would be lost), at most ``close.grace`` of the time the round took to
+    fill. One that never sends is closed without, and not waited for in the next round until it
+    sends a part again."""
+    run = on_clock(make_run())
+    clock, sched = run.clock, Scheduler(run, 1, 0)
+    for p in ("a", "b", "c"):
+        _beat(run, 0, p, 4, speed=1.0)
+    assert sched.try_close(0) is None  # the round's first work: its time runs from here
+    clock.advance(8.0)
+    put_shard(run, 0, "a", samples=12)
+    put_shard(run, 0, "b", samples=12)
+    _beat(run, 0, "c", 8)
+    assert sched.try_close(0) is None and _published(run).validated_samples == TARGET  # full, and waiting
+    clock.advance(1.0)
+    put_shard(run, 0, "c", samples=8)
+    close = sched.try_close(0)
+    assert close is not None and _peers_of(close) == ["a", "b", "c"] and close.samples == 32
+
+    with ThreadPoolExecutor(2) as pool:
+        sched.finish(0, pool, close)
+        clock.advance(1.0)
+        for p in ("a", "b", "c"):
+            _beat(run, 1, p, 4, speed=1.0)
+        assert sched.try_close(1) is None
+        clock.advance(8.0)
+        put_shard(run, 1, "a", samples=12)
+        put_shard(run, 1, "b", samples=12)
+        _beat(run, 1, "c", 8)
+        assert sched.try_close(1) is None
+        clock.advance(0.25 * 8.0 - 0.01)
+        _beat(run, 1, "c", 8)
+        assert sched.try_close(1) is None  # still within the grace
+        clock.advance(0.02)
+        close = sched.try_close(1)  # c sent nothing: closed without it
+        assert close is not None and _peers_of(close) == ["a", "b"]
+
+        sched.finish(1, pool, close)
+        for p in ("a", "b", "c"):
+            _beat(run, 2, p, 4, speed=1.0)
+        assert sched.try_close(2) is None
+        clock.advance(8.0)
+        put_shard(run, 2, "a", samples=12)
+        put_shard(run, 2, "b", samples=12)
+        _beat(run, 2, "c", 8)
+        close = sched.try_close(2)  # waited for in vain last round: not again, until it sends a part
+        assert close is not None and _peers_of(close) == ["a", "b"]
+
+
+def test_a_close_never_waits_without_a_grace_or_past_its_timeout(make_run):
+    run = on_clock(make_run(close={"grace": 0.0}))
+    sched = Scheduler(run, 1, 0)
+    for p in ("a", "b", "c"):
+        _beat(run, 0, p, 4)
+    sched.try_close(0)
+    run.clock.advance(8.0)
+    put_shard(run, 0, "a", samples=12)
+    put_shard(run, 0, "b", samples=12)
+    _beat(run, 0, "c", 8)
+    close = sched.try_close(0)
+    assert close is not None and _peers_of(close) == ["a", "b"]
+
+
+def test_a_new_rounds_eta_keeps_the_last_rounds_speed_until_its_volunteers_heartbeat_again(make_run):
+    """Each volunteer heartbeats the new round once it holds the new state: the first heartbeat
+    alone would make the round look slow, and the scheduler would look again (and tell the
+    volunteers to) only after the target had passed."""
+    run = on_clock(make_run())
+    clock, sched = run.clock, Scheduler(run, 1, 0)
+    for p in ("a", "b", "c"):
+        _beat(run, 0, p, 2, speed=2.0)
+    sched.try_close(0)
+    assert _published(run).eta_s == pytest.approx((TARGET - 6) / 6.0)
+    for p in ("a", "b", "c"):
+        put_shard(run, 0, p, samples=8)
+    close = sched.try_close(0)
+    with ThreadPoolExecutor(2) as pool:
+        sched.finish(0, pool, close)
+    _beat(run, 1, "a", 2, speed=2.0)
+    sched.try_close(1)
+    assert _published(run).eta_s == pytest.approx((TARGET - 2) / 6.0)  # b and c still to say: as fast as before
+    _beat(run, 1, "b", 2, speed=2.0)
+    _beat(run, 1, "c", 0, speed=0.0)  # c says it stopped
+    sched.try_close(1)
+    assert _published(run).eta_s == pytest.approx((TARGET - 4) / 4.0)  # all said: their own speeds

@@ -95,12 +95,17 @@ class Scheduler:
         self._started: dict[int, float] = {}  # round -> the first poll that saw work on it
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
-        self._speed = 0.0  # the live peers' speed, summed, when last known
+        # (round, the live peers' speed summed, their volunteers) as the last open view of a round
+        # counted them, and of the round before it
+        self._counted: tuple[int, float, frozenset[str]] = (-1, 0.0, frozenset())
+        self._before: tuple[int, float, frozenset[str]] | None = None
         self._published: tuple | None = None  # what the last view written said, time aside
         self._round_s: float | None = None  # how long the last round took, from its first work to its CLOSE
         self._keepalive_due = float("-inf")  # clock.monotonic() from which an unchanged view is rewritten
         self._unclosed: int | None = None  # the round whose CLOSE this scheduler read and found absent
         self._over: frozenset[str] = frozenset()  # the peers whose prefixes held too much, last poll
+        self._reached: dict[int, float] = {}  # round -> when its target was first reached (``_holds``)
+        self._in_vain: set[str] = set()  # volunteers CLOSE waited for and closed without
         if run.signed:
             run.organizer("CLOSE")  # a scheduler that could not sign its CLOSEs fails here, not at the first
 
@@ -123,6 +128,7 @@ class Scheduler:
         self._unclosed = r
         self.judge.forget_before(r - 1)
         self._started = {k: v for k, v in self._started.items() if k >= r - 1}
+        self._reached = {k: v for k, v in self._reached.items() if k >= r}
         accepted, rejected = self.judge.verdicts(r, listed)
         refused = frozenset(keys.shard_parts(x.key)[1] for x in rejected)
         pending = self._beats.pending(bucket, keys, r, listed, at, cfg.peer_timeout_s, cfg.target_batch_size,
@@ -143,7 +149,8 @@ class Scheduler:
             # flags written since the round opened count too
             (accepted, samples, cap), out = self.judge.admitted(r, candidates, live, now, started, reread_flags=True)
         rejected += self.judge.logged(r, out)
-        if not admission.closes(samples, target, rule.min_fraction, expired):
+        if not admission.closes(samples, target, rule.min_fraction, expired) or \
+                (not expired and self._holds(r, live & pending.unsent, now, started)):
             self._publish(r, at, listed, samples=samples, shards=len(accepted), rejected=len(rejected),
                           pending=pending, cap=cap)
             return None
@@ -167,10 +174,32 @@ class Scheduler:
         if close is None:  # a forged one stood there: deleted, so the next poll closes the round
             return None
         self.judge.closed(close)
+        self._in_vain -= {volunteer_of(e.peer) for e in close.accepted}
         log.info("round %d closed: %d samples from %d shards (%d rejected)", r, close.samples,
                  len(close.accepted), len(close.rejected))
         self._publish(r, at, listed, close=close)
         return close
+
+    def _holds(self, r: int, unsent: frozenset[str], now: float, started: float) -> bool:
+        """Round r reached its target: whether CLOSE waits for the live volunteers with samples of
+        it that sent no part yet (``unsent``). They see the round full when the others do and
+        send at once, a poll or a download later; closed before their parts land, the samples
+        (often carried from the round before, so never carried again) are lost. It waits
+        ``close.grace`` of the time the round took to fill, at most, and not for a volunteer it
+        waited for in vain before, until that one sends a part again: a name that claims pending
+        samples and never sends costs one wait."""
+        waiting = unsent - self._in_vain
+        if not waiting:
+            return False
+        reached = self._reached.setdefault(r, now)
+        limit = self.run.config.close.grace * max(0.0, reached - started)
+        if now - reached < limit:
+            return True
+        if limit > 0:
+            log.info("round %d: closed without the parts of %s, waited for %.1f s", r, ", ".join(sorted(waiting)),
+                     now - reached)
+            self._in_vain |= waiting
+        return False
 
     def _written(self) -> Listing:
         """What the volunteers wrote (``Run.written``); a peer whose prefix holds too much is
@@ -209,10 +238,7 @@ class Scheduler:
         if close is not None:
             samples, shards, rejected = close.samples, len(close.accepted), len(close.rejected)
             self._round_s = close.closed_at - (close.started_at or close.opened_at)
-        if pending.samples_per_s > 0:
-            self._speed = pending.samples_per_s
-        # before a new round's first heartbeats, the collaboration's last known speed
-        self._eta = view.eta(target, samples, pending.samples, pending.samples_per_s or self._speed, close is not None)
+        self._eta = view.eta(target, samples, pending.samples, self._speed_of(r, pending, close), close is not None)
         try:
             self._stopped = self.run.stopped(delete_forged=True)
             ahead = self._ahead_of(r, at, listed, again=close is not None)
@@ -232,6 +258,21 @@ class Scheduler:
             self._published, self._keepalive_due = said, self.clock.monotonic() + self.keepalive_s
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
+
+    def _speed_of(self, r: int, pending: heartbeat.Pending, close: Close | None) -> float:
+        """The collaboration's speed for round r's ETA: its live heartbeats', and until every
+        volunteer counted in the round before has heartbeaten in this one (each does once it
+        holds the new state), at least that round's: those still to say so are computing, and an
+        ETA from the first heartbeats alone would put the next poll, and the volunteers' reads,
+        past the target."""
+        if close is None:
+            if self._counted[0] != r:
+                self._before = self._counted if self._counted[0] == r - 1 else None
+            self._counted = (r, pending.samples_per_s, pending.volunteers)
+        before = self._before if self._before is not None and self._before[0] == r - 1 else None
+        if before is not None and not before[2] <= pending.volunteers:
+            return max(pending.samples_per_s, before[1])
+        return pending.samples_per_s
 
     @property
     def keepalive_s(self) -> float:

@@ -66,6 +66,10 @@ class CloseRule(BaseModel):
     late_shards: Literal["reject", "fold"] = Field(
         "reject", description="a shard that misses its round: dropped, or counted in the next one"
     )
+    grace: float = Field(0.25, ge=0, description="once the target is reached, CLOSE waits up to this share of the "
+                         "time the round took to fill for the live volunteers that have samples of it and sent no "
+                         "part yet (sending at the same moment, they would miss the CLOSE and lose their samples); "
+                         "a volunteer waited for in vain is not waited for again until it sends a part")
     max_parts: int = Field(8, gt=0, description="shards one volunteer may count in a round (an honest one "
                            "sends a second only when a peer vanished); later parts are rejected")
     max_share: float = Field(0.1, gt=0, le=1, description="one volunteer's samples count for at most "

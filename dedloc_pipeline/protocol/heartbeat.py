@@ -54,6 +54,13 @@ class Heartbeat:
     bytes_down: int = 0
     left: bool = False  # its last one: the peer left (Ctrl-C, SIGTERM), so the id is free again
     landed: int = 0  # samples of its shards of the round whose manifests had landed (not in ``samples``)
+    upload_s: float = 0.0  # how long its last upload took (the latency budget's, benchmarks/latency.py)
+    # its last states (at most HELD), each (state, when the round view named it by the scheduler's
+    # clock, None if found another way; when this worker read that; when it held the state)
+    held: tuple[tuple[int, float | None, float, float], ...] = ()
+
+
+HELD = 4  # the states a heartbeat tells how late they arrived
 
 
 def write(bucket: Bucket, keys: RunLayout, beat: Heartbeat) -> None:
@@ -87,7 +94,26 @@ def parse(raw: bytes | None) -> Heartbeat | None:
                      time=t, uploaded_samples=int(_number(p.get("uploaded_samples"))),
                      compute_s=_number(p.get("compute_s")), wall_s=_number(p.get("wall_s")),
                      bytes_up=int(_number(p.get("bytes_up"))), bytes_down=int(_number(p.get("bytes_down"))),
-                     left=p.get("left") is True, landed=int(_number(p.get("landed"))))
+                     left=p.get("left") is True, landed=int(_number(p.get("landed"))),
+                     upload_s=_number(p.get("upload_s")), held=_held(p.get("held")))
+
+
+def _held(x) -> tuple:
+    """The states a heartbeat says it held and when (display and benchmarks only): at most
+    ``HELD``, each of finite numbers, else none."""
+    if not isinstance(x, list) or len(x) > HELD:
+        return ()
+    held = []
+    try:
+        for h in x:
+            if not (isinstance(h, list) and len(h) == 4 and all(
+                    v is None and i == 1 or not isinstance(v, bool) and isinstance(v, (int, float))
+                    and math.isfinite(v) for i, v in enumerate(h))) or h[0] != int(h[0]):
+                return ()
+            held.append((int(h[0]), None if h[1] is None else float(h[1]), float(h[2]), float(h[3])))
+    except OverflowError:  # an integer beyond any float
+        return ()
+    return tuple(held)
 
 
 def _number(x) -> float:
@@ -174,6 +200,7 @@ class Pending:
     ignored: int = 0
     horizon_s: float = 0.0  # the longest of the counted heartbeats' horizons
     volunteers: frozenset[str] = frozenset()  # whose heartbeats counted
+    unsent: frozenset[str] = frozenset()  # of those, with pending samples and no manifest in the round yet
 
 
 class Heartbeats:
@@ -200,7 +227,7 @@ class Heartbeats:
         for k, raw in bucket.read_many(changed).items():
             known[k] = (small[k], raw)
         self._raw = known
-        samples, speed, peers, horizon, names = 0, 0.0, 0, 0.0, set()
+        samples, speed, peers, horizon, names, unsent = 0, 0.0, 0, 0.0, set(), set()
         for k, (_, raw) in known.items():
             peer = keys.peer_of_progress(k)
             if peer in refused:
@@ -210,5 +237,8 @@ class Heartbeats:
                 samples, speed, peers = samples + got.samples, speed + got.samples_per_s, peers + 1
                 horizon = max(horizon, got.horizon_s)
                 names.add(volunteer_of(peer))
+                if got.samples > 0:
+                    unsent.add(volunteer_of(peer))
+        sent = {volunteer_of(p) for p, n in (landed or {}).items() if n}
         return Pending(samples=samples, samples_per_s=speed, peers=peers, ignored=len(beats) - len(small),
-                       horizon_s=horizon, volunteers=frozenset(names))
+                       horizon_s=horizon, volunteers=frozenset(names), unsent=frozenset(unsent - sent))

@@ -11,10 +11,11 @@ used: a state newer than the worker's, a closed round, STOP, a scheduler that en
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Callable
 
 from ..compute.accumulator import Accumulation
-from ..protocol import shard, view as published
+from ..protocol import heartbeat, shard, view as published
 from ..protocol.clock import Clock, duration
 from ..protocol.run import Run, RunError
 from ..protocol.view import RoundView, View
@@ -50,6 +51,9 @@ class Follower:
         self._reduce_s: float | None = None  # from then to the next state, last time
         self._installed_at: float | None = None  # clock.monotonic() when ``state`` was installed
         self.round_s: float | None = None  # from one state to the next, last time (heartbeats' keep-alive)
+        self._named: tuple[int, float | None, float] | None = None  # (state, the view's time, read at) of the newest
+        # the last states installed, with when they were named, seen and held (heartbeats carry them)
+        self.held: deque[tuple[int, float | None, float, float]] = deque(maxlen=heartbeat.HELD)
         self._last_sync = 0.0
 
     def sync(self, latest: int | None = None) -> bool:
@@ -63,6 +67,7 @@ class Follower:
             latest = self.run.latest()
         if self.state is not None and latest <= self.state:
             return False
+        self._name(latest, None)
         try:
             loaded = self.load(latest, self.state, self.params)
         except CorruptShard:
@@ -111,6 +116,8 @@ class Follower:
         if self.state is not None and latest == self.state + 1 and self._installed_at is not None:
             self.round_s = now - self._installed_at
         self._installed_at = now
+        named = self._named if self._named is not None and self._named[0] == latest else None
+        self.held.append((*(named or (latest, None, self.clock.time())), self.clock.time()))
         self.local.rebase(params)
         self.params, self.state, self.state_hash = params, latest, shard.commit_hash(commit)
         self.view = None
@@ -168,6 +175,7 @@ class Follower:
         if v is not None:
             self.stopped = self.stopped or v.stopped  # facts even in a stale view: STOP stays,
             if v.state > self.state:  # a state once committed stays committed
+                self._name(v.state, v.at)
                 self.prefetch(v.state)
             elif v.state == self.state and v.closed and self._closed_seen is None:
                 self._closed_seen, self._closed_at = self.clock.monotonic(), v.at
@@ -181,6 +189,12 @@ class Follower:
             self._full_seen = (self.looked if self._full_seen is None else self._full_seen) if full else None
         self.behind = fresh and v.state < self.state  # not published since this state: look again soon
         return self.view
+
+    def _name(self, state: int, at: float | None) -> None:
+        """State ``state`` is known to be committed: by a round view of the scheduler's time
+        ``at``, or (None) by LATEST. The first time counts: how late it was held is from then."""
+        if self._named is None or self._named[0] < state:
+            self._named = (state, at, self.clock.time())
 
     def scheduler_note(self) -> str | None:
         """What is wrong with the scheduler as this worker sees it, for its display; None when a

@@ -336,7 +336,8 @@ class Worker:
                          samples_per_s=speed, next_s=self.heartbeat_every(), time=now,
                          uploaded_samples=self.uploaded_samples, compute_s=self.compute_s,
                          wall_s=self.clock.monotonic() - self.started, bytes_up=io.bytes_written,
-                         bytes_down=io.bytes_read, left=left, landed=self.transfers.landed(r))
+                         bytes_down=io.bytes_read, left=left, landed=self.transfers.landed(r),
+                         upload_s=self.transfers.upload_s, held=tuple(self.follower.held))
         self._beats.append(beat)
         heartbeat.write(self.run.bucket, self.run.keys, beat)
 

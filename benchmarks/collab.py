@@ -126,7 +126,7 @@ def collaborate(peers: int = 4, micro_batch: int = 8, target: int = 256, codec: 
         # rounds warmup..end-1 (their states are commits[1:]), stage by stage
         "latency": recorder.budget(run, warmup, end - 1),
         # one target batch a round, as hivemind counts its own (in samples: target x rounds per second)
-        "target_samples_per_s": rounds * target / span,
+        "samples_per_s_target": rounds * target / span,
         "counted_fraction": _counted_fraction(run, warmup, end),
         # where the machine's CPU went in the window: share of (cores x window) per role
         "cpu_share": {"scheduler": (stop_cpu["scheduler"] - cpu0["scheduler"]) / span / os.cpu_count(),

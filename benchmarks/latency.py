@@ -24,6 +24,8 @@ import statistics
 
 from dedloc_pipeline.protocol import heartbeat
 
+from . import tables
+
 STAGES = ("close", "settle", "reduce", "apply", "judge", "commit", "publish", "poll", "download")
 ORGANIZER = STAGES[:7]  # once a round; the rest once per volunteer
 
@@ -100,9 +102,14 @@ def _filled(bucket, keys, close: dict) -> float:
     return landed[-1][0] if landed else close["closed_at"]
 
 
-def table_rows(budget: dict) -> list[list]:
-    """A row per stage: median and worst seconds."""
-    s = budget["stages"]
-    return [[stage, *(s[stage][k] if s[stage] else "-" for k in ("median", "worst"))]
-            for stage in (*STAGES, "total", "upload")] + \
-        [["overshoot (samples over the target)", *(s["overshoot"][k] for k in ("median", "worst"))]]
+def table(title: str, budgets: dict[str, dict]):
+    """A row per stage, a pair of columns (median, worst seconds) per collaboration measured."""
+    rows = []
+    for stage in (*STAGES, "total", "upload", "overshoot"):
+        label = {"total": "total: target reached to state held", "upload": "(a shard's upload)",
+                 "overshoot": "(overshoot: samples over the target)"}.get(stage, stage)
+        cells = [b["stages"][stage][k] if b["stages"].get(stage) else "-" for b in budgets.values()
+                 for k in ("median", "worst")]
+        rows.append([label, *cells])
+    columns = ["stage", *(f"{name} {k}" for name in budgets for k in ("median", "worst"))]
+    return tables.table(title, columns, rows)

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 import psutil
+from rich.console import Group
 
-from . import collab, hivemind_peers, tables
+from . import collab, hivemind_peers, latency, tables
 
 PROFILES = {"10/50": (10, 50), "2/20": (2, 20)}  # Mbit/s up / down
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -335,7 +336,9 @@ def table(res: dict):
                                                         "up_bytes_per_param", "down_bytes_per_param")),
                          r["samples_per_s"] / lim, "-" if ratio is None else ratio])
     rows.append(["-", "limit: no collaboration, a process per core", lim, "-", "-", "-", "-", 1.0, "-"])
-    return tables.table(title, columns, rows)
+    budgets = {name: p["ours"]["latency"] for name, p in res["profiles"].items() if "latency" in p["ours"]}
+    return Group(tables.table(title, columns, rows),
+                 latency.table("6. the round's latency budget on shaped links, seconds", budgets))
 
 
 if __name__ == "__main__":

@@ -580,7 +580,7 @@ def test_a_new_rounds_eta_keeps_the_last_rounds_speed_until_its_volunteers_heart
     alone would make the round look slow, and the scheduler would look again (and tell the
     volunteers to) only after the target had passed."""
     run = on_clock(make_run())
-    clock, sched = run.clock, Scheduler(run, 1, 0)
+    sched = Scheduler(run, 1, 0)
     for p in ("a", "b", "c"):
         _beat(run, 0, p, 2, speed=2.0)
     sched.try_close(0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -198,10 +199,14 @@ def vector_key(base: str, name: str) -> str:
 
 
 def write_part(bucket, base: str, run: Run, part: int, vectors: dict[str, dict]) -> dict[str, dict]:
-    """Write ``next_part``'s vectors below ``base``; their chunk checksums, by vector."""
+    """Write ``next_part``'s vectors below ``base``, all at once (each write waits on the
+    bucket: on the round's critical path, one after the other they add up); their chunk
+    checksums, by vector."""
     formats, chunks = next_formats(run), run.part_chunks(part)
-    return {name: vector.write_vector(bucket, vector_key(base, name), formats[name], arrays, chunks)
-            for name, arrays in vectors.items()}
+    with ThreadPoolExecutor(len(vectors)) as pool:
+        sums = {name: pool.submit(vector.write_vector, bucket, vector_key(base, name), formats[name], arrays, chunks)
+                for name, arrays in vectors.items()}
+        return {name: job.result() for name, job in sums.items()}
 
 
 def applied_marker(part: int, sums: dict[str, dict], by: list[str]) -> dict:

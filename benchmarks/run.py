@@ -21,7 +21,7 @@ from rich.table import Table
 
 console = Console()
 BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped", "local_steps",
-              "aggregators")
+              "aggregators", "recovery")
 
 
 # Each runner imports its benchmark: the scale benchmark's spawned writers re-import this module
@@ -99,6 +99,14 @@ def aggregators_(out: dict) -> Table:
     return aggregators.table(res)
 
 
+def recovery_(out: dict) -> Table:
+    """The scheduler stopped and started again on a loaded machine: how late workers hold each state."""
+    from . import recovery
+
+    out["recovery"] = res = recovery.run()
+    return recovery.table(res)
+
+
 def gpu(out: dict) -> Table:
     """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
     from . import throughput
@@ -117,7 +125,7 @@ def soak_(out: dict) -> Table:
 
 RUNNERS = {"throughput": throughput_, "wire": wire_, "aggregation": aggregation_, "compute": compute,
            "scale": scale_, "coordination": coordination_, "shaped": shaped_, "local_steps": local_steps_,
-           "aggregators": aggregators_, "gpu": gpu, "soak": soak_}
+           "aggregators": aggregators_, "recovery": recovery_, "gpu": gpu, "soak": soak_}
 
 
 def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu, soak"),

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from benchmarks import latency
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.shard import Manifest
@@ -262,3 +263,33 @@ def test_after_a_scheduler_outage_workers_are_back_to_full_speed_within_a_round(
     before = max(lag(s) for s in (2, 3))
     assert lag(4) > 10 * before  # the outage's own
     assert all(lag(s) <= max(3.0, 2 * before) for s in (5, 6, 7, 8)), [lag(s) for s in range(2, 9)]
+
+
+def test_the_latency_budget_adds_up_to_what_the_records_and_heartbeats_say(fake_run):
+    """``make bench``'s latency budget (benchmarks/latency.py) on the fake clock: each stage is
+    read from the bucket (CLOSE, COMMIT and its stages, the manifests' landing, the workers'
+    heartbeats), and for each worker the stages add up to the time from the target reached to
+    the state held; the organizer's stages are COMMIT's own."""
+    run = fake_run(target_batch_size=16, delayed_updates=True)
+    recorder = latency.Recorder(run.bucket, run.keys, ["a", "b"])
+    with LockStep(run, poll_s=None, step_s=1.0, scheduler_every=1, delayed=True) as c:
+        for peer in ("a", "b"):
+            c.join(peer, 4)
+
+        def observed() -> bool:  # as the benchmark does, while the collaboration runs
+            recorder.observe()
+            return all((p, 6) in recorder.held for p in ("a", "b"))
+        c.until(observed, what="state 6 held, as heartbeats say")
+    budget = recorder.budget(run, 2, 5)
+    assert [row["round"] for row in budget["rounds"]] == [2, 3, 4, 5]
+    for row in budget["rounds"]:
+        commit = run.commit_of(row["round"] + 1)
+        assert all(row[s] == commit["stages"][f"{s}_s"] for s in ("settle", "reduce", "apply", "judge"))
+        assert row["samples"] == commit["samples"] and len(row["download"]) == len(row["poll"]) == 2
+        organizer = sum(row[s] for s in latency.ORGANIZER)
+        for poll, download, total in zip(row["poll"], row["download"], row["total"]):
+            assert min(poll, download, row["close"], row["publish"]) >= 0
+            assert total >= organizer + poll + download - 1e-6  # the view named it to each at once, or later
+        assert min(row["total"]) == pytest.approx(organizer + min(row["poll"]) + row["download"][
+            row["poll"].index(min(row["poll"]))])
+    assert budget["stages"]["total"]["worst"] == max(t for row in budget["rounds"] for t in row["total"])

@@ -597,3 +597,35 @@ def test_a_new_rounds_eta_keeps_the_last_rounds_speed_until_its_volunteers_heart
     _beat(run, 1, "c", 0, speed=0.0)  # c says it stopped
     sched.try_close(1)
     assert _published(run).eta_s == pytest.approx((TARGET - 4) / 4.0)  # all said: their own speeds
+
+
+def test_a_new_scheduler_whose_volunteers_wait_looks_again_soon_then_backs_off(make_run):
+    """Workers stop computing while no scheduler is there; a new one sees them live and none
+    computing (no ETA). They go on once they read its view, so it looks again after poll_min_s,
+    then twice that, and so on up to its slowest poll, until their speed gives an ETA again:
+    before, it slept its slowest poll (20 s) and the first round after a restart waited for it."""
+    run = on_clock(make_run())
+    cadence, sched = run.config.cadence, Scheduler(run, 1)
+    for p in ("a", "b"):
+        _beat(run, 0, p, 4, speed=0.0)
+    waits = []
+    for _ in range(8):
+        sched.try_close(0)
+        waits.append(sched._wait())
+    assert waits[:3] == [cadence.poll_min_s, 2 * cadence.poll_min_s, 4 * cadence.poll_min_s]
+    assert waits[-1] == cadence.scheduler_poll_s and waits == sorted(waits)
+    _beat(run, 0, "a", 4, speed=2.0)
+    sched.try_close(0)
+    assert sched._wait() == cadence.scheduler_s((TARGET - 8) / 2.0)
+
+
+def test_a_scheduler_stopped_as_it_commits_names_the_new_state_in_its_last_view(make_run):
+    run = on_clock(make_run())
+    sched = Scheduler(run, 1, 0)
+    for p in ("a", "b"):
+        put_shard(run, 0, p, samples=12)
+    with ThreadPoolExecutor(2) as pool:
+        sched.finish(0, pool, sched.try_close(0))
+    sched.end(0, "rounds")  # its last poll saw round 0 open
+    v = _published(run)
+    assert (v.state, v.closed, v.ended) == (1, False, "the scheduler reached its last round (--until-round)")

@@ -95,6 +95,7 @@ class Scheduler:
         self._started: dict[int, float] = {}  # round -> the first poll that saw work on it
         self._stopped = False  # STOP, as the last published view saw it
         self._eta: float | None = None  # the last published view's ETA: how soon to poll again
+        self._still = 0  # polls in a row that saw live peers and none computing (a restart's first)
         # (round, the live peers' speed summed, their volunteers) as the last open view of a round
         # counted them, and of the round before it
         self._counted: tuple[int, float, frozenset[str]] = (-1, 0.0, frozenset())
@@ -239,6 +240,7 @@ class Scheduler:
             samples, shards, rejected = close.samples, len(close.accepted), len(close.rejected)
             self._round_s = close.closed_at - (close.started_at or close.opened_at)
         self._eta = view.eta(target, samples, pending.samples, self._speed_of(r, pending, close), close is not None)
+        self._still = self._still + 1 if self._eta is None and pending.peers else 0
         try:
             self._stopped = self.run.stopped(delete_forged=True)
             ahead = self._ahead_of(r, at, listed, again=close is not None)
@@ -318,11 +320,21 @@ class Scheduler:
                 return None
             if deadline is not None and self.clock.monotonic() >= deadline:
                 return None
-            wait = self.run.config.cadence.scheduler_s(self._eta) if self.poll_s is None else self.poll_s
+            wait = self._wait() if self.poll_s is None else self.poll_s
             keepalive_in = self._keepalive_due - self.clock.monotonic()
             if keepalive_in > 0:  # past due (a write that failed) waits the poll, never spins
                 wait = min(wait, keepalive_in)
             self.clock.sleep(wait if deadline is None else max(0.0, min(wait, deadline - self.clock.monotonic())))
+
+    def _wait(self) -> float:
+        """Seconds to the next poll: a share of the ETA (``cadence.scheduler_s``). Live peers
+        of whom none computes (a new scheduler's first polls: the workers waited while no
+        scheduler was there, and go on once they read its view) give no ETA; then it looks again
+        soon, backing off: poll_min_s, twice that, ... up to the slowest poll."""
+        cadence = self.run.config.cadence
+        if self._still:
+            return min(cadence.scheduler_poll_s, cadence.poll_min_s * 2 ** (self._still - 1))
+        return cadence.scheduler_s(self._eta)
 
     def finish(self, r: int, pool: Executor, close: Close | None = None) -> dict:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``, in the order
@@ -397,10 +409,13 @@ class Scheduler:
         """Say in the round view that no scheduler will close round ``state`` (``reason``: what
         ended the loop), so workers stop computing for it, and release the lease, so the next
         scheduler need not wait; its view replaces this one. A scheduler whose lease was taken
-        over says nothing: the view is its successor's."""
+        over says nothing: the view is its successor's. Stopped as it committed, it names the
+        newest state: a view of the round just closed would leave the workers to find the new
+        state by their own seldom reads of LATEST."""
         if self.lease.generation is None:
             return
         try:
+            state = max(state, self.run.latest())
             listed = self._written()
             close = self._existing_close(state)
         except Exception as exc:  # ending on a bucket error: the view still says so

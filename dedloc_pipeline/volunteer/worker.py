@@ -195,7 +195,10 @@ class Worker:
     def poll_every(self) -> float:
         """The interval between round-view reads: a share of the ETA; once the round is full and
         this peer computes ahead (delayed updates), a share of the wait so far, once the last
-        reduction's length has passed: a late state costs a few stale samples, not idle time."""
+        reduction's length has passed: a late state costs a few stale samples, not idle time.
+        Once it has computed a whole target ahead it waits idle, and then reads at a share of
+        what is left of the last reduction's length (poll_min_s once that has passed): a long
+        wait (the scheduler away) must not make it notice the next states late."""
         if self.poll_s is not None:
             return self.poll_s
         cadence, f = self.run.config.cadence, self.follower
@@ -203,7 +206,8 @@ class Worker:
             return cadence.poll_min_s
         waited = f.waited()
         if self.delayed and waited is not None:
-            return cadence.poll_s(max(f.reduce_left(), waited))
+            # idle (a target's worth computed ahead): a late read is idle time, whatever the wait
+            return cadence.poll_s(f.reduce_left() if self.activity == "waiting" else max(f.reduce_left(), waited))
         return cadence.poll_s(self.eta())
 
     def heartbeat_every(self) -> float:

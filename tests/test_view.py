@@ -617,6 +617,14 @@ def test_a_new_scheduler_whose_volunteers_wait_looks_again_soon_then_backs_off(m
     _beat(run, 0, "a", 4, speed=2.0)
     sched.try_close(0)
     assert sched._wait() == cadence.scheduler_s((TARGET - 8) / 2.0)
+    for p in ("a", "b"):
+        put_shard(run, 0, p, samples=12)
+    with ThreadPoolExecutor(2) as pool:
+        sched.finish(0, pool, sched.try_close(0))
+    for p in ("a", "b"):
+        _beat(run, 1, p, 4, speed=0.0)
+    sched.try_close(1)
+    assert sched._wait() == cadence.poll_min_s  # a new round backs off from the start again
 
 
 def test_a_scheduler_stopped_as_it_commits_names_the_new_state_in_its_last_view(make_run):

@@ -637,3 +637,25 @@ def test_a_scheduler_stopped_as_it_commits_names_the_new_state_in_its_last_view(
     sched.end(0, "rounds")  # its last poll saw round 0 open
     v = _published(run)
     assert (v.state, v.closed, v.ended) == (1, False, "the scheduler reached its last round (--until-round)")
+
+
+def test_a_rounds_eta_is_never_slower_than_the_last_rounds_own_pace(make_run):
+    """Volunteers back from a long wait claim a speed their smoothing has not caught up with yet:
+    the ETA takes the last round's pace by the scheduler's clock (its samples over its length)
+    when that is faster, so the scheduler does not sleep past a full round."""
+    run = on_clock(make_run())
+    sched = Scheduler(run, 1, 0)
+    for p in ("a", "b", "c"):
+        _beat(run, 0, p, 0, speed=2.0)
+    sched.try_close(0)  # its first work
+    run.clock.advance(4.0)
+    for p in ("a", "b", "c"):
+        put_shard(run, 0, p, samples=8)
+    close = sched.try_close(0)
+    assert close is not None  # 24 samples in 4 s: 6 a second
+    with ThreadPoolExecutor(2) as pool:
+        sched.finish(0, pool, close)
+    for p in ("a", "b", "c"):
+        _beat(run, 1, p, 2, speed=0.5)  # all three heartbeat again, slow by their own count
+    sched.try_close(1)
+    assert _published(run).eta_s == pytest.approx((TARGET - 6) / 6.0)

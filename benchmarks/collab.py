@@ -152,10 +152,12 @@ def _counted_fraction(run, first: int, end: int) -> float:
     counted: dict[str, list[tuple[int, int]]] = {}
     for r in range(end):
         close = run.bucket.read_json(run.keys.close(r))
-        for entry in close["accepted"] + close["rejected"] + close.get("missed", []):
+        # a CLOSE's ``missed`` are the round before's shards: spent there
+        for entry, of in [(e, r) for e in close["accepted"] + close["rejected"]] + \
+                [(e, r - 1) for e in close.get("missed", [])]:
             ranges = (entry.get("data") or {}).get("ranges", [])
             peer = entry.get("peer") or (entry.get("data") or {}).get("stream")
-            if r < first:
+            if of < first:
                 before[peer] = max([before.get(peer, 0), *(a + c for a, c in ranges)])
             elif entry in close["accepted"]:
                 counted.setdefault(peer, []).extend(ranges)

@@ -220,3 +220,11 @@ class Follower:
         one was (unknown: soon)."""
         since = 0.0 if self._closed_seen is None else self.clock.monotonic() - self._closed_seen
         return max(0.0, (self._reduce_s or 0.0) - since)
+
+    def expected(self) -> bool:
+        """Round ``state`` closed and its state due (as ``reduce_left`` counts) soon, or past due
+        by at most the last reduction's length: a reduction held up longer is not expected any
+        moment. False before the view showed it closed, or with no reduction measured yet."""
+        if self._closed_seen is None or self._reduce_s is None:
+            return False
+        return self.clock.monotonic() - self._closed_seen <= 2 * self._reduce_s

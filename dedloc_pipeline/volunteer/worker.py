@@ -194,11 +194,13 @@ class Worker:
 
     def poll_every(self) -> float:
         """The interval between round-view reads: a share of the ETA; once the round is full and
-        this peer computes ahead (delayed updates), a share of the wait so far, once the last
-        reduction's length has passed: a late state costs a few stale samples, not idle time.
-        Once it has computed a whole target ahead it waits idle, and then reads at a share of
-        what is left of the last reduction's length (poll_min_s once that has passed): a long
-        wait (the scheduler away) must not make it notice the next states late."""
+        this peer computes ahead (delayed updates), a share of what is left of the last
+        reduction's length, so the reads close in on the moment the next state is due (its
+        carried samples go into the next round the sooner), poll_min_s for as long again past
+        it, and then a share of the wait so far: a reduction held up costs a few stale samples,
+        and few reads. Once it has computed a whole target ahead it waits idle, and reads at a
+        share of what is left (poll_min_s once that has passed): a long wait (the scheduler
+        away) must not make it notice the next states late."""
         if self.poll_s is not None:
             return self.poll_s
         cadence, f = self.run.config.cadence, self.follower
@@ -206,8 +208,10 @@ class Worker:
             return cadence.poll_min_s
         waited = f.waited()
         if self.delayed and waited is not None:
-            # idle (a target's worth computed ahead): a late read is idle time, whatever the wait
-            return cadence.poll_s(f.reduce_left() if self.activity == "waiting" else max(f.reduce_left(), waited))
+            # idle (a target's worth computed ahead), or the state due about now: read soon
+            if self.activity == "waiting" or f.reduce_left() > 0 or f.expected():
+                return cadence.poll_s(f.reduce_left())
+            return cadence.poll_s(waited)
         return cadence.poll_s(self.eta())
 
     def heartbeat_every(self) -> float:

@@ -50,10 +50,10 @@ def stream_window(run: Run) -> int:
 
 def max_claim(run: Run) -> int:
     """The most samples one shard may claim: a worker uploads once the round can fill, computes
-    at most a target batch ahead while a round is reduced, and carries samples past a closed
-    round once, never twice, so an honest part holds at most about two target batches. Twice
-    that is refused as impossible; a claim so large would also cost the validator as much to
-    recompute as a whole round."""
+    at most two target batches ahead while a round is sent and reduced (``worker.AHEAD``), and
+    carries samples past a closed round once, never twice, so an honest part holds at most about
+    two target batches and a few micro-batches. Twice that is refused as impossible; a claim so
+    large would also cost the validator as much to recompute as two rounds."""
     return 4 * run.config.target_batch_size
 
 

@@ -52,6 +52,10 @@ log = logging.getLogger(__name__)
 # a heartbeat claims a little less than the measured speed: projected above its count, the others
 # would upload early and wait for the rest; below it, they upload a little late into a larger batch
 SPEED_CLAIMED = 0.95
+# target batches a worker computes ahead, at most, while the round before is sent, closed, reduced
+# and downloaded: on a slow uplink one upload outlasts computing a target, and a worker holding
+# less would wait idle; all of it counts in the next round, one step stale (validation.max_claim)
+AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -198,7 +202,7 @@ class Worker:
         reduction's length, so the reads close in on the moment the next state is due (its
         carried samples go into the next round the sooner), poll_min_s for as long again past
         it, and then a share of the wait so far: a reduction held up costs a few stale samples,
-        and few reads. Once it has computed a whole target ahead it waits idle, and reads at a
+        and few reads. Once it has computed ``AHEAD`` targets ahead it waits idle, and reads at a
         share of what is left (poll_min_s once that has passed): a long wait (the scheduler
         away) must not make it notice the next states late."""
         if self.poll_s is not None:
@@ -208,7 +212,7 @@ class Worker:
             return cadence.poll_min_s
         waited = f.waited()
         if self.delayed and waited is not None:
-            # idle (a target's worth computed ahead), or the state due about now: read soon
+            # idle (``AHEAD`` targets computed ahead), or the state due about now: read soon
             if self.activity == "waiting" or f.reduce_left() > 0 or f.expected():
                 return cadence.poll_s(f.reduce_left())
             return cadence.poll_s(waited)
@@ -242,9 +246,9 @@ class Worker:
             acc.back(r)
         if full and acc is not None and acc.round == r and not acc.carry(self.delayed):
             self._upload(acc)  # may still make it before CLOSE; late otherwise
-        ahead = full and acc is not None and acc.round == r + 1 and acc.samples >= target
-        if full and (not self.delayed or ahead):  # a round's worth of stale samples is enough: a
-            self._report(waiting=True)  # shard may claim at most a few (validation.max_claim)
+        ahead = full and acc is not None and acc.round == r + 1 and acc.samples >= AHEAD * target
+        if full and (not self.delayed or ahead):  # enough stale samples: a shard may claim at
+            self._report(waiting=True)  # most a few rounds' worth (validation.max_claim)
             self.activity = "waiting"
             return False
         self.activity = "computing"

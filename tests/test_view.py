@@ -510,6 +510,18 @@ def _peers_of(close) -> list[str]:
     return sorted(e.peer for e in close.accepted)
 
 
+def _filled_by_two(run, sched, r: int) -> None:
+    """Round r: a, b and c heartbeat its first work; 8 s later a and b send 12 samples each (the
+    target) while c, with 8 samples of it, has sent none."""
+    for p in ("a", "b", "c"):
+        _beat(run, r, p, 4, speed=1.0)
+    assert sched.try_close(r) is None  # the round's first work: its time runs from here
+    run.clock.advance(8.0)
+    put_shard(run, r, "a", samples=12)
+    put_shard(run, r, "b", samples=12)
+    _beat(run, r, "c", 8)
+
+
 def test_the_close_waits_a_share_of_the_fill_for_live_volunteers_that_sent_nothing_yet(make_run):
     """Two parts reach the target while a third live volunteer, with samples of the round, has
     sent none: CLOSE waits for it (it sends at once once it sees the round full; closed a poll
@@ -518,13 +530,7 @@ def test_the_close_waits_a_share_of_the_fill_for_live_volunteers_that_sent_nothi
     sends a part again."""
     run = on_clock(make_run())
     clock, sched = run.clock, Scheduler(run, 1, 0)
-    for p in ("a", "b", "c"):
-        _beat(run, 0, p, 4, speed=1.0)
-    assert sched.try_close(0) is None  # the round's first work: its time runs from here
-    clock.advance(8.0)
-    put_shard(run, 0, "a", samples=12)
-    put_shard(run, 0, "b", samples=12)
-    _beat(run, 0, "c", 8)
+    _filled_by_two(run, sched, 0)
     assert sched.try_close(0) is None and _published(run).validated_samples == TARGET  # full, and waiting
     clock.advance(1.0)
     put_shard(run, 0, "c", samples=8)
@@ -534,13 +540,7 @@ def test_the_close_waits_a_share_of_the_fill_for_live_volunteers_that_sent_nothi
     with ThreadPoolExecutor(2) as pool:
         sched.finish(0, pool, close)
         clock.advance(1.0)
-        for p in ("a", "b", "c"):
-            _beat(run, 1, p, 4, speed=1.0)
-        assert sched.try_close(1) is None
-        clock.advance(8.0)
-        put_shard(run, 1, "a", samples=12)
-        put_shard(run, 1, "b", samples=12)
-        _beat(run, 1, "c", 8)
+        _filled_by_two(run, sched, 1)
         assert sched.try_close(1) is None
         clock.advance(0.25 * 8.0 - 0.01)
         _beat(run, 1, "c", 8)
@@ -550,13 +550,7 @@ def test_the_close_waits_a_share_of_the_fill_for_live_volunteers_that_sent_nothi
         assert close is not None and _peers_of(close) == ["a", "b"]
 
         sched.finish(1, pool, close)
-        for p in ("a", "b", "c"):
-            _beat(run, 2, p, 4, speed=1.0)
-        assert sched.try_close(2) is None
-        clock.advance(8.0)
-        put_shard(run, 2, "a", samples=12)
-        put_shard(run, 2, "b", samples=12)
-        _beat(run, 2, "c", 8)
+        _filled_by_two(run, sched, 2)
         close = sched.try_close(2)  # waited for in vain last round: not again, until it sends a part
         assert close is not None and _peers_of(close) == ["a", "b"]
 
@@ -564,13 +558,7 @@ def test_the_close_waits_a_share_of_the_fill_for_live_volunteers_that_sent_nothi
 def test_a_close_never_waits_without_a_grace_or_past_its_timeout(make_run):
     run = on_clock(make_run(close={"grace": 0.0}))
     sched = Scheduler(run, 1, 0)
-    for p in ("a", "b", "c"):
-        _beat(run, 0, p, 4)
-    sched.try_close(0)
-    run.clock.advance(8.0)
-    put_shard(run, 0, "a", samples=12)
-    put_shard(run, 0, "b", samples=12)
-    _beat(run, 0, "c", 8)
+    _filled_by_two(run, sched, 0)
     close = sched.try_close(0)
     assert close is not None and _peers_of(close) == ["a", "b"]
 

@@ -38,6 +38,7 @@ from .close_out import CloseOut, close_out
 from .judge import Judge, Listing
 from .lease import LEASE_S, Lease
 from .ledger import commit
+from .pace import Pace
 
 log = logging.getLogger(__name__)
 
@@ -94,15 +95,9 @@ class Scheduler:
         self._ahead_seen: tuple[int, float, heartbeat.Pending] = (-1, float("-inf"), heartbeat.Pending())
         self._started: dict[int, float] = {}  # round -> the first poll that saw work on it
         self._stopped = False  # STOP, as the last published view saw it
-        self._eta: float | None = None  # the last published view's ETA: how soon to poll again
-        self._still = (-1, 0)  # (round, its polls in a row that saw live peers and none computing)
-        # (round, the live peers' speed summed, their volunteers) as the last open view of a round
-        # counted them, and of the round before it
-        self._counted: tuple[int, float, frozenset[str]] = (-1, 0.0, frozenset())
-        self._before: tuple[int, float, frozenset[str]] | None = None
+        self.pace = Pace(run.config.cadence)  # the round's ETA: how soon to poll again
         self._published: tuple | None = None  # what the last view written said, time aside
         self._round_s: float | None = None  # how long the last round took, from its first work to its CLOSE
-        self._rate: tuple[int, float] = (-1, 0.0)  # (round, its samples over that time), as its CLOSE says
         self._keepalive_due = float("-inf")  # clock.monotonic() from which an unchanged view is rewritten
         self._unclosed: int | None = None  # the round whose CLOSE this scheduler read and found absent
         self._over: frozenset[str] = frozenset()  # the peers whose prefixes held too much, last poll
@@ -240,10 +235,8 @@ class Scheduler:
         if close is not None:
             samples, shards, rejected = close.samples, len(close.accepted), len(close.rejected)
             self._round_s = close.closed_at - (close.started_at or close.opened_at)
-            self._rate = (r, close.samples / self._round_s) if self._round_s > 0 else (r, 0.0)
-        self._eta = view.eta(target, samples, pending.samples, self._speed_of(r, pending, close), close is not None)
-        still = self._eta is None and pending.peers and close is None
-        self._still = (r, self._still[1] + 1 if self._still[0] == r else 1) if still else (r, 0)
+            self.pace.closed(r, close.samples, self._round_s)
+        eta = self.pace.count(r, target, samples, pending, close is not None)
         try:
             self._stopped = self.run.stopped(delete_forged=True)
             ahead = self._ahead_of(r, at, listed, again=close is not None)
@@ -252,7 +245,7 @@ class Scheduler:
                           samples_per_s=pending.samples_per_s, ahead_peers=ahead.peers,
                           ahead_samples_per_s=ahead.samples_per_s, ignored_heartbeats=pending.ignored,
                           horizon_s=pending.horizon_s, closed=close is not None, stopped=self._stopped,
-                          eta_s=self._eta, cap=cap, ended=ended, reveal=reveal, at=at,
+                          eta_s=eta, cap=cap, ended=ended, reveal=reveal, at=at,
                           written_at=max(at, self.clock.time()), next_s=self.keepalive_s)
             beats = [(k, listed[k][1]) for k in keys.of_round(listed, r, "progress")]
             said = (tuple(sorted(v.model_dump(exclude=_PROJECTED).items())), tuple(beats))
@@ -263,25 +256,6 @@ class Scheduler:
             self._published, self._keepalive_due = said, self.clock.monotonic() + self.keepalive_s
         except Exception as exc:
             log.warning("round %d: the round view was not published (%s)", r, exc)
-
-    def _speed_of(self, r: int, pending: heartbeat.Pending, close: Close | None) -> float:
-        """The collaboration's speed for round r's ETA: its live heartbeats', and until every
-        volunteer counted in the round before has heartbeaten in this one (each does once it
-        holds the new state), at least that round's: those still to say so are computing, and an
-        ETA from the first heartbeats alone would put the next poll, and the volunteers' reads,
-        past the target. Never below the round before's own pace (its samples over its length,
-        by this scheduler's clock: no claim): volunteers back from a long wait claim a speed
-        that takes a few micro-batches to catch up, and the round would fill while it slept.
-        Too fast an ETA costs a poll; too slow, the round."""
-        if close is None:
-            if self._counted[0] != r:
-                self._before = self._counted if self._counted[0] == r - 1 else None
-            self._counted = (r, pending.samples_per_s, pending.volunteers)
-        before = self._before if self._before is not None and self._before[0] == r - 1 else None
-        measured = self._rate[1] if self._rate[0] == r - 1 else 0.0
-        if before is not None and not before[2] <= pending.volunteers:
-            return max(pending.samples_per_s, before[1], measured)
-        return max(pending.samples_per_s, measured)
 
     @property
     def keepalive_s(self) -> float:
@@ -297,7 +271,7 @@ class Scheduler:
         the round is reduced."""
         seen_r, seen_at, pending = self._ahead_seen
         timeout, since = self.run.config.peer_timeout_s, self.clock.monotonic() - seen_at
-        if not again and self._eta is not None and self._eta > timeout:  # nobody can be ahead yet
+        if not again and self.pace.eta is not None and self.pace.eta > timeout:  # nobody can be ahead yet
             return pending if seen_r == r and since < timeout else heartbeat.Pending()
         if again or seen_r != r or since >= timeout:
             cfg, keys = self.run.config, self.run.keys
@@ -334,14 +308,8 @@ class Scheduler:
             self.clock.sleep(wait if deadline is None else max(0.0, min(wait, deadline - self.clock.monotonic())))
 
     def _wait(self) -> float:
-        """Seconds to the next poll: a share of the ETA (``cadence.scheduler_s``). Live peers
-        of whom none computes (a new scheduler's first polls: the workers waited while no
-        scheduler was there, and go on once they read its view) give no ETA; then it looks again
-        soon, backing off: poll_min_s, twice that, ... up to the slowest poll."""
-        cadence, still = self.run.config.cadence, self._still[1]
-        if still:
-            return min(cadence.scheduler_poll_s, cadence.poll_min_s * 2 ** (still - 1))
-        return cadence.scheduler_s(self._eta)
+        """Seconds to the next poll (``Pace.wait``)."""
+        return self.pace.wait()
 
     def finish(self, r: int, pool: Executor, close: Close | None = None) -> dict:
         """Reduce, apply and commit closed round r, parts in parallel on ``pool``, in the order

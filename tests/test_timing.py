@@ -61,8 +61,8 @@ def test_a_silent_peer_counts_until_peer_timeout_then_the_others_make_it_up(fake
         firsts = c.until(lambda: len(parts(run, 1)) >= 2 and parts(run, 1), what="the first parts")
         assert [m.peer for m in firsts] == ["a", "b"] or [m.peer for m in firsts] == ["b", "a"]
         validated = sum(m.samples for m in firsts)
-        # a view read and a step after the timeout, and a step more: a heartbeat claims a little
-        # less than its peer's speed (worker.SPEED_CLAIMED), so each sees the other's count late
+        # a view read and a step after the timeout, and a step more: a heartbeat claims its
+        # peer's speed over wall time (Worker._note_speed), so each sees the other's count late
         bound = timeout + POLL_S + 2 * STEP_S
         while len(parts(run, 1)) == 2:
             assert run.clock.time() - beat["time"] < bound, "nobody made the victim's samples up"

@@ -49,9 +49,6 @@ from .follower import Follower
 from .transfers import Transfers
 
 log = logging.getLogger(__name__)
-# a heartbeat claims a little less than the measured speed: projected above its count, the others
-# would upload early and wait for the rest; below it, they upload a little late into a larger batch
-SPEED_CLAIMED = 0.95
 # target batches a worker computes ahead, at most, while the round before is sent, closed, reduced
 # and downloaded: on a slow uplink one upload outlasts computing a target, and a worker holding
 # less would wait idle; all of it counts in the next round, one step stale (validation.max_claim)
@@ -256,8 +253,9 @@ class Worker:
         acc = self.acc
         self._report()
         sending = any(x.round == r for x in self.transfers.sending)  # a second part waits for the first to land
+        # the others, projected to now: they computed too while this micro-batch ran
         wanted = acc.round == r and not sending and upload_policy.should_upload(
-            v, acc.samples, target, first=r not in self.parts.uploaded)
+            self._round(), acc.samples, target, first=r not in self.parts.uploaded)
         if not wanted:
             self.parts.not_short()
         elif self.parts.still_short(r, self.transfers.upload_s):
@@ -340,7 +338,7 @@ class Worker:
             return
         if not (left or full) and last is not None and last.round == self.state != r and last.samples_per_s > 0:
             self._beat(last.round, self.transfers.on_the_way(last.round), 0.0, now)
-        self._beat(r, pending, 0.0 if waiting or left else SPEED_CLAIMED * self._speed, now, left)
+        self._beat(r, pending, 0.0 if waiting or left else self._speed, now, left)
 
     def _beat(self, r: int, pending: int, speed: float, now: float, left: bool = False) -> None:
         io = self.run.bucket.stats
@@ -354,8 +352,11 @@ class Worker:
         heartbeat.write(self.run.bucket, self.run.keys, beat)
 
     def _note_speed(self, n: int) -> None:
-        """This peer's speed for the ETA: samples per second of wall time, uploads and waits
-        included, smoothed over about ten micro-batches."""
+        """This peer's speed, for the ETA and its heartbeats: samples per second of wall time,
+        uploads and a state's install included, smoothed over about ten micro-batches. While a
+        round fills it computes a little faster than that, so the others' projections of its
+        count stay just under it: they send a little late (a larger batch), never early (a
+        second part, a round held up)."""
         now = self.clock.monotonic()
         if self._computed_at is not None:
             rate = n / max(1e-6, now - self._computed_at)

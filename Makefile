@@ -16,7 +16,7 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ VOCAB PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install lock lint browser corpus test test-fast bench bench-compare quality pretrain worker eval status server stop clean
+.PHONY: install wheel lock lint browser corpus test test-fast bench bench-compare quality pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -26,8 +26,14 @@ install: $(STAMP)
 PIP_INSTALL = $(BIN)/pip install -q -c constraints.txt -c requirements.lock
 $(STAMP): pyproject.toml constraints.txt requirements.lock
 	$(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) -e '.[test,scale,eval]'
+	$(PIP_INSTALL) -e '.[organizer,test,scale,eval]'
 	touch $(STAMP)
+
+# A volunteer's package (its dependencies: the worker's; the organizer's side is the extra
+# `organizer`): $(DIST)/dedloc_pipeline-VERSION-py3-none-any.whl, for `pip install` elsewhere.
+DIST ?= dist
+wheel: | $(STAMP)
+	rm -rf "$(DIST)" && $(BIN)/pip wheel -q --no-deps -w "$(DIST)" .
 
 # The embedded Bengali corpus, extracted from registry packages (dedloc_pipeline/model/corpus.py).
 CORPUS := .dedloc/corpus

@@ -97,8 +97,8 @@ def s3_endpoint(s3_server) -> str:
 # The modules of the real-part smokes and the checks' suite, longest first. `make test` runs the suite on two processes
 # a module at a time (pytest-xdist's loadfile); these go first, so neither process ends with a
 # minutes-long module while the other is idle.
-LONG_MODULES = ("test_deployment", "test_flows", "test_production", "test_e2e", "test_soak", "test_hostile",
-                "test_checks")
+LONG_MODULES = ("test_deployment", "test_install", "test_flows", "test_production", "test_e2e", "test_soak",
+                "test_hostile", "test_checks")
 
 
 def pytest_collection_modifyitems(items):

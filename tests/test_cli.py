@@ -154,6 +154,25 @@ def test_unknown_run_in_empty_bucket(tmp_path):
     assert "'r'" in line
 
 
+@pytest.mark.parametrize("command,module,extra", [("plot", "matplotlib", "organizer"),
+                                                   ("report", "matplotlib", "organizer"),
+                                                   ("aggregator", "prefect", "organizer")])
+def test_a_command_of_an_extra_on_a_volunteers_install_names_the_extra(trained, tmp_path, monkeypatch, command,
+                                                                          module, extra):
+    """A volunteer's install leaves the organizer's side out (pyproject.toml): its commands say
+    which extra to add, in one line, not an import's traceback."""
+    url, run, _ = trained
+    for name in [m for m in sys.modules if m == module or m.startswith(f"{module}.")] + \
+            ["dedloc_pipeline.monitoring.plots", "dedloc_pipeline.monitoring.report", "flows.aggregators"]:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
+    args = {"aggregator": ["--timeout", "1"]}.get(command, ["--bucket", url, "--run", run.name,
+                                                           "--out", str(tmp_path / "out")])
+    line = error_line(cli(command, *args))
+    assert line == (f"error: 'root {command}' needs {module}, of the {extra} extra, which a volunteer's install "
+                    f"leaves out: pip install 'dedloc-pipeline[{extra}]'")
+
+
 def test_bad_peer_id(trained):
     url, run, _ = trained
     line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--peer-id", "no spaces/please"))

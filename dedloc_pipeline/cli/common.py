@@ -23,6 +23,9 @@ from .init_options import describe, one_line
 _cx = importlib.import_module(typer.BadParameter.__module__)
 _PASS = tuple({typer.Exit, typer.Abort, *(getattr(_cx, n) for n in ("Exit", "Abort", "NoArgsIsHelpError")
                                           if hasattr(_cx, n))})
+# the top-level modules of pyproject.toml's extras, which a volunteer's install leaves out
+EXTRAS = {"prefect": "organizer", "matplotlib": "organizer", "prefect_dask": "scale", "datasets": "eval",
+          "seqeval": "eval", "faker": "eval"}
 # what a user can fix: a bad value, a missing run, file or key, a bucket refusing access
 _ERRORS = (RunError, DataError, StorageError, IdentityError, ValueError, ValidationError, FileNotFoundError,
            PermissionError)
@@ -33,9 +36,10 @@ class _Group(TyperGroup):
 
     The commands raise; this is the one place that says how. What the user can fix (``_ERRORS``)
     and usage errors exit 2; usage errors come from click, which would otherwise draw a multi-line
-    panel. Anything the commands did not anticipate (a botocore error, a bug), which would
-    otherwise print only a traceback, exits 1 with its type; the traceback is still shown first
-    when logging is verbose. Ctrl-C exits 130, quietly; SIGTERM and SIGHUP are taken as Ctrl-C
+    panel; so does a command of an extra's side run on a volunteer's install, naming the extra to
+    add (``EXTRAS``). Anything the commands did not anticipate (a botocore error, a bug), which
+    would otherwise print only a traceback, exits 1 with its type; the traceback is still shown
+    first when logging is verbose. Ctrl-C exits 130, quietly; SIGTERM and SIGHUP are taken as Ctrl-C
     (every command cleans up after them as after it) and exit 143 and 129.
     """
 
@@ -62,6 +66,13 @@ class _Group(TyperGroup):
         except KeyboardInterrupt as exc:
             raise typer.Exit(signals.exit_status(exc))
         except Exception as exc:
+            missing = (exc.name or "").partition(".")[0] if isinstance(exc, ModuleNotFoundError) else ""
+            extra = EXTRAS.get(missing)
+            if extra is not None:
+                typer.echo(f"error: '{ctx.command_path} {ctx.invoked_subcommand}' needs {missing}, of the "
+                           f"{extra} extra, which a volunteer's install leaves out: "
+                           f"pip install 'dedloc-pipeline[{extra}]'", err=True)
+                raise typer.Exit(2)
             if logging.getLogger().isEnabledFor(logging.INFO):
                 traceback.print_exc()
             typer.echo(f"error: {type(exc).__name__}: {one_line(str(exc))}", err=True)

@@ -150,8 +150,9 @@ def test_unknown_run(trained, command):
 
 
 def test_unknown_run_in_empty_bucket(tmp_path):
+    (tmp_path / "empty").mkdir()
     line = error_line(cli("status", "--bucket", f"file://{tmp_path}/empty", "--run", "r"))
-    assert "'r'" in line
+    assert line == f"error: no run 'r' in file://{tmp_path}/empty (create it with `dedloc init`)"
 
 
 @pytest.mark.parametrize("command,module,extra", [("plot", "matplotlib", "organizer"),
@@ -297,6 +298,46 @@ def test_unreachable_bucket(tmp_path):
     assert "Traceback" not in proc.stderr
     assert str(port) in errors[0] or "nowhere-bucket" in errors[0], errors[0]
     assert took < 120, f"gave up only after {took:.0f}s"
+
+
+@pytest.mark.parametrize("url,line", [
+    ("s3:collab", "error: bucket URL 's3:collab' is not one: s3://collab? (s3://BUCKET/PREFIX, a folder's path or "
+                  "file://PATH, memory://NAME)"),
+    ("s3:", "error: bucket URL 's3:' is not one: s3://BUCKET? (s3://BUCKET/PREFIX, a folder's path or file://PATH, "
+            "memory://NAME)"),
+    ("s3://", "error: bucket URL 's3://' names no bucket: s3://BUCKET/PREFIX"),
+    ("colab/bucket", "error: no folder {cwd}/colab/bucket (a mistyped path? `dedloc init` makes a run's folder)")])
+@pytest.mark.parametrize("command", ["status", "worker"])
+def test_a_mistyped_bucket_is_named_and_nothing_is_created(tmp_path, monkeypatch, command, url, line):
+    """A bucket URL that is not one, or a folder that is not there, is told in one line: never
+    taken as the name of a local folder, never created (only `dedloc init` makes a run's folder)."""
+    monkeypatch.chdir(tmp_path)
+    assert error_line(cli(command, "--bucket", url, "--run", "r")) == line.format(cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_s3_mistakes_are_named_in_one_line(s3_bucket, monkeypatch, tmp_path):
+    """On S3: a bucket that does not exist (for `status` and for `init`), no credentials at all,
+    an AWS profile that is not there; each says what is wrong and what to do, never botocore's
+    traceback."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    init_run(s3_bucket, small_config("here"))
+    no_bucket = (f"error: no bucket 'nosuchbucket' at {endpoint}: a mistyped name, or --endpoint-url / "
+                 "AWS_ENDPOINT_URL not the store's")
+    assert error_line(cli("status", "--bucket", "s3://nosuchbucket/x", "--run", "here")) == no_bucket
+    assert error_line(cli("init", "--bucket", "s3://nosuchbucket/x", "--run", "here", "--preset", "micro")) == no_bucket
+    # no credentials anywhere (nor a shared file or a profile to find them in)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    assert error_line(cli("status", "--bucket", s3_bucket.url, "--run", "here")) == (
+        f"error: no credentials for {s3_bucket.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the organizer "
+        "gives them), or AWS_PROFILE")
+    monkeypatch.setenv("AWS_PROFILE", "nosuch")
+    assert error_line(cli("status", "--bucket", s3_bucket.url, "--run", "here")) == (
+        f"error: bucket {s3_bucket.url}: The config profile (nosuch) could not be found (a profile of "
+        "~/.aws/credentials or ~/.aws/config, as --write-profile, DEDLOC_WRITE_PROFILE or AWS_PROFILE name it)")
 
 
 def test_init_on_a_data_set_then_eval_and_export(bengali, tmp_path):

@@ -100,5 +100,5 @@ def organizer_key(signs: str):
 
 
 def open_run(bucket: str, run: str, endpoint: str | None, organizer_key: str | None = None) -> Run:
-    return Run(Bucket(bucket, endpoint_url=endpoint), run,
+    return Run(Bucket(bucket, endpoint_url=endpoint, create=False), run,
                organizer=identity.load(organizer_key) if organizer_key else None)

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from ..protocol.config import recipe_config
-from ..protocol.run import Run, RunError, init_run
+from ..protocol.run import RunError, init_run
 from ..storage.bucket import Bucket
 from ..trust import identity
 from ..trust.identity import IdentityError
@@ -138,8 +138,7 @@ def repair(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Check the newest states against their COMMITs; repair a damaged run (exit 1: damage not repaired)."""
     setup(False)
     from ..organizer.repair import repair as repair_run
-    org = identity.load(organizer_key) if organizer_key else None
-    if not repair_run(Run(Bucket(bucket, endpoint_url=endpoint_url), run, organizer=org), apply, typer.echo):
+    if not repair_run(open_run(bucket, run, endpoint_url, organizer_key), apply, typer.echo):
         raise typer.Exit(1)
 
 
@@ -156,9 +155,8 @@ def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     volunteers whose shards do not match their data or copy another's (docs/verification.md)."""
     setup(verbose)
     from ..checks.verify import Verifier, summary
-    org = identity.load(organizer_key) if organizer_key else None
-    if revoke and org is None:
+    if revoke and not organizer_key:
         raise typer.BadParameter("--revoke needs --organizer-key", param_hint="--revoke")
-    r = Run(Bucket(bucket, endpoint_url=endpoint_url), run, organizer=org)
+    r = open_run(bucket, run, endpoint_url, organizer_key)
     v = Verifier(r, fraction=fraction, device=device, poll_s=poll, revoke=revoke)
     typer.echo(f"verified up to round {v.serve(until_round) - 1}: {summary(v.tally)}")

@@ -155,7 +155,7 @@ def make_worker(bucket: str, run: str, peer_id: str | None = None, key: str | No
     if kind not in ("cpu", "cuda", "mps"):
         raise ValueError(f"--device {device}: this worker trains on cpu, cuda or mps")
     signer = identity.load(os.path.expanduser(key)) if key else None
-    r = Run(Bucket(bucket, endpoint_url=endpoint_url), run)
+    r = Run(Bucket(bucket, endpoint_url=endpoint_url, create=False), run)
     if shown := pins.check(r.bucket.url, run, r.config.organizer_key, organizer):
         log.warning("%s", shown)
     w = Worker(r, peer_id, micro_batch, threads, poll_s=poll, device=device, signer=signer, precision=precision)

@@ -49,7 +49,7 @@ class Run:
             except ValueError as exc:
                 raise RunError(f"run {name!r}: {exc}") from exc
             if raw is None:
-                raise RunError(f"no run {name!r} in {bucket.url} (create it with `dedloc init`)")
+                raise RunError(bucket.missing() or f"no run {name!r} in {bucket.url} (create it with `dedloc init`)")
             where = f"run {name!r}: {bucket.url}/{self.keys.config}"
             if not isinstance(raw, dict) or "layout_version" not in raw:
                 raise RunError(f"{where} has no layout_version: not a dedloc run, or damaged")

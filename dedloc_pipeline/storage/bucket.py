@@ -19,6 +19,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -51,7 +52,38 @@ class StorageError(RuntimeError):
 
 
 def _gave_up(bucket: "Bucket", exc: Exception) -> Exception:
+    explained = _explained(bucket, exc)
+    if explained is not None:
+        return explained
     return StorageError(f"bucket {bucket.url} unreachable: {exc}") if transient(exc) else exc
+
+
+def _explained(bucket: "Bucket", exc: Exception) -> StorageError | None:
+    """A mistake of the user's, in one line that names it and the fix: no credentials, an AWS
+    profile that is not there, a bucket that does not exist (botocore's and s3fs's words name
+    none of the three)."""
+    kind = type(exc).__name__
+    if kind == "NoCredentialsError":
+        return StorageError(f"no credentials for {bucket.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                            "(the organizer gives them), or AWS_PROFILE")
+    if kind == "ProfileNotFound":
+        return StorageError(f"bucket {bucket.url}: {exc} (a profile of ~/.aws/credentials or ~/.aws/config, "
+                            "as --write-profile, DEDLOC_WRITE_PROFILE or AWS_PROFILE name it)")
+    if bucket.protocol == "s3" and "bucket does not exist" in str(exc):
+        return StorageError(bucket.missing() or f"bucket {bucket.url}: {exc}")
+    return None
+
+
+def check_url(url: str) -> None:
+    """A bucket URL the user may have mistyped is refused, not taken as a local folder's name:
+    ``s3:collab`` or ``s3:`` (no ``//``), and ``s3://`` with no bucket."""
+    scheme, sep, rest = url.partition("://")
+    if sep and not rest.strip("/"):
+        raise StorageError(f"bucket URL {url!r} names no bucket: {scheme}://BUCKET/PREFIX")
+    if not sep and re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", url):  # a Windows drive letter is one letter
+        name, _, path = url.partition(":")
+        raise StorageError(f"bucket URL {url!r} is not one: {name}://{path.lstrip('/') or 'BUCKET'}? "
+                           "(s3://BUCKET/PREFIX, a folder's path or file://PATH, memory://NAME)")
 
 
 def _retried(fn):
@@ -149,7 +181,11 @@ class Bucket:
     """One bucket URL (``file://``, a plain path, ``s3://``, ``memory://``)."""
 
     def __init__(self, url: str, endpoint_url: str | None = None, storage_options: dict | None = None,
-                 timeout: float = 30.0, retry: RetryPolicy = RetryPolicy(), stats: IOStats | None = None):
+                 timeout: float = 30.0, retry: RetryPolicy = RetryPolicy(), stats: IOStats | None = None,
+                 create: bool = True):
+        """``create``: a local bucket's folder is made if missing (False: readers and volunteers,
+        for whom a missing folder is a mistyped path, told by ``missing``)."""
+        check_url(url)
         self.url, self.retry, self._args = url.rstrip("/"), retry, (endpoint_url, timeout)
         self._writer: tuple[str, Bucket] | None = None  # confine_writes
         protocol, _, rest = self.url.partition("://")
@@ -168,8 +204,25 @@ class Bucket:
                                "S3-compatible store (--endpoint-url for R2, MinIO, or Google Cloud Storage's "
                                "XML API), file:// and plain paths with a folder") from exc
         self.root = rest if self.local else self.fs._strip_protocol(self.url)
-        if self.local:
+        if self.local and create:
             self.fs.makedirs(self.root, exist_ok=True)
+
+    def missing(self) -> str | None:
+        """What is missing of the bucket itself, in one line: its folder (a mistyped path), or on
+        S3 the bucket at its endpoint; None when it is there (one request)."""
+        if self.local:
+            return None if os.path.isdir(self.root) else \
+                f"no folder {self.root} (a mistyped path? `dedloc init` makes a run's folder)"
+        if self.protocol != "s3":
+            return None
+        name = self.root.split("/")[0]
+        try:
+            there = self.fs.exists(name)
+        except Exception:  # unreachable, no credentials: the next request says so
+            return None
+        endpoint = self._args[0] or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        return None if there else (f"no bucket {name!r} at {endpoint or 'AWS S3'}: a mistyped name, or "
+                                   "--endpoint-url / AWS_ENDPOINT_URL not the store's")
 
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"

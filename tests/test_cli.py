@@ -174,6 +174,38 @@ def test_a_command_of_an_extra_on_a_volunteers_install_names_the_extra(trained, 
                     f"leaves out: pip install 'dedloc-pipeline[{extra}]'")
 
 
+@pytest.mark.parametrize("args,line", [
+    (["aggregate", "--parallel", "0"], "error: Invalid value for '--parallel': Input should be greater than or "
+                                       "equal to 1 (see 'root aggregate --help')"),
+    (["worker", "--until-round", "-5"], "error: Invalid value for '--until-round': Input should be greater than or "
+                                        "equal to 0 (see 'root worker --help')"),
+    (["worker", "--progress-every", "0"], "error: Invalid value for '--progress-every': Input should be greater than "
+                                          "or equal to 0.5 (see 'root worker --help')"),
+    (["plot", "--out", "{file}"], "error: --out {file} is a file: the figures are written into a folder"),
+    (["worker", "--key", "{public}"], "error: {public8}... is a public key (what the organizer enrolls): give the file "
+                                      "of your private key, made by `dedloc keygen --out FILE`"),
+])
+def test_common_mistakes_get_one_line_naming_them(trained, tmp_path, args, line):
+    """Options out of range, a file where a folder goes, a public key where the private key's
+    file goes: one line each, what is wrong and what to give instead (and `plot` overwrites nothing).
+    (CliRunner names the program ``root``; the command line, ``dedloc``.)"""
+    url, run, _ = trained
+    (tmp_path / "taken.png").write_bytes(b"mine")
+    public = cli("keygen", "--out", str(tmp_path / "k.pem")).output.split("public key: ")[1].strip()
+    values = dict(file=str(tmp_path / "taken.png"), public=public, public8=public[:8])
+    got = error_line(cli(args[0], "--bucket", url, "--run", run.name, *[a.format(**values) for a in args[1:]]))
+    assert got == line.format(**values)
+    assert (tmp_path / "taken.png").read_bytes() == b"mine"
+
+
+def test_a_run_that_could_never_fill_is_refused(tmp_path):
+    line = error_line(cli("init", "--bucket", str(tmp_path / "b"), "--run", "r", "--preset", "micro",
+                          "--target-batch", "99999999999999999999"))
+    assert line == "error: invalid value: --target-batch: Input should be less than or equal to 16777216"
+    assert error_line(cli("cost", "--peers", "4", "--days", "1", "--preset", "micro")) == (
+        "error: no measured speed for preset 'micro': give the volunteers' samples/s (--samples-per-s)")
+
+
 def test_bad_peer_id(trained):
     url, run, _ = trained
     line = error_line(cli("worker", "--bucket", url, "--run", run.name, "--peer-id", "no spaces/please"))

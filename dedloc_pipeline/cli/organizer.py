@@ -29,9 +29,9 @@ def init(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str]
 
 @app.command()
 def aggregate(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
-              until_round: Optional[int] = typer.Option(None, help="exit once state R is committed"),
-              parallel: int = typer.Option(2, help="aggregator threads"),
-              poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
+              until_round: Optional[int] = typer.Option(None, min=0, help="exit once state R is committed"),
+              parallel: int = typer.Option(2, min=1, help="aggregator threads"),
+              poll: Optional[float] = typer.Option(None, min=0, help="fixed seconds between polls (default: the run's "
                                                    "cadence, often near the target, seldom far from it)"),
               organizer_key: Optional[str] = organizer_key("CLOSE, COMMIT, LATEST, streams and the round view"),
               standby: bool = typer.Option(False, help="while another scheduler holds the run's lease, wait "
@@ -145,7 +145,7 @@ def repair(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
 @app.command()
 def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            fraction: float = typer.Option(0.05, help="share of each round's accepted shards recomputed (at least one)"),
-           until_round: Optional[int] = typer.Option(None, help="exit once round R is verified"),
+           until_round: Optional[int] = typer.Option(None, min=0, help="exit once round R is verified"),
            organizer_key: Optional[str] = organizer_key("the verdicts and flags"),
            revoke: bool = typer.Option(False, help="also revoke flagged volunteers' keys (needs --organizer-key)"),
            device: Optional[str] = typer.Option(None, help="torch device (default: cuda if available, else cpu)"),

@@ -21,7 +21,7 @@ def keygen(out: str = typer.Option(..., help="file for the new private key (kept
 @app.command()
 def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[str] = EndpointOpt,
            peer_id: Optional[str] = typer.Option(None, help="stable id (default: random)"),
-           until_round: Optional[int] = typer.Option(None, help="exit once state R is committed"),
+           until_round: Optional[int] = typer.Option(None, min=0, help="exit once state R is committed"),
            threads: Optional[int] = typer.Option(None, help="torch threads"),
            micro_batch: Optional[int] = typer.Option(None, help="this volunteer's micro-batch"),
            poll: Optional[float] = typer.Option(None, help="fixed seconds between polls (default: the run's "
@@ -40,7 +40,7 @@ def worker(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
                help="R2: the AWS profile of your write credential (read-write on your own prefix); the "
                     "usual AWS variables or profile hold the read-only one"),
            plain: bool = typer.Option(False, "--plain", help="plain progress lines, even in a terminal"),
-           progress_every: float = typer.Option(10.0, help="seconds between plain progress lines"),
+           progress_every: float = typer.Option(10.0, min=0.5, help="seconds between plain progress lines"),
            aggregate: bool = typer.Option(False, "--aggregate", help="also aggregate parts of the model, if the "
                                           "organizer enrolled you to (docs/aggregators.md)"),
            verbose: bool = True):

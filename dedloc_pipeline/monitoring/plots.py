@@ -84,6 +84,8 @@ def learning(history: list[dict], heldout: list[tuple[int, float]], unigram_entr
 
 def write(history: list[dict], out: str) -> list[str]:
     """``out/{name}.png`` for each figure; returns the paths."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"--out {out} is a file: the figures are written into a folder")
     os.makedirs(out, exist_ok=True)
     paths = []
     for name, png in figures(history).items():

@@ -136,7 +136,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
         raise ValueError("volunteer aggregators come two to a part: at least 2 (or 0: the organizer aggregates)")
     speed = SAMPLES_PER_S.get(config.preset) if samples_per_s is None else samples_per_s
     if speed is None:
-        raise ValueError(f"no measured speed for preset {config.preset!r}: give the volunteers' samples/s")
+        raise ValueError(f"no measured speed for preset {config.preset!r}: give the volunteers' samples/s "
+                         "(--samples-per-s)")
     if speed <= 0 or uplink_mbit_s <= 0 or (scheduler_poll_s is not None and scheduler_poll_s <= 0):
         raise ValueError("samples/s, the uplink and the scheduler's poll interval must be positive")
     traffic = Traffic(PlannedRun(config, n))

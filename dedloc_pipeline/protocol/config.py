@@ -154,6 +154,9 @@ def _bounded(eta_s: float | None, share: float, lo: float, hi: float) -> float:
 SPARSE_NORM_SCREEN = 3.0  # the norm screen's default with sparse shards (docs/verification.md)
 
 
+# a target batch no collaboration could fill (sahajBERT's was 4096): refused at `dedloc init`
+MAX_TARGET = 1 << 24
+
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -166,7 +169,8 @@ class RunConfig(BaseModel):
     data_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the data set's "
                                   "DATA.json, pinned by `dedloc init` (peers refuse a card that does not match)")
     seed: int = Field(0, description="model init, data order and masking")
-    target_batch_size: int = Field(256, gt=0, description="samples per optimizer step, summed over all peers",
+    target_batch_size: int = Field(256, gt=0, le=MAX_TARGET, description="samples per optimizer step, summed over "
+                                   "all peers",
                                    json_schema_extra={"flag": "--target-batch"})
     micro_batch: int = Field(8, gt=0, description="a worker's micro-batch (volunteers may choose theirs)")
     codec: Codec = Field("int8", description="gradient shards peers upload (none: fp32, exact)")

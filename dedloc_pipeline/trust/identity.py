@@ -57,12 +57,23 @@ def load(path: str | Path) -> Ed25519PrivateKey:
     try:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     except FileNotFoundError as exc:
+        if _is_public(str(path)):
+            raise IdentityError(f"{str(path)[:8]}... is a public key (what the organizer enrolls): give the file "
+                                "of your private key, made by `dedloc keygen --out FILE`") from exc
         raise IdentityError(f"no key at {path} (make one with `dedloc keygen`)") from exc
     except ValueError as exc:
         raise IdentityError(f"{path} is not a PEM private key") from exc
     if not isinstance(key, Ed25519PrivateKey):
         raise IdentityError(f"{path} is not an Ed25519 key")
     return key
+
+
+def _is_public(text: str) -> bool:
+    """Whether ``text`` reads as a public key as ``public`` writes it (32 bytes in base64)."""
+    try:
+        return len(base64.b64decode(text, validate=True)) == 32
+    except ValueError:
+        return False
 
 
 def public(key: Ed25519PrivateKey) -> str:

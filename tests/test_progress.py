@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -87,6 +88,25 @@ def test_display_shows_the_worker_and_the_ledger(make_run):
 
 
 @pytest.mark.slow
+def test_the_panel_says_a_state_is_being_downloaded_and_counts_this_peers_shards(make_run):
+    """The report: `round 6 is full: computing round 7 ahead | round 6 0/256 (0%) ETA unknown`
+    while the next state was on its way: the view in hand was older than this peer's own shard.
+    While a committed state downloads the panel says so, and the round shows at least what this
+    peer sent to it."""
+    run = make_run()
+    alice, _ = collaborate(run, [("alice", 4), ("bob", 4)], rounds=1)
+    display = Display(alice, plain=True, console=Console(file=io.StringIO()))
+    snap = alice.snapshot()
+    mine = sum(n for r, _, n in snap.uploads if r == 0)
+    stale = replace(snap, state=0, round=1, pending=4, fetching=1, view=None)  # state 1 on its way, 4 computed ahead
+    display._view = (0, replace(snap.view, manifest_samples=0, fresh_samples=0)) if snap.view else (0, None)
+    alice.snapshot = lambda: stale
+    f = display.facts()
+    assert f["activity"] == "state 1 committed: downloading it, computing round 1 meanwhile"
+    assert f["full"] and f["manifest"] == mine > 0
+    line = display.line(f)
+    assert f"round 0 {mine}/24" in line and "closed" in line, line
+
 def test_join_returns_the_summary(make_run, bucket, capsys):
     """The notebook API: alone with a scheduler, until state 1, then until another thread says stop."""
     run = make_run()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -378,6 +379,26 @@ def test_peers_computing_ahead_count_as_live_others(make_run):
                                    run.config.peer_timeout_s, 10.0, TARGET)
     assert (seen_by_b.peers, seen_by_b.ahead_peers, seen_by_b.ahead_samples_per_s) == (1, 0, 0.0)
     assert (seen_by_a.peers, seen_by_a.ahead_peers, seen_by_a.ahead_samples_per_s) == (0, 1, 2.0)
+
+
+def test_a_lone_peer_sees_no_others_whichever_of_its_heartbeats_the_view_counted(make_run):
+    """The report's panel said `233.0 the others'` with no other peer: the view had counted an
+    older heartbeat of this peer (another speed, another count) than the one it took out. Where
+    no other peer is left, what remains is its own: no others' samples, no others' speed."""
+    run = on_clock(make_run())
+    _beat(run, 0, "a", 4, speed=9.0)  # what the scheduler reads
+    _beat(run, 1, "a", 2, speed=7.0)  # computing ahead, too
+    Scheduler(run, 1, 0).try_close(0)
+    v = _published(run)
+    assert (v.peers, v.ahead_peers, v.pending_samples, v.samples_per_s) == (1, 1, 4, 9.0)
+    run.clock.advance(0.5)
+    _beat(run, 0, "a", 8, speed=3.0)  # what "a" holds as its own by the time it reads
+    _beat(run, 1, "a", 2, speed=2.0)
+    beats = [heartbeat.parse(run.bucket.read_bytes(run.keys.progress(r, "a"))) for r in (1, 0)]
+    beats = [replace(b, time=v.at) for b in beats]  # both written at the scheduler's count, as far as "a" knows
+    seen = upload_policy.from_view(v, 0, beats, [], run.config.peer_timeout_s, 10.0, TARGET)
+    assert (seen.peers, seen.ahead_peers, seen.fresh_samples, seen.samples_per_s, seen.ahead_samples_per_s) == \
+        (0, 0, 0, 0.0, 0.0)
 
 
 def test_a_view_is_judged_stale_at_reads_not_between_them(make_run):

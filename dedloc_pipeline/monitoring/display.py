@@ -150,10 +150,11 @@ class Display:
         if s.view is not None:
             self._view = (s.state, s.view)
         view = self._view[1] if self._view[0] == s.state and s.state is not None else None
-        manifest = view.manifest_samples if view else 0
+        # this peer's own shards count in the round even where the view in hand is older than them
+        manifest = max(view.manifest_samples if view else 0, sum(n for r, _, n in s.uploads if r == s.state))
         others = view.fresh_samples if view else 0
         mine = s.pending if s.round == s.state else 0
-        full = view is not None and (view.closed or manifest >= s.target)
+        full = s.fetching is not None or view is not None and (view.closed or manifest >= s.target)
         speed = mine_per_s + (view.samples_per_s if view else 0.0)  # toward this round: the ETA's
         others_per_s = view.samples_per_s + view.ahead_samples_per_s if view else 0.0  # ahead ones too
         eta = None if view is None else published.eta(s.target, manifest, others + mine, speed, full)
@@ -189,6 +190,9 @@ class Display:
             return f"{s.scheduler}: {doing}"
         if s.activity == "uploading":
             return f"uploading {s.pending} samples to round {s.round}"
+        if s.fetching is not None:
+            ahead = f", computing round {s.round} meanwhile" if s.round is not None and s.round > s.state else ""
+            return f"state {s.fetching} committed: downloading it{ahead}"
         if s.activity == "waiting" or (full and s.pending == 0):
             return f"round {s.state} is full: waiting for state {s.state + 1}"
         if s.round is not None and s.state is not None and s.round > s.state:
@@ -241,6 +245,8 @@ def _percent(n: int, target: int) -> str:
 
 
 def _eta(f: dict) -> str:
+    if f["snapshot"].fetching is not None:
+        return "closed"
     if f["full"]:
         return "full: reducing"
     return "ETA unknown" if f["eta_s"] is None else f"ETA {timedelta(seconds=round(f['eta_s']))}"

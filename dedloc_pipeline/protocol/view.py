@@ -234,12 +234,16 @@ def for_worker(v: View, own_pending: int, own_speed: float, own_counted: bool, o
     (``own_pending``, ``own_speed``, ``own_counted``) taken out, its own shards the view could not
     have seen yet (``own_unseen`` samples) added; never below zero. ``own_seen``: the samples of
     its shards the view could count, which make it ``capped`` once they reach the view's cap;
-    ``own_ahead``: the speed of its own heartbeat among the view's ``ahead_peers`` (None: not there)."""
+    ``own_ahead``: the speed of its own heartbeat among the view's ``ahead_peers`` (None: not there).
+    Which of its heartbeats the scheduler counted is a guess (``upload_policy.from_view``): where
+    no other peer is left, what remains of the counts is this peer's own, so it is none."""
+    peers = max(0, v.peers - int(own_counted))
+    ahead_peers = max(0, v.ahead_peers - int(own_ahead is not None))
     return RoundView(manifest_samples=v.validated_samples + own_unseen,
-                     fresh_samples=max(0, v.pending_samples - own_pending),
-                     peers=max(0, v.peers - int(own_counted)),
-                     ahead_peers=max(0, v.ahead_peers - int(own_ahead is not None)),
-                     ahead_samples_per_s=max(0.0, v.ahead_samples_per_s - (own_ahead or 0.0)),
-                     samples_per_s=max(0.0, v.samples_per_s - own_speed), closed=v.closed, ended=v.ended, at=v.at,
+                     fresh_samples=max(0, v.pending_samples - own_pending) if peers else 0,
+                     peers=peers, ahead_peers=ahead_peers,
+                     ahead_samples_per_s=max(0.0, v.ahead_samples_per_s - (own_ahead or 0.0)) if ahead_peers else 0.0,
+                     samples_per_s=max(0.0, v.samples_per_s - own_speed) if peers else 0.0, closed=v.closed,
+                     ended=v.ended, at=v.at,
                      eta_s=v.eta_s, horizon_s=v.horizon_s,
                      capped=v.cap is not None and own_seen > 0 and own_seen >= v.cap and not v.closed)

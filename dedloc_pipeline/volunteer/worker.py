@@ -72,6 +72,7 @@ class Progress:
     bytes_up: int
     bytes_down: int
     scheduler: str | None = None  # what is wrong with the scheduler, as this peer sees it (None: nothing)
+    fetching: int | None = None  # a newer state, committed, being downloaded
 
 
 class Worker:
@@ -372,7 +373,8 @@ class Worker:
                         uploaded=self.uploaded_samples, uploads=tuple(self.uploads),
                         target=self.run.config.target_batch_size, view=self.follower.view,
                         bytes_up=io.bytes_written, bytes_down=io.bytes_read,
-                        scheduler=self.follower.scheduler_note() if self.state is not None else None)
+                        scheduler=self.follower.scheduler_note() if self.state is not None else None,
+                        fetching=self.transfers.fetching[0] if self.transfers.fetching is not None else None)
 
     def leave(self) -> None:
         """Finish the uploads under way, then tell the others this peer's pending samples will

@@ -96,9 +96,9 @@ quality: $(BENCH_STAMP) corpus
 pretrain: install corpus
 	$(BIN)/python infra/local_pretrain.py
 
-# One volunteer worker: make worker BUCKET=s3://bucket/prefix RUN=name
+# One volunteer worker: make worker BUCKET=s3://bucket/prefix RUN=name [PEER=alice KEY=~/.dedloc/alice.pem]
 worker: install
-	$(BIN)/dedloc worker --bucket "$(BUCKET)" --run "$(RUN)"
+	$(BIN)/dedloc worker --bucket "$(BUCKET)" --run "$(RUN)" $(if $(PEER),--peer-id "$(PEER)") $(if $(KEY),--key "$(KEY)")
 
 # The evaluate flow alone (against the local server): make eval RUN=demo [ROUND=5]
 eval: install server

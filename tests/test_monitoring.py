@@ -103,6 +103,26 @@ def test_status_equals_the_ledger(collab):
     assert later["eta_s"] == (0.0 if later["closed"] or uploaded >= 24 else None)
 
 
+def test_status_says_who_is_live_not_one_that_left_and_one_computing_ahead(make_run):
+    """The report: `status` listed volunteers that had left cleanly as live for about 30 s, and
+    said 0 live peers while two computed during a reduce. A heartbeat that says the peer left is
+    not live; one of the next round (computing ahead) is, in the board and in the open round."""
+    run = make_run()
+    collaborate(run, [("ann", 4), ("bob", 4)], 1)
+    r, keys, now = run.latest(), run.keys, time.time()
+    for old in written(run, r, "progress") + written(run, r + 1, "progress"):
+        run.bucket.delete(old)
+    run.bucket.write_json(keys.progress(r, "ann"), {"peer": "ann", "round": r, "samples": 0, "samples_per_s": 0.0,
+                                                    "time": now, "left": True})
+    run.bucket.write_json(keys.progress(r + 1, "bob"), {"peer": "bob", "round": r + 1, "samples": 4,
+                                                        "samples_per_s": 2.0, "time": now})
+    Scheduler(run, 1, 0).try_close(r)
+    s = status(run, now=now)
+    board = {p["peer_id"]: p for p in s["peers"]}
+    assert (board["ann"]["live"], board["bob"]["live"]) == (False, True)
+    assert s["progress"]["peers"] == 1
+
+
 def test_status_command(collab):
     url, run, commits, _, _ = collab
     out = cli("status", "--bucket", url, "--run", run.name).stdout

@@ -27,21 +27,26 @@ def _commits(run: Run) -> dict[int, dict]:
 
 
 def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
-    """Round r's heartbeats by peer: when each was written, and whether it counts as live at
-    ``now`` (the scheduler's rule, ``heartbeat.counted``). The peer is the prefix the key lies
+    """Round r's heartbeats by peer, and round r + 1's (a peer computing ahead while r is reduced):
+    when its newest was written, and whether that one is live at ``now`` (the scheduler's rule,
+    ``heartbeat.counted``: a heartbeat saying the peer left is not). The peer is the prefix the key lies
     under, which the volunteer's bucket policy binds to it, not the body's claim; a key that is
     no peer's heartbeat, or one above its size bound, is not read; an unreadable one
     (``heartbeat.parse``) is skipped."""
     keys, cfg = run.keys, run.config
     listed, _ = run.written()
-    small = [k for k in keys.of_round(listed, r, "progress") if listed[k][0] <= heartbeat.MAX_HEARTBEAT_BYTES]
-    beats = {}
+    small = [k for rr in (r, r + 1) for k in keys.of_round(listed, rr, "progress")
+             if listed[k][0] <= heartbeat.MAX_HEARTBEAT_BYTES]
+    beats: dict[str, tuple[float, bool]] = {}
     for key, raw in run.bucket.read_many(small).items():
         beat = heartbeat.parse(raw)
-        if beat is not None:
-            live = heartbeat.counted(beat, r, now, cfg.peer_timeout_s, cfg.target_batch_size,
-                                     cfg.cadence.heartbeat_max_s) is not None
-            beats[keys.peer_of_progress(key)] = (beat.time, live)
+        if beat is None:
+            continue
+        live = heartbeat.counted(beat, beat.round, now, cfg.peer_timeout_s, cfg.target_batch_size,
+                                 cfg.cadence.heartbeat_max_s) is not None
+        peer, (seen, was_live) = keys.peer_of_progress(key), beats.get(keys.peer_of_progress(key), (0.0, False))
+        newest = beat.time >= seen
+        beats[peer] = (max(seen, beat.time), live if newest else was_live)
     return beats
 
 
@@ -55,7 +60,8 @@ def _progress(run: Run, r: int, now: float) -> dict:
     stands = view.lifetime(published, cfg.peer_timeout_s, cfg.cadence.heartbeat_max_s)
     fresh = v is not None and abs(now - v.at) < stands
     validated = v.validated_samples if v is not None else 0
-    pending, peers, rate = (v.pending_samples, v.peers, v.samples_per_s) if fresh else (0, 0, 0.0)
+    # live peers: those of the round, and those computing the next one ahead while it is reduced
+    pending, peers, rate = (v.pending_samples, v.peers + v.ahead_peers, v.samples_per_s) if fresh else (0, 0, 0.0)
     closed = run.bucket.exists(run.keys.close(r))
     samples = validated + pending
     return {"round": r, "samples": samples, "uploaded_samples": validated, "peers": peers, "closed": closed,

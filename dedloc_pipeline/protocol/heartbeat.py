@@ -144,14 +144,15 @@ def lifetime(beat: Heartbeat, timeout: float, ahead_s: float) -> float:
 def counted(beat: Heartbeat | None, r: int, now: float, timeout: float, target: int,
             ahead_s: float = 0.0, landed: int = 0) -> BeatCount | None:
     """What ``beat`` counts toward round r at ``now``; None if it does not count: unreadable,
-    another round, or past its ``lifetime`` (or as far ahead). The pending samples are projected
+    another round, its peer's last (it left: no live peer), or past its ``lifetime`` (or as far
+    ahead). The pending samples are projected
     to ``now`` at the peer's speed until its next heartbeat is due (its ``next_s``, at most
     ``ahead_s`` seconds), less what its manifests in the round hold beyond what it had counted
     as landed (``landed``: their samples, as listed): heartbeats can then be
     seldom without the count lagging behind the work, and a peer that heartbeats every step
     (lock-step tests) is never projected, so what it counts does not depend on the machine's
     load."""
-    if beat is None or beat.round != r or abs(now - beat.time) >= lifetime(beat, timeout, ahead_s):
+    if beat is None or beat.round != r or beat.left or abs(now - beat.time) >= lifetime(beat, timeout, ahead_s):
         return None
     horizon = ahead_s if beat.next_s is None else min(max(beat.next_s, 0.0), ahead_s)
     return BeatCount(claimed(beat, now, landed, horizon, target), min(max(beat.samples_per_s, 0.0), MAX_PEER_SPEED),

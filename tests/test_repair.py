@@ -207,6 +207,24 @@ def test_a_bad_latest_is_rewritten(run, latest, problem):
     goes_on(run, NEWEST + 1)
 
 
+def test_a_latest_naming_no_state_is_read_around_and_the_next_commit_rewrites_it(run, caplog):
+    """The report: LATEST naming a state that does not exist stopped a worker with a TypeError,
+    `status` showed the missing state as current and a scheduler said it was committed. Readers
+    take the newest state with a COMMIT (saying so once), the run goes on without a repair, and
+    its next COMMIT rewrites LATEST."""
+    run.bucket.write_json(run.keys.latest, {"state": 9})
+    fresh = Run(run.bucket, run.name, clock=run.clock)
+    with caplog.at_level("WARNING"):
+        assert fresh.latest() == NEWEST and fresh.latest() == NEWEST
+    assert [r.getMessage() for r in caplog.records if "LATEST names" in r.getMessage()] == [
+        f"run {run.name}: LATEST names state 9, which has no COMMIT; state {NEWEST} is the newest committed "
+        "(`dedloc repair --apply` rewrites LATEST)"]
+    res = CliRunner().invoke(app, ["status", "--bucket", run.bucket.url, "--run", run.name, "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["round"] == NEWEST, res.output
+    goes_on(run, NEWEST + 1)
+    assert run.bucket.read_json(run.keys.latest)["state"] == run.latest() >= NEWEST + 1
+
+
 def test_a_bad_delta_costs_no_state(run):
     """Peers fall back to the snapshot when a delta does not match: the state stays, its delta goes."""
     key = chunk(run, NEWEST, 0, of="delta")

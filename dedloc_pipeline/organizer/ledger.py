@@ -95,7 +95,8 @@ def _write_commit(run: Run, r: int, stages: dict[str, float] | None = None) -> d
         if not bucket.create_json(keys.commit(r + 1), run.record(f"COMMIT of state {r + 1}", commit, state=r + 1)):
             log.info("state %d was committed by another scheduler", r + 1)
         existing = run.commit_of(r + 1)
-    if run.latest_hint() < r + 1:
+    hint = run.latest_hint()
+    if hint < r + 1 or hint > r + 1 and not bucket.exists(keys.commit(hint)):  # behind, or naming no state
         bucket.write_json(keys.latest, run.record("LATEST", {"state": r + 1}))
     return existing
 

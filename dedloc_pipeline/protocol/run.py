@@ -43,6 +43,8 @@ class Run:
     def __init__(self, bucket: Bucket, name: str, config: RunConfig | None = None,
                  organizer: identity.Ed25519PrivateKey | None = None, clock: Clock = REAL):
         self.bucket, self.keys, self.clock = bucket, RunLayout(name), clock
+        self._committed = -1  # the newest state this reader saw a COMMIT of (one stays forever)
+        self._unfounded: int | None = None  # a LATEST's state found to have no COMMIT
         if config is None:
             try:
                 raw = bucket.read_json(self.keys.config)
@@ -223,10 +225,21 @@ class Run:
         return -1
 
     def latest(self) -> int:
-        """Newest committed state. LATEST is a hint; COMMIT markers are the truth."""
+        """Newest committed state. LATEST is a hint; COMMIT markers are the truth: a LATEST
+        naming a state with no COMMIT (damaged, or the newest state deleted) is read around, to
+        the newest state with one (a HEAD the first time a hint names a state this reader has
+        not seen committed)."""
         s = self.latest_hint()
+        if s == self._unfounded:  # read around before: on from the newest state seen committed
+            s = self._committed
+        elif s > self._committed and not self.bucket.exists(self.keys.commit(s)):
+            found = self._newest_committed()
+            log.warning("run %s: LATEST names state %d, which has no COMMIT; state %d is the newest committed "
+                        "(`dedloc repair --apply` rewrites LATEST)", self.name, s, found)
+            self._unfounded, s = s, found
         if s < 0:
             raise RunError(f"run {self.name!r} has no committed state yet")
+        self._committed = max(self._committed, s)
         while self.bucket.exists(self.keys.commit(s + 1)):
             if self.signed:  # a forged COMMIT is no state: the round loop stops at the last true one
                 try:
@@ -235,6 +248,7 @@ class Run:
                     log.error("run %s: %s", self.name, exc)
                     break
             s += 1
+        self._committed = max(self._committed, s)
         return s
 
     def stream_ends(self, s: int) -> dict[str, int]:
@@ -251,6 +265,7 @@ class Run:
         c = self.read_record(self.keys.commit(s), f"COMMIT of state {s}", state=s)
         if c is None:
             raise RunError(f"state {s} of run {self.name!r} is not committed")
+        self._committed = max(self._committed, s)
         return c
 
     def load_params(self, s: int, commit: dict | None = None) -> np.ndarray:

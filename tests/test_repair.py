@@ -225,6 +225,18 @@ def test_a_latest_naming_no_state_is_read_around_and_the_next_commit_rewrites_it
     assert run.bucket.read_json(run.keys.latest)["state"] == run.latest() >= NEWEST + 1
 
 
+@pytest.mark.parametrize("state,line", [
+    (3, "error: state 3 of run '{run}': its parameters were pruned (kept: the multiples of 2 and the last 2; here "
+        "0, 2, 4, 5)"),
+    (9, "error: state 9 of run '{run}' is not committed (the newest is 5)")])
+def test_export_of_a_state_it_cannot_have_says_why(run, tmp_path, state, line):
+    """The report: `export` of a pruned state said `chunk checksum mismatch`, which reads as damage."""
+    res = CliRunner().invoke(app, ["export", "--bucket", run.bucket.url, "--run", run.name, "--state", str(state),
+                                   "--out", str(tmp_path / "model")])
+    assert res.exit_code == 2 and res.stderr.strip() == line.format(run=run.name), res.output
+    assert not (tmp_path / "model").exists()
+
+
 def test_a_bad_delta_costs_no_state(run):
     """Peers fall back to the snapshot when a delta does not match: the state stays, its delta goes."""
     key = chunk(run, NEWEST, 0, of="delta")

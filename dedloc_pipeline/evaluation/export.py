@@ -18,12 +18,20 @@ from ..model import tokenizer
 from ..model.data import SYNTHETIC
 from ..model.flat import FlatLayout
 from ..model.presets import family
-from ..protocol.run import Run
+from ..protocol.run import Run, RunError
 from ..storage.layout import DataLayout
 
 
 def model_at(run: Run, state: int):
-    """The run's model with the parameters of committed ``state`` (checked against its COMMIT)."""
+    """The run's model with the parameters of committed ``state`` (checked against its COMMIT);
+    a state whose parameters were pruned is named as such, with the states that are kept."""
+    kept = run.kept_states()
+    if state > kept[-1]:
+        raise RunError(f"state {state} of run {run.name!r} is not committed (the newest is {kept[-1]})")
+    if state not in kept:
+        shown = ", ".join(map(str, kept[:3] + ["..."] + kept[-3:] if len(kept) > 6 else kept))
+        raise RunError(f"state {state} of run {run.name!r}: its parameters were pruned (kept: the multiples of "
+                       f"{run.config.checkpoint_every} and the last {run.config.keep_states}; here {shown})")
     model = run.build_model()
     FlatLayout(model).set(run.load_params(state))
     model.eval()

@@ -60,18 +60,11 @@ def evaluate(run: Run, state: int | None = None, samples: int = 128,
     return result
 
 
-def kept_states(run: Run) -> list[int]:
-    """The states whose parameters a run keeps (``ledger.prune``): state 0, every
-    ``checkpoint_every``-th, and the last ``keep_states``; a learning curve needs no more."""
-    latest, c = run.latest(), run.config
-    return [s for s in range(latest + 1) if s % c.checkpoint_every == 0 or s > latest - c.keep_states]
-
-
 def curve(run: Run, samples: int = 128) -> list[dict]:
     """The held-out loss of every kept state, each recorded as ``evaluate`` records one."""
     first = evaluate(run, 0, samples)
     random_init = (first["loss"], first["sop_accuracy"])
-    return [first] + [evaluate(run, s, samples, random_init) for s in kept_states(run)[1:]]
+    return [first] + [evaluate(run, s, samples, random_init) for s in run.kept_states()[1:]]
 
 
 DOWNSTREAM = ("ner", "news")  # WikiANN-bn NER and Soham news classification, or their stand-ins

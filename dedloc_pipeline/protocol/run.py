@@ -251,6 +251,12 @@ class Run:
         self._committed = max(self._committed, s)
         return s
 
+    def kept_states(self) -> list[int]:
+        """The states whose parameters the run keeps (``ledger.prune``): state 0, every
+        ``checkpoint_every``-th, and the last ``keep_states``; a learning curve needs no more."""
+        latest, c = self.latest(), self.config
+        return [s for s in range(latest + 1) if s % c.checkpoint_every == 0 or s > latest - c.keep_states]
+
     def stream_ends(self, s: int) -> dict[str, int]:
         """Where each peer's data stream is counted to as of state s (its streams record); a
         forged record counts as none (logged): streams then only move forward from here."""

@@ -164,6 +164,13 @@ def test_a_round_whose_state_was_pruned_is_skipped(make_run, caplog):
     assert lines == [f"round 1 verified: 0 shards recomputed, 0 flagged, {n} skipped (pruned), 0 unverified",
                      f"round 3 verified: {m} shards recomputed, 0 flagged, 0 skipped (pruned), 0 unverified"]
     assert dict(v.tally) == {"recomputed": m, "flagged": 0, "skipped": n, "unverified": 0}
+    # the last line says what was checked; where nothing was, it says so and why (the report:
+    # "verified up to round 5" after every round was skipped)
+    assert verify.ended(3, v.tally).startswith(f"verified up to round 3: {m} shards recomputed")
+    assert verify.ended(1, verify.counts(pruned["shards"])) == (
+        f"nothing verified up to round 1 (0 shards recomputed, 0 flagged, {n} skipped (pruned), 0 unverified): the "
+        "states its shards were computed on were pruned before it read them: run it beside the scheduler, or keep "
+        "more states (keep_states)")
 
 
 def test_claims_the_validator_cannot_recompute(make_run):

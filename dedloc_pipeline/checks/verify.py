@@ -331,3 +331,13 @@ def counts(shards: list[dict]) -> dict[str, int]:
 def summary(n: dict[str, int]) -> str:
     return (f"{n.get('recomputed', 0)} shards recomputed, {n.get('flagged', 0)} flagged, "
             f"{n.get('skipped', 0)} skipped (pruned), {n.get('unverified', 0)} unverified")
+
+
+def ended(last: int, n: dict[str, int]) -> str:
+    """The validator's last line: up to which round it checked, and what; where it recomputed
+    nothing, that it verified nothing, and why."""
+    if n.get("recomputed", 0) or not (n.get("skipped", 0) or n.get("unverified", 0)):
+        return f"verified up to round {last}: {summary(n)}"
+    why = ("the states its shards were computed on were pruned before it read them: run it beside the "
+           "scheduler, or keep more states (keep_states)") if n.get("skipped", 0) else "see the log above"
+    return f"nothing verified up to round {last} ({summary(n)}): {why}"

@@ -154,9 +154,9 @@ def verify(bucket: str = BucketOpt, run: str = RunOpt, endpoint_url: Optional[st
     """Validate a run: recompute a random share of each committed round's shards, flag the
     volunteers whose shards do not match their data or copy another's (docs/verification.md)."""
     setup(verbose)
-    from ..checks.verify import Verifier, summary
+    from ..checks.verify import Verifier, ended
     if revoke and not organizer_key:
         raise typer.BadParameter("--revoke needs --organizer-key", param_hint="--revoke")
     r = open_run(bucket, run, endpoint_url, organizer_key)
     v = Verifier(r, fraction=fraction, device=device, poll_s=poll, revoke=revoke)
-    typer.echo(f"verified up to round {v.serve(until_round) - 1}: {summary(v.tally)}")
+    typer.echo(ended(v.serve(until_round) - 1, v.tally))

@@ -156,7 +156,8 @@ def test_a_scheduler_interrupted_says_so_in_the_view(fake_run):
     with pytest.raises(KeyboardInterrupt):
         sched.serve()
     view = run.bucket.read_json(run.keys.view)
-    assert view["state"] == 0 and view["ended"].startswith("the scheduler exited (KeyboardInterrupt")
+    assert view["state"] == 0 and view["ended"] == "the scheduler was stopped (Ctrl-C, or SIGTERM)"
+    assert scheduler_line(status(run)).startswith("no scheduler: the scheduler was stopped (Ctrl-C, or SIGTERM)")
 
 
 def test_status_says_what_closes_rounds_and_how_to_go_on(fake_run):
@@ -176,8 +177,11 @@ def test_status_says_what_closes_rounds_and_how_to_go_on(fake_run):
             c.tick()
         line = scheduler_line(status(run))
         assert line.startswith("no scheduler has published for 1") and "(since " in line, line
-        activity = Display(c.workers["a"]).facts()["activity"]
-        assert activity.startswith("no scheduler has published for ") and "holding its samples" in activity
+        shown = Display(c.workers["a"])
+        facts = shown.facts()
+        assert facts["activity"].startswith("no scheduler has published for ") and \
+            "holding its samples" in facts["activity"]
+        assert ") no scheduler | you:" in shown.line(facts)  # the round's bar: no ETA, no "full: reducing"
         assert line.endswith("start one (dedloc aggregate, or make pretrain)")
         sched.serve(until_round=run.latest())
         assert scheduler_line(status(run)).startswith("no scheduler: the scheduler reached its last round")

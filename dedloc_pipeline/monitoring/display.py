@@ -247,6 +247,8 @@ def _percent(n: int, target: int) -> str:
 def _eta(f: dict) -> str:
     if f["snapshot"].fetching is not None:
         return "closed"
+    if f["snapshot"].scheduler is not None:  # nobody closes or reduces it: no ETA, and no "reducing"
+        return "no scheduler"
     if f["full"]:
         return "full: reducing"
     return "ETA unknown" if f["eta_s"] is None else f"ETA {timedelta(seconds=round(f['eta_s']))}"

@@ -59,6 +59,14 @@ ENDED = {"rounds": "the scheduler reached its last round (--until-round)",
          "wall time": "the scheduler reached its wall time", "STOP marker": "the run is stopped (dedloc stop)"}
 
 
+def exited(exc: BaseException) -> str:
+    """Why a scheduler's loop ended on ``exc``, as its last view says it to the volunteers."""
+    if isinstance(exc, KeyboardInterrupt):  # SIGTERM and SIGHUP are taken as it (monitoring/stop.py)
+        return "the scheduler was stopped (Ctrl-C, or SIGTERM)"
+    detail = " ".join(str(exc).split())[:120]
+    return f"the scheduler exited on {type(exc).__name__}" + (f": {detail}" if detail else "")
+
+
 def stop_reason(snap: Poll, until_state: int | None = None, deadline: float | None = None,
                 now: float | None = None) -> str | None:
     """Why the round loop ends now, or None to go on. A round already closed is still committed
@@ -371,7 +379,7 @@ class Scheduler:
                         raise TimeoutError(f"round {snap.state} did not fill within {max_wait_s:.0f}s")
         except BaseException as exc:  # Ctrl-C, or a failure the loop cannot go on from
             if snap is not None:
-                self.end(snap.state, f"the scheduler exited ({type(exc).__name__}: {str(exc)[:120]})")
+                self.end(snap.state, exited(exc))
             else:  # before its first poll: no round to speak of, but the lease goes at once
                 self._release()
             raise

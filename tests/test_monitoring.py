@@ -230,6 +230,25 @@ def test_report_page(collab, tmp_path):
         (XSS_TASK, "a&b", "f1", "<b>bold</b>", "0.5000")])
 
 
+def test_a_run_not_going_on_says_so_and_a_long_run_keeps_its_rounds_table_short(collab):
+    """The report: a finished or stopped run's page showed "Open round ... 0 live peers, ETA
+    unknown" and never said the run ended; with 355 rounds its table made the page very long."""
+    _, run, _, _, _ = collab
+    s = status(run)
+    page = Page()
+    page.feed(report.render(run, dict(s, history=[dict(s["history"][0], round=i) for i in range(120)])))
+    _, *rows = page.rows["rounds"]
+    assert [row[0] for row in rows] == [str(i) for i in range(120 - report.ROUNDS_SHOWN, 120)]
+    assert f"The newest {report.ROUNDS_SHOWN} of 120 rounds" in "".join(page.text)
+    for ended, line in ((dict(s, stopped=True), "stopped: STOP.json is in the run"),
+                        (dict(s, progress=dict(s["progress"], scheduler_ended="the run is stopped (dedloc stop)")),
+                         "no scheduler: the run is stopped (dedloc stop); start one")):
+        page = Page()
+        page.feed(report.render(run, ended))
+        text = "".join(page.text)
+        assert "The run is not going on" in text and line in text and "Open round" not in text, text
+
+
 def test_flow_summary_markdown(collab):
     _, run, commits, _, _ = collab
     md = report.markdown(status(run), "s3://b/runs/mon-run/report/index.html")

@@ -15,7 +15,7 @@ from html import escape
 from ..protocol.clock import duration
 from ..protocol.run import Run
 from . import plots
-from .status import status
+from .status import scheduler_line, status
 
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
@@ -30,6 +30,7 @@ figure { margin: 0 0 1rem; } img { max-width: 100%; }
 CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
 
 LEADERBOARD = ("peer", "samples counted", "rounds contributed", "parts aggregated", "last seen")
+ROUNDS_SHOWN = 50  # the rounds table's newest rows; the figures show every round
 FIGURE_ALT = {"loss": "loss per round", "samples_per_s": "samples per second per round",
               "contributors": "active peers per round"}
 
@@ -88,7 +89,8 @@ def leaderboard_rows(s: dict) -> list[dict]:
 
 
 def render(run: Run, s: dict | None = None) -> str:
-    """The page: the open round, the figures, the leaderboard, every closed round, the evaluations."""
+    """The page: the open round (or that the run is not going on, and why), the figures, the
+    leaderboard, the newest ``ROUNDS_SHOWN`` closed rounds, the evaluations."""
     s = status(run) if s is None else s
     p, cfg = s["progress"], run.config
     figs = "\n".join(
@@ -102,13 +104,25 @@ def render(run: Run, s: dict | None = None) -> str:
                     [[str(h["round"]), _num(h["loss"]), f"{h['samples']:,}",
                       f"{h['peers']}: " + ", ".join(sorted(set(h["contributors"]))), str(h["rejected"]),
                       duration(h["duration_s"]), _num(h["samples_per_s"], ".1f"), _when(h["committed_at"])]
-                     for h in s["history"]], numeric={0, 1, 2, 4, 6})
+                     for h in s["history"][-ROUNDS_SHOWN:]], numeric={0, 1, 2, 4, 6})
+    if len(s["history"]) > ROUNDS_SHOWN:
+        rounds = (f"<p>The newest {ROUNDS_SHOWN} of {len(s['history'])} rounds (every one: "
+                  f"<code>dedloc status --json</code>).</p>\n{rounds}")
     results = evals(run)
     eval_section = (_table("evals", ["state", "task", "data", "metric", "pretrained", "random init"],
                            [_eval_row(r) for r in results], numeric={0, 4, 5})
                     if results else "<p>No evaluation yet (<code>dedloc eval</code>).</p>")
     eta = ("closed, being reduced" if p["closed"] else
            f"ETA {duration(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown")
+    if s["stopped"] or p["scheduler_ended"]:  # no round is open: say why, and how to go on
+        now = f"""<h2>The run is not going on</h2>
+<p id="progress">{escape(scheduler_line(s))}</p>"""
+    else:
+        now = f"""<h2>Open round</h2>
+<p id="progress">{escape(f"round {p['round']}: {p['samples']}/{p['target']} samples")}
+<span class="bar"><span style="width: {100 * p['fraction']:.0f}%"></span></span>
+{escape(f"{100 * p['fraction']:.0f}% from {p['peers']} live peers at {p['samples_per_s']:.1f} samples/s, {eta}")}</p>
+<p id="scheduler">{escape(scheduler_line(s))}</p>"""
     title = escape(f"run {s['run']}")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -120,10 +134,7 @@ def render(run: Run, s: dict | None = None) -> str:
 <p>{escape(f"state {s['round']} committed; {cfg.preset} model ({_num(s['n_params'], ',')} parameters), "
            f"target {s['target_batch_size']} samples per step, {cfg.optimizer.name}, gradient codec {cfg.codec}.")}
 Generated {escape(_when(s['at']))}.</p>
-<h2>Open round</h2>
-<p id="progress">{escape(f"round {p['round']}: {p['samples']}/{p['target']} samples")}
-<span class="bar"><span style="width: {100 * p['fraction']:.0f}%"></span></span>
-{escape(f"{100 * p['fraction']:.0f}% from {p['peers']} live peers at {p['samples_per_s']:.1f} samples/s, {eta}")}</p>
+{now}
 <h2>Training</h2>
 {figs}
 <h2>Contributors</h2>

@@ -158,7 +158,7 @@ def main(peers: int = 2, rounds: int = 300, target: int = 128, seq_len: int = ty
     """Pretrain with a collaboration and with one process, score both held out and downstream."""
     from rich.console import Console
 
-    from dedloc_pipeline.evaluation.heldout import heldout_scores, kept_states
+    from dedloc_pipeline.evaluation.heldout import heldout_scores
     from dedloc_pipeline.model.presets import PRESETS
     from dedloc_pipeline.protocol.run import Run
     from dedloc_pipeline.storage.bucket import Bucket
@@ -179,7 +179,7 @@ def main(peers: int = 2, rounds: int = 300, target: int = 128, seq_len: int = ty
                                worker_args=worker_args)
     pretrain_s = time.monotonic() - t1
     run = Run(Bucket(url), "bench")
-    states = kept_states(run)
+    states = run.kept_states()
     commits = [run.commit_of(s) for s in range(1, run.latest() + 1)]
     seen = np.cumsum([0] + [c["samples"] for c in commits])
     console.print(f"collaboration: {run.latest()} rounds, {int(seen[-1])} samples in {pretrain_s / 60:.1f} min, "

@@ -188,12 +188,12 @@ def main() -> int:
                             timeout=3600, poll_interval=1, as_subflow=False)
         if not ev.state.is_completed():
             raise RuntimeError(f"evaluate flow ended {ev.state.name}")
-        from dedloc_pipeline.evaluation.heldout import kept_states, task_of
+        from dedloc_pipeline.evaluation.heldout import task_of
         from dedloc_pipeline.monitoring import plots
         evals = {name[:-5]: b.read_json(f"runs/{run}/evals/{rounds:08d}/{name}")
                  for name in b.list(f"runs/{run}/evals/{rounds:08d}")}
         result = evals[task_of(r)]  # the held-out loss: masked-LM, or next-token for a causal preset
-        curve = [(s, b.read_json(r.keys.eval(s, task_of(r)))["loss"]) for s in kept_states(r)]
+        curve = [(s, b.read_json(r.keys.eval(s, task_of(r)))["loss"]) for s in r.kept_states()]
         hist = [r.commit_of(s) for s in range(1, r.latest() + 1)]
         samples = sum(h["samples"] for h in hist)
         peers = sorted({p for h in hist for p in h["contributors"]})

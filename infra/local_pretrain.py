@@ -38,9 +38,18 @@ def key(path: Path):
     return identity.load(path) if path.exists() else identity.generate(path)
 
 
-def wait_for(what: str, check, timeout: float, procs=()) -> None:
+def server_up(port: int) -> None:
+    """The Prefect server this run uses still answers; else say so at once, not after a timeout."""
+    if not prefect_local.healthy(port):
+        raise RuntimeError(f"the Prefect server on port {port} went away (stopped, or killed); start "
+                           "`make pretrain` again")
+
+
+def wait_for(what: str, check, timeout: float, procs=(), port: int | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not check():
+        if port is not None:
+            server_up(port)
         for p in procs:
             if p.poll() is not None:
                 raise RuntimeError(f"{p.args[1] if len(p.args) > 1 else p.args[0]} exited ({p.returncode}) "
@@ -117,8 +126,9 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        print(f"Prefect server on http://127.0.0.1:{port} (home {home})", flush=True)
         started_server = prefect_local.start(home, port, ui=env("PREFECT_UI", "1") == "1")
+        print(f"Prefect server on http://127.0.0.1:{port} (home {home}"
+              f"{'' if started_server else ', already running'})", flush=True)
         keys = ROOT / ".dedloc/keys"
         organizer = key(keys / "organizer.pem")
         # the served flows sign the run's records (CLOSE, COMMIT, LATEST, streams) with it
@@ -152,7 +162,7 @@ def main() -> int:
         print(f"pretrain flow run {fr.name} ({fr.id}) triggered: {rounds} rounds, target batch {target}",
               flush=True)
         b = Bucket(bucket)
-        wait_for(f"run {run} in {bucket}", lambda: b.exists(f"runs/{run}/state/LATEST.json"), 300, procs)
+        wait_for(f"run {run} in {bucket}", lambda: b.exists(f"runs/{run}/state/LATEST.json"), 300, procs, port)
         peers = {f"local-{i}": keys / f"local-{i}.pem" for i in range(1, workers + 1)}
         roster = identity.update_roster(b, run, organizer,
                                         enroll={p: identity.public(key(k)) for p, k in peers.items()})
@@ -167,6 +177,7 @@ def main() -> int:
         started = time.monotonic()
         last = -1
         while True:
+            server_up(port)
             state = asyncio.run(_state(fr.id))
             now = r.latest()
             if now != last:

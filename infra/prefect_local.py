@@ -40,10 +40,27 @@ def healthy(port: int) -> bool:
         return False
 
 
-def start(home: str = ".dedloc/prefect", port: int = 4200, ui: bool = True, timeout: float = 120) -> bool:
-    """Start the server unless one answers already. True if this call started it."""
-    if healthy(port):
+def ours(home: str | os.PathLike) -> bool:
+    """Whether the server of ``home`` (its server.pid) is running: one this project started."""
+    try:
+        os.kill(int((Path(home) / "server.pid").read_text()), 0)
+        return True
+    except (FileNotFoundError, ValueError, ProcessLookupError):
         return False
+    except PermissionError:  # alive, another user's
+        return True
+
+
+def start(home: str = ".dedloc/prefect", port: int = 4200, ui: bool = True, timeout: float = 120) -> bool:
+    """Start the server unless this project's answers already (True if this call started it). A
+    server this project did not start on ``port`` (a Prefect user's own, at the default 4200) is
+    refused: flows and deployments would go to it, and it may stop under them."""
+    if healthy(port):
+        if ours(home):
+            return False
+        raise RuntimeError(f"port {port} answers with a Prefect server this project did not start (none is "
+                           f"running from {Path(home).resolve()}): stop that one, or use another port "
+                           f"(make pretrain PREFECT_PORT={port + 100})")
     home_p = Path(home)
     home_p.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **settings(home, port))

@@ -76,6 +76,39 @@ async def _state(flow_run_id):
         return (await c.read_flow_run(flow_run_id)).state
 
 
+def test_a_prefect_server_this_project_did_not_start_is_refused(tmp_path):
+    """The report: `make pretrain` beside another Prefect server on its port (a Prefect user's
+    default, 4200) attached its deployments to it, said it had started it, and when that server
+    stopped waited 300 s for nothing. A server answering the port with none running from this
+    project's home is refused, naming the way out."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/api/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    port = other.server_address[1]
+    try:
+        assert prefect_local.healthy(port)
+        with pytest.raises(RuntimeError) as err:
+            prefect_local.start(tmp_path / "prefect", port, ui=False)
+    finally:
+        other.shutdown()
+        other.server_close()
+    assert str(err.value) == (
+        f"port {port} answers with a Prefect server this project did not start (none is running from "
+        f"{(tmp_path / 'prefect').resolve()}): stop that one, or use another port (make pretrain "
+        f"PREFECT_PORT={port + 100})")
+    assert not (tmp_path / "prefect").exists()
+
+
 def test_served_pretrain_survives_cancel_and_restart(served, tmp_path):
     from prefect.deployments import run_deployment
     url = f"file://{tmp_path}/bucket"

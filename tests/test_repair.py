@@ -237,6 +237,27 @@ def test_export_of_a_state_it_cannot_have_says_why(run, tmp_path, state, line):
     assert not (tmp_path / "model").exists()
 
 
+def test_an_older_damaged_commit_is_read_around_and_named(run, tmp_path):
+    """The report: an older damaged COMMIT stopped status, report and plot ("run `dedloc
+    repair`"), and repair said the newest state was intact, nothing to repair: a dead end. Now
+    monitoring reads around it and names it, and repair says what it is and what can be done."""
+    from dedloc_pipeline.monitoring.status import status
+    key = run.keys.commit(2)
+    run.bucket.write_bytes(key, b'{"state": 2, "trunc')
+    s = status(run)
+    assert list(s["damaged"]) == [key] and [h["round"] for h in s["history"]] == [0, 2, 3, 4]
+    res = cli("status", "--bucket", run.bucket.url, "--run", run.name)
+    shown = " ".join(res.output.split())  # rich wraps it to the terminal's width
+    assert res.exit_code == 0 and f"damaged, left out of the history: {key} (an older state's COMMIT" in shown
+    res = cli("report", "--bucket", run.bucket.url, "--run", run.name, "--out", str(tmp_path / "r.html"))
+    assert res.exit_code == 0 and f"damaged, left out of the history: {key}" in (tmp_path / "r.html").read_text()
+    res = cli("repair", "--bucket", run.bucket.url, "--run", run.name)
+    lines = res.output.splitlines()
+    assert res.exit_code == 0 and lines[0].startswith(f"COMMIT: {key}: not JSON (") and \
+        "status, report and plot read around it" in lines[0], res.output
+    assert lines[-1] == f"run {run.name}: state {NEWEST} is intact, the run goes on from it"
+
+
 def test_a_bad_delta_costs_no_state(run):
     """Peers fall back to the snapshot when a delta does not match: the state stays, its delta goes."""
     key = chunk(run, NEWEST, 0, of="delta")

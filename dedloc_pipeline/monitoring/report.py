@@ -15,7 +15,7 @@ from html import escape
 from ..protocol.clock import duration
 from ..protocol.run import Run
 from . import plots
-from .status import scheduler_line, status
+from .status import damaged_line, scheduler_line, status
 
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 60rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
@@ -135,6 +135,7 @@ def render(run: Run, s: dict | None = None) -> str:
            f"target {s['target_batch_size']} samples per step, {cfg.optimizer.name}, gradient codec {cfg.codec}.")}
 Generated {escape(_when(s['at']))}.</p>
 {now}
+{f'<p id="damaged">{escape(damaged_line(s))}</p>' if s["damaged"] else ""}
 <h2>Training</h2>
 {figs}
 <h2>Contributors</h2>

@@ -16,14 +16,17 @@ from ..protocol import heartbeat, view
 from ..protocol.clock import duration
 from ..protocol.close import committed
 from ..protocol.run import Run
+from ..storage.bucket import Damaged
 
 
-def _commits(run: Run) -> dict[int, dict]:
-    """Every COMMIT, state 0 included, in one batch (concurrent on S3: long runs have thousands)."""
-    keys = run.keys
-    states = sorted(s for s in map(keys.state_number, run.bucket.list(keys.states)) if s is not None)
-    raw = run.bucket.read_many([keys.commit(s) for s in states])
-    return {s: run.bucket.parsed(keys.commit(s), raw[keys.commit(s)]) for s in states if raw.get(keys.commit(s))}
+def _commits(run: Run, latest: int) -> tuple[dict[int, dict], dict[str, str]]:
+    """Every COMMIT (``Run.commits``): an older state's damaged one is read around and named; the
+    newest state's is not (``Damaged``: `dedloc repair` mends it)."""
+    commits, damaged = run.commits()
+    newest = run.keys.commit(latest)
+    if newest in damaged:
+        raise Damaged(damaged[newest], newest)
+    return commits, damaged
 
 
 def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
@@ -92,7 +95,7 @@ def status(run: Run, now: float | None = None) -> dict:
     cfg = run.config
     now = run.clock.time() if now is None else now
     latest = run.latest()
-    commits = _commits(run)
+    commits, damaged = _commits(run, latest)
     peers: dict[str, dict] = {}
 
     def peer(pid: str) -> dict:
@@ -125,8 +128,17 @@ def status(run: Run, now: float | None = None) -> dict:
         "scheduler": lease.holder_of(run.bucket, run.keys, now),  # who holds the lease, and since when
         "peers": sorted(peers.values(), key=lambda p: (-p["samples"], p["peer_id"])),
         "history": history,
+        "damaged": damaged,  # older states' COMMITs that are not JSON, by key: left out of the history
         "at": now,
     }
+
+
+def damaged_line(s: dict) -> str | None:
+    """The older COMMITs read around, if any: which, and what to do."""
+    if not s["damaged"]:
+        return None
+    return (f"damaged, left out of the history: {', '.join(sorted(s['damaged']))} (an older state's COMMIT: the "
+            "run goes on without it; restore it from a copy of the bucket, or leave it)")
 
 
 def scheduler_line(s: dict) -> str:
@@ -165,6 +177,8 @@ def show(s: dict, console) -> None:
                        f"{s['target_batch_size']} samples from {p['peers']} live peers", style="bold"))
     line = scheduler_line(s)
     console.print(Text(line, style="" if line.startswith("scheduler:") else "bold yellow"))
+    if damaged := damaged_line(s):
+        console.print(Text(damaged, style="bold yellow"))
     eta = "closed, being reduced" if p["closed"] else (
         f"ETA {duration(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown")
     done = round(30 * p["fraction"])

@@ -322,7 +322,13 @@ def repair(run: Run, act: bool = False, say: Callable[[str], object] = print) ->
     True when the run needs nothing more (it was healthy, or is repaired)."""
     plan = diagnose(run)
     if plan.healthy:
-        say(f"run {run.name}: state {plan.state} is intact, nothing to repair")
+        older = run.commits()[1]  # what monitoring reads too: an older state's COMMIT
+        for key, problem in sorted(older.items()):
+            say(f"COMMIT: {key}: {problem.split(' is damaged: ', 1)[-1]}; an older state's record, which nothing "
+                "builds on and the bucket cannot rebuild: status, report and plot read around it; restore it "
+                "from a copy of the bucket, or leave it")
+        say(f"run {run.name}: state {plan.state} is intact, " + (
+            "the run goes on from it" if older else "nothing to repair"))
         return True
     for f in plan.findings:
         say(f"{f.kind}: {f.key}: {f.problem}")

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from ..model.data import SYNTHETIC, DataError, card_hash, check_data, unigram_log_probs
 from ..model.presets import seq_len_of
 from ..storage import codec, vector
-from ..storage.bucket import Bucket
+from ..storage.bucket import Bucket, Damaged
 from ..storage.layout import LAYOUT_VERSION, DataLayout, RunLayout
 from ..storage.vector import VectorFormat
 from ..trust import identity
@@ -250,6 +250,23 @@ class Run:
             s += 1
         self._committed = max(self._committed, s)
         return s
+
+    def commits(self) -> tuple[dict[int, dict], dict[str, str]]:
+        """Every COMMIT, state 0 included, in one batch (concurrent on S3: long runs have
+        thousands), as JSON and unchecked (what monitoring reads); and the ones that are not JSON,
+        by key, with what is wrong. Whoever reads them all reads around an older damaged one and
+        names it; the newest state's is ``dedloc repair``'s to mend."""
+        keys = self.keys
+        states = sorted(s for s in map(keys.state_number, self.bucket.list(keys.states)) if s is not None)
+        raw = self.bucket.read_many([keys.commit(s) for s in states])
+        found, damaged = {}, {}
+        for s in states:
+            if raw.get(keys.commit(s)):
+                try:
+                    found[s] = self.bucket.parsed(keys.commit(s), raw[keys.commit(s)])
+                except Damaged as exc:
+                    damaged[keys.commit(s)] = str(exc)
+        return found, damaged
 
     def kept_states(self) -> list[int]:
         """The states whose parameters the run keeps (``ledger.prune``): state 0, every

@@ -8,6 +8,7 @@ import json
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -370,3 +371,21 @@ def test_the_cost_command_lists_every_preset():
     from dedloc_pipeline.model.presets import PRESETS
     res = CliRunner().invoke(app, ["cost", "--help"], env={"COLUMNS": "400"})
     assert res.exit_code == 0 and " | ".join(PRESETS) in res.output, res.output
+
+
+def test_the_organizers_cost_example_is_what_the_command_says():
+    """docs/organizer.md quotes `dedloc cost` for a sahajBERT run: its figures are the command's
+    (the report found them stale)."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "organizer.md").read_text()
+    args = "--preset sahajbert --peers 40 --days 14 --samples-per-s 1"
+    assert f".venv/bin/dedloc cost {args}" in doc
+    res = CliRunner().invoke(app, ["cost", *args.split()], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    row = {" ".join(line.split()[:-2]): line.split()[-2:] for line in res.output.splitlines()
+           if line.startswith((" $", " scheduler's share"))}
+    day, requests = row["$ per volunteer-day"], row["$ per volunteer-day, requests"]
+    whole, share = row["$ whole run (40 volunteers × 14 days, egress included)"], row["scheduler's share"]
+    quoted = " ".join(doc.split())
+    assert (f"a volunteer costs ${float(day[0]):.2f} a day on S3 (${float(requests[0]):.2f} of it requests, the rest "
+            f"egress of the deltas) and ${float(day[1]):.2f} on R2") in quoted
+    assert f"outside it, {share[0]} of the S3 run's ${float(whole[0].replace(',', '')):,.0f})" in quoted

@@ -137,4 +137,7 @@ def build(dest: str | os.PathLike) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(build(sys.argv[1] if len(sys.argv) > 1 else ".dedloc/corpus"), indent=1)[:2000])
+    where = sys.argv[1] if len(sys.argv) > 1 else ".dedloc/corpus"
+    built = build(where)
+    print(f"corpus in {where}: " + ", ".join(f"{name} ({p['lines']:,} lines)" for name, p in built.items())
+          + " (sources and licences: PROVENANCE.json)")

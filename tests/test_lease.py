@@ -186,6 +186,7 @@ def test_two_real_schedulers_one_refused_one_standing_by(tmp_path):
             standby = start("--standby", out=out)
         procs.append(standby)
         _wait_for("the standby says it waits", lambda: "waiting (standby)" in log.read_text(), procs)
+        assert "with --standby" not in log.read_text()  # the refusal's advice is not the standby's
         first.send_signal(signal.SIGTERM)
         out, _ = first.communicate(timeout=60)
         assert first.returncode == 143, out

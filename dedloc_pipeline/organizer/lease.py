@@ -37,7 +37,11 @@ RENEW = 0.5  # renewed when this share of it has passed: at the first poll after
 
 
 class LeaseHeld(RunError):
-    """Another scheduler holds the run's lease."""
+    """Another scheduler holds the run's lease (``holder``: which, and since when)."""
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
 
 
 class LeaseLost(RunError):
@@ -128,8 +132,9 @@ class Lease:
     def _take(self, now: float) -> None:
         g, record = newest(self.bucket, self.keys)
         if not self.free(record, now):
-            raise LeaseHeld(f"run {self.keys.run} is scheduled by {describe(record, now)}: stop that scheduler, "
-                            "or start this one with --standby to take over when it ends")
+            holder = describe(record, now)
+            raise LeaseHeld(f"run {self.keys.run} is scheduled by {holder}: stop that scheduler, "
+                            "or start this one with --standby to take over when it ends", holder)
         if record is not None and record.holder == self.holder and not record.released:
             self.generation, self._record = g, record  # a scheduler of this process before: continue it
             self._renew(now)
@@ -172,8 +177,9 @@ class Lease:
             try:
                 return self.hold()
             except LeaseHeld as exc:
-                if said is None:
-                    log.warning("%s; waiting (standby)", exc)
+                if said is None:  # not the refusal's advice: this one is the standby
+                    log.warning("run %s is scheduled by %s; waiting (standby) to take over when it ends",
+                                self.keys.run, exc.holder or "another scheduler")
                 said = exc
             self.clock.sleep(self.ttl_s / 6)
 

@@ -16,17 +16,15 @@ from ..protocol import heartbeat, view
 from ..protocol.clock import duration
 from ..protocol.close import committed
 from ..protocol.run import Run
-from ..storage.bucket import Damaged
 
 
 def _commits(run: Run, latest: int) -> tuple[dict[int, dict], dict[str, str]]:
     """Every COMMIT (``Run.commits``): an older state's damaged one is read around and named; the
     newest state's is not (``Damaged``: `dedloc repair` mends it)."""
     commits, damaged = run.commits()
-    newest = run.keys.commit(latest)
-    if newest in damaged:
-        raise Damaged(damaged[newest], newest)
-    return commits, damaged
+    if run.keys.commit(latest) in damaged:
+        raise damaged[run.keys.commit(latest)]
+    return commits, {key: str(exc) for key, exc in damaged.items()}
 
 
 def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
@@ -45,11 +43,10 @@ def _heartbeats(run: Run, r: int, now: float) -> dict[str, tuple[float, bool]]:
         beat = heartbeat.parse(raw)
         if beat is None:
             continue
-        live = heartbeat.counted(beat, beat.round, now, cfg.peer_timeout_s, cfg.target_batch_size,
-                                 cfg.cadence.heartbeat_max_s) is not None
-        peer, (seen, was_live) = keys.peer_of_progress(key), beats.get(keys.peer_of_progress(key), (0.0, False))
-        newest = beat.time >= seen
-        beats[peer] = (max(seen, beat.time), live if newest else was_live)
+        peer = keys.peer_of_progress(key)
+        if peer not in beats or beat.time >= beats[peer][0]:  # its newest says
+            beats[peer] = (beat.time, heartbeat.counted(beat, beat.round, now, cfg.peer_timeout_s,
+                                                        cfg.target_batch_size, cfg.cadence.heartbeat_max_s) is not None)
     return beats
 
 

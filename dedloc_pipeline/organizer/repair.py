@@ -323,8 +323,8 @@ def repair(run: Run, act: bool = False, say: Callable[[str], object] = print) ->
     plan = diagnose(run)
     if plan.healthy:
         older = run.commits()[1]  # what monitoring reads too: an older state's COMMIT
-        for key, problem in sorted(older.items()):
-            say(f"COMMIT: {key}: {problem.split(' is damaged: ', 1)[-1]}; an older state's record, which nothing "
+        for key, exc in sorted(older.items()):
+            say(f"COMMIT: {key}: {_unreadable(exc)}; an older state's record, which nothing "
                 "builds on and the bucket cannot rebuild: status, report and plot read around it; restore it "
                 "from a copy of the bucket, or leave it")
         say(f"run {run.name}: state {plan.state} is intact, " + (

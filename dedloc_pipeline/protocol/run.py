@@ -251,10 +251,10 @@ class Run:
         self._committed = max(self._committed, s)
         return s
 
-    def commits(self) -> tuple[dict[int, dict], dict[str, str]]:
+    def commits(self) -> tuple[dict[int, dict], dict[str, Damaged]]:
         """Every COMMIT, state 0 included, in one batch (concurrent on S3: long runs have
         thousands), as JSON and unchecked (what monitoring reads); and the ones that are not JSON,
-        by key, with what is wrong. Whoever reads them all reads around an older damaged one and
+        by key, as the ``Damaged`` each raised. Whoever reads them all reads around an older damaged one and
         names it; the newest state's is ``dedloc repair``'s to mend."""
         keys = self.keys
         states = sorted(s for s in map(keys.state_number, self.bucket.list(keys.states)) if s is not None)
@@ -265,7 +265,7 @@ class Run:
                 try:
                     found[s] = self.bucket.parsed(keys.commit(s), raw[keys.commit(s)])
                 except Damaged as exc:
-                    damaged[keys.commit(s)] = str(exc)
+                    damaged[keys.commit(s)] = exc
         return found, damaged
 
     def kept_states(self) -> list[int]:

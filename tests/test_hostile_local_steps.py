@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow  # two runs of four processes
 
 HONEST = ("w0", "w1", "w2")
 ROUNDS = 4
-LOCAL_STEPS = dict(algorithm="diloco", codec="int8", inner_batch=8, target_batch_size=720,
+LOCAL_STEPS = dict(algorithm="diloco", codec="int8", inner_batch=8, target_batch_size=480,
                    optimizer={"name": "adamw", "lr": 1e-3, "warmup_steps": 2})
 MALLORY = """
 import sys

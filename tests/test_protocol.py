@@ -214,6 +214,43 @@ def test_scheduler_killed_between_close_and_commit_gives_the_same_state(tmp_path
     assert ref_run.commit_of(1)["checksums"] == run.commit_of(1)["checksums"]
 
 
+def test_the_organizer_steps_from_what_it_wrote_as_from_the_bucket(tmp_path, monkeypatch):
+    """The organizer keeps the reduced gradient and the state it wrote (``vector.Kept``) and
+    steps from them, reading neither back: the same states, bit for bit, as a scheduler that
+    holds nothing. A part whose marker names other checksums (another process rewrote it) is
+    read from the bucket."""
+    cfg = small_config(codec="int8")
+    kept, plain = (init_run(Bucket(str(tmp_path / name)), cfg) for name in ("kept", "plain"))
+    plain.kept = vector.Kept(limit_bytes=0)  # holds nothing: every step reads the bucket
+    read, real = [], vector.read_vector
+    monkeypatch.setattr(vector, "read_vector", lambda bucket, key, fmt, chunks=None, *a, **kw: (
+        read.append((bucket.root, key, chunks)) or real(bucket, key, fmt, chunks, *a, **kw)))
+
+    def stepped(run, rounds):  # the reduced gradients and optimizer states read, by (key, chunks)
+        scheduler = Scheduler(run, 2, 0)
+        with ThreadPoolExecutor(2) as pool:
+            for r in rounds:
+                _fill_round(run, r)
+                scheduler.finish(r, pool, scheduler.try_close(r))
+        return {(k, c.start) for b, k, c in read if b == run.bucket.root and ("/reduced/" in k or "/optim/" in k)}
+
+    assert kept.n_parts > 1
+    assert stepped(kept, range(3)) == {(kept.keys.optim(0, n), kept.part_chunks(k).start)  # state 0 has no marker
+                                       for n in ("exp_avg", "exp_avg_sq", "residual") for k in range(kept.n_parts)}
+    assert {k for k, _ in stepped(plain, range(3))} == {
+        *(plain.keys.reduced(r) for r in range(3)),
+        *(plain.keys.optim(s, n) for s in range(3) for n in ("exp_avg", "exp_avg_sq", "residual"))}
+    assert [kept.commit_of(s)["checksums"] for s in (1, 2, 3)] == [plain.commit_of(s)["checksums"] for s in (1, 2, 3)]
+    marker = kept.bucket.read_json(kept.keys.applied(3, 0))
+    marker["vectors"]["exp_avg"]["values"][0] = "0" * 32  # as if rewritten since
+    kept.bucket.write_json(kept.keys.applied(3, 0), marker)
+    read.clear()
+    assert {(k, c) for k, c in stepped(kept, [3]) if "/optim/" in k} == {
+        (kept.keys.optim(3, n), 0) for n in ("exp_avg", "exp_avg_sq", "residual")}
+    stepped(plain, [3])
+    assert kept.commit_of(4)["checksums"] == plain.commit_of(4)["checksums"]
+
+
 def test_two_schedulers_commit_each_state_once(make_run):
     run = make_run(codec="int8")
     _fill_round(run, 0)

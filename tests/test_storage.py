@@ -5,8 +5,10 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
+from dedloc_pipeline.storage import vector
 from dedloc_pipeline.storage.bucket import Bucket, StorageError
 
 
@@ -186,3 +188,19 @@ def test_io_stats_count_every_request_and_byte(any_bucket):
     after = b.stats.snapshot()
     assert after["requests"]["get"] - before["requests"]["get"] == 1  # one chunk: no metadata read
     assert 0 < after["bytes_read"] - before["bytes_read"] < wrote
+
+
+def test_kept_vectors_are_taken_once_against_their_record_and_bounded():
+    """What the organizer keeps of what it wrote (``vector.Kept``): handed back once, only for
+    the checksums its record names, and the oldest dropped past the limit."""
+    v = lambda x: {"values": np.full(256, x, np.float32)}  # noqa: E731 (1 KiB)
+    kept = vector.Kept(limit_bytes=2048)
+    kept.put("s/1", 0, {"params": v(1)}, {"params": ["a"]})
+    assert kept.take("s/1", 0, {"params": ["b"]}) is None  # rewritten since: read it
+    assert kept.take("s/1", 0, {"params": ["a"]}) is None  # and not held any more
+    kept.put("s/1", 0, {"params": v(1)}, {"params": ["a"]})
+    assert kept.take("s/1", 0, None) is None  # no record
+    for part in range(3):
+        kept.put("s/2", part, {"params": v(part)}, {"params": [str(part)]})
+    assert kept.take("s/2", 0, {"params": ["0"]}) is None  # the oldest, dropped past 2 KiB
+    assert kept.take("s/2", 2, {"params": ["2"]})["params"]["values"][0] == 2

@@ -118,9 +118,10 @@ def reduce_part(run: Run, r: int, part: int) -> str:
     if bucket.exists(marker):
         return marker
     grad = mean_gradient(run, r, part)
-    vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, run.part_chunks(part))
+    sums = vector.write_vector(bucket, keys.reduced(r), run.dense_format, {"values": grad}, run.part_chunks(part))
     partials = part_sums(run, r, part, grad) if run.config.aggregator_optimizer.name == "lamb" else []
-    bucket.write_json(marker, {"part": part, "partials": partials})
+    bucket.write_json(marker, {"part": part, "partials": partials, "checksums": sums})
+    run.kept.put(keys.reduced(r), part, {"reduced": {"values": grad}}, sums)
     return marker
 
 
@@ -223,9 +224,36 @@ def apply_part(run: Run, r: int, part: int) -> str:
     marker = keys.applied(r + 1, part)
     if bucket.exists(marker):
         return marker
-    chunks = run.part_chunks(part)
-    grad = vector.read_vector(bucket, keys.reduced(r), run.dense_format, chunks).copy()
     total = norms(run, r) if run.config.aggregator_optimizer.name == "lamb" else None
-    sums = write_part(bucket, keys.state(r + 1), run, part, next_part(run, r, part, grad, total))
+    vectors = next_part(run, r, part, _reduced(run, r, part), total, _kept_state(run, r, part))
+    sums = write_part(bucket, keys.state(r + 1), run, part, vectors)
     bucket.write_json(marker, applied_marker(part, sums, ["organizer"]))
+    run.kept.put(keys.state(r + 1), part, {n: v for n, v in vectors.items() if n != "delta"}, sums)
     return marker
+
+
+def _record(run: Run, key: str, field: str) -> dict | None:
+    """``field`` of the marker at ``key``; None where there is none, or it is unreadable (the
+    bucket's copy is read instead of what this process kept)."""
+    try:
+        found = run.bucket.read_json(key)
+    except ValueError:
+        return None
+    return found.get(field) if isinstance(found, dict) else None
+
+
+def _reduced(run: Run, r: int, part: int) -> np.ndarray:
+    """Round r's reduced gradient over this part: as this process wrote it, or read."""
+    held = run.kept.take(run.keys.reduced(r), part, _record(run, run.keys.reduced_marker(r, part), "checksums"))
+    if held is not None:
+        return held["reduced"]["values"]
+    return vector.read_vector(run.bucket, run.keys.reduced(r), run.dense_format, run.part_chunks(part)).copy()
+
+
+def _kept_state(run: Run, r: int, part: int) -> tuple | None:
+    """State r over this part as ``read_state`` gives it, if this process wrote it (None: read it)."""
+    held = run.kept.take(run.keys.state(r), part, _record(run, run.keys.applied(r, part), "vectors"))
+    if held is None:
+        return None
+    slots = {n: held[n]["values"] for n in run.config.aggregator_optimizer.slots}
+    return held["params"]["values"], slots, held["residual"]["values"] if "residual" in held else None

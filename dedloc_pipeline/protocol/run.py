@@ -67,6 +67,7 @@ class Run:
                 raise RunError(f"{where} is invalid: {fields}") from None
         self.config = config
         self.pruned_through: int | None = None  # the newest state this process pruned (ledger.prune)
+        self.kept = vector.Kept()  # the reduced gradient and state this process wrote (compute/aggregation.py)
         self._organizer = organizer
         if organizer is not None and identity.public(organizer) != config.organizer_key:
             raise RunError(f"that private key is not the organizer key run {name!r} was created with")

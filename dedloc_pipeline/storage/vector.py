@@ -22,6 +22,7 @@ import functools
 import hashlib
 import math
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,6 +120,37 @@ class VectorFormat:
 def checksum(a: np.ndarray) -> str:
     """SHA-256 (128 bits kept): hardware-accelerated on x86 and ARM, twice blake2b's speed here."""
     return hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()[:32]
+
+
+class Kept:
+    """Vectors this process wrote, by key and part, with their chunk checksums: the organizer
+    steps from the gradient and the state it wrote instead of reading them back (issue 50: the
+    reads were a fifth of its CPU a round on loopback). Each is taken once (a step changes its
+    arrays in place), only where the record written after it still names the same checksums (a
+    part another process rewrote is read), and at most ``limit_bytes`` are held, the newest
+    (a large model's state is read back)."""
+
+    def __init__(self, limit_bytes: int = 1 << 30):
+        self.limit_bytes = limit_bytes
+        self._held: dict[tuple[str, int], tuple[dict, dict]] = {}  # oldest first
+        self._lock = threading.Lock()  # parts are computed on a pool's threads
+
+    def put(self, key: str, part: int, vectors: dict[str, dict[str, np.ndarray]], sums: dict) -> None:
+        """Hold ``vectors`` (by name, each its arrays) written at ``key`` for ``part``; ``sums``:
+        their checksums as the record after them names them."""
+        size = lambda entry: sum(a.nbytes for v in entry[0].values() for a in v.values())  # noqa: E731
+        with self._lock:
+            self._held.pop((key, part), None)
+            self._held[(key, part)] = (vectors, sums)
+            while sum(map(size, self._held.values())) > self.limit_bytes:
+                del self._held[next(iter(self._held))]
+
+    def take(self, key: str, part: int, sums: dict | None) -> dict[str, dict[str, np.ndarray]] | None:
+        """What ``put`` held for ``key`` and ``part``, if its record's checksums are ``sums``
+        (None: no record, read the bucket); it is held no more either way."""
+        with self._lock:
+            held = self._held.pop((key, part), None)
+        return held[0] if held is not None and sums is not None and held[1] == sums else None
 
 
 def chunk_checksums(fmt: VectorFormat, arrays: dict[str, np.ndarray], chunks: range) -> dict[str, list[str]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import reduce
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal, get_args, get_origin
 
@@ -26,6 +28,7 @@ from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.config import RECIPES, RunConfig, recipe_config
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.storage.bucket import Bucket
+from dedloc_pipeline.trust import identity
 from dedloc_pipeline.volunteer.worker import Worker
 
 from .conftest import small_config
@@ -33,6 +36,7 @@ from .conftest import small_config
 ROUNDS = 3
 MICRO = {"p0": 4, "p1": 8}  # different micro-batches, so the peers' sample counts differ
 DEDLOC = os.path.join(os.path.dirname(sys.executable), "dedloc")
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def cli(*args: str):
@@ -659,3 +663,53 @@ def test_a_signal_ignored_at_start_stays_ignored():
         assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+
+
+def _shown(block: str) -> list[list[str]]:
+    """The ``dedloc`` command lines of a shell block, as the README shows them: continuation lines
+    joined, comments dropped."""
+    import shlex
+    lines = block.replace("\\\n", " ").splitlines()
+    return [shlex.split(ln, comments=True)[1:] for ln in lines if re.match(r"\s*(\.venv/bin/)?dedloc ", ln)]
+
+
+@pytest.mark.slow
+def test_the_readmes_commands_run_as_shown(tmp_path, s3_bucket):
+    """The README's two walk-throughs, a volunteer's (keygen, worker) and an organizer's (keygen,
+    init with sahajBERT's recipe, enroll, policy, aggregate, status), each command as printed, on
+    moto's S3 server: only the bucket, the key files' folder and the volunteer's public key are
+    put in, and the two long-running roles are bounded (``--until-round 0``). docs/volunteer.md
+    shows the same signed join, and a join of an open run, run here on one."""
+    blocks = BASH.findall(README.read_text())
+    volunteer = next(_shown(b) for b in blocks if "dedloc worker" in b)
+    organizer = next(_shown(b) for b in blocks if "dedloc init" in b)
+    guide = [_shown(b) for b in BASH.findall((README.parent / "docs" / "volunteer.md").read_text())]
+    assert guide[1:] == [volunteer] and [c[0] for c in guide[0]] == ["worker"]
+    assert [c[0] for c in volunteer] == ["keygen", "worker"]
+    assert [c[0] for c in organizer] == ["keygen", "init", "enroll", "policy", "aggregate", "status"]
+    home = str(tmp_path)
+    put_in = {"s3://collab-bucket/prefix": s3_bucket.url, "s3://collab/sahajbert": s3_bucket.url,
+              "~/.dedloc/": f"{home}/", "organizer.pem": f"{home}/organizer.pem"}
+
+    def run(args: list[str]) -> str:
+        args = [reduce(lambda a, kv: a.replace(*kv), put_in.items(), x) for x in args]
+        args += ["--until-round", "0"] if args[0] in ("worker", "aggregate") else []
+        res = cli(*args)
+        assert res.exit_code == 0, (args, res.output)
+        return res.output
+
+    alice = run(volunteer[0])
+    put_in["KEY"] = re.search(r"public key: (\S+)", alice).group(1)
+    out = [run(c) for c in organizer]
+    assert "alice" in out[3] and s3_bucket.url.split("/")[2] in out[3]  # her write prefix, as an S3 policy
+    assert "state 0" in out[5]
+    assert "stopped at state 0" in run(volunteer[1])
+    put_in["s3://collab-bucket/prefix"] = f"{s3_bucket.url}-open"  # an open run of the same name
+    init_run(Bucket(put_in["s3://collab-bucket/prefix"]), small_config("sahajbert"))
+    assert "stopped at state 0" in run(guide[0][0])
+    run_ = Run(Bucket(s3_bucket.url), "sahajbert")
+    roster = identity.newest_roster(run_.bucket, run_.name, run_.config.organizer_key)
+    assert run_.config.preset == "sahajbert" and run_.latest() == 0 and roster.volunteers["alice"] == put_in["KEY"]

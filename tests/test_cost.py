@@ -143,7 +143,8 @@ ROUNDS_ON_S3 = {"adamw-3-parts": dict(chunks_per_part=3, optimizer={"name": "ada
 def round_on_s3(request, s3_endpoint, tmp_path_factory):
     """One real round on moto, each step's requests counted by the bucket (the counters equal the
     server's own log: tests/test_requests.py): a poll, an upload, the closing poll, finish, a
-    state download, and prune of a state that leaves the window and of states already gone. The
+    state download, a second round's finish (from the state the scheduler kept), and prune of a
+    state that leaves the window and of states already gone. The
     request model sees the run as planned (its config alone)."""
     mp = pytest.MonkeyPatch()
     for k, v in dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
@@ -188,6 +189,15 @@ def round_on_s3(request, s3_endpoint, tmp_path_factory):
     p0 = run.load_params(0)
     counted("download", lambda: run.apply_delta(1, p0, run.commit_of(1)))
     counted("between rounds", sched.poll)
+    for i, p in enumerate(peers):  # round 1: its step from the state this scheduler kept
+        arrays = codec.encode(rng.standard_normal(run.grad_format.n).astype(np.float32), config.codec,
+                              config.block_size)
+        shard.upload(run, 1, p, f"part{i}", arrays, 4, 1.0, shard.DataRef(stream=p, ranges=[(4, 4)]),
+                     state_hash=shard.commit_hash(run.commit_of(1)), inner_steps=inner)
+    close = sched.try_close(1)
+    assert close is not None
+    with ThreadPoolExecutor(2) as pool:
+        counted("finish kept", lambda: sched.finish(1, pool, close))
     counted("prune state 1", lambda: ledger.prune(run, 1 + config.keep_states))
     counted("prune again", lambda: ledger.prune(run, 4 + config.keep_states))
     yield run, Traffic(PlannedRun(config)), steps
@@ -220,11 +230,14 @@ def test_closing_finishing_and_a_state_download_cost_what_the_model_says(round_o
     run, lay, steps = round_on_s3
     _close(steps["closing"], lay.scheduler_poll(heartbeats=0, manifests=2) + lay.closing(2))
     # the commit's pruning lists the volunteers' prefixes (round 0 is still kept: nothing goes)
-    _close(steps["finish"], lay.finish(2) + lay.prune_volunteers(lay.volunteer_objects(2, 2, 1), 0))
+    _close(steps["finish"], lay.finish(2, first=True) + lay.prune_volunteers(lay.volunteer_objects(2, 2, 1), 0))
     _close(steps["download"], lay.state_download())
     arrays = 3 if run.config.codec == "sparse" else 2
     assert lay.state_download() == Requests(get=1 + arrays * 4)  # the COMMIT, the delta's chunks
     _close(steps["between rounds"], lay.between_rounds())
+    # its commit prunes round 0 out of the volunteers' prefixes
+    _close(steps["finish kept"], lay.finish(2) + lay.prune_volunteers(lay.volunteer_objects(2, 2, 2),
+                                                                      lay.volunteer_objects(2, 2, 1)))
 
 
 def test_pruning_costs_what_the_model_says(round_on_s3):
@@ -232,8 +245,9 @@ def test_pruning_costs_what_the_model_says(round_on_s3):
     # and round 0 out of the volunteers' prefixes: all they hold (heartbeats, shards, manifests)
     round0 = lay.volunteer_objects(shards=2, peers=2, rounds=1)
     _close(steps["prune state 1"], lay.prune_state(shards=2, peers=2) + lay.prune_volunteers(round0, round0))
-    # states 2-4: gone already, and each pruned once by this process (state 1 was); the prefixes empty
-    _close(steps["prune again"], lay.prune_missing() * 3 + lay.prune_volunteers(0, 0))
+    # states 2-4: state 2 (round 1's) goes, 3 and 4 were never made; the prefixes empty
+    _close(steps["prune again"], lay.prune_state(shards=2, peers=2) + lay.prune_missing() * 2
+           + lay.prune_volunteers(0, 0))
 
 
 def test_the_cadence_is_integrated_over_the_falling_eta():
@@ -282,15 +296,16 @@ def test_volunteer_aggregators_take_the_state_off_the_organizers_machine():
     assert agg.bytes_down * per_round == pytest.approx(0.5 * (shards + 4 * dense))
     assert agg.bytes_up * per_round == pytest.approx(0.5 * (4 * dense + DELTA_BYTES_PER_PARAM["int4"] * n))
     saved = (alone.scheduler_hour.bytes_down - helped.scheduler_hour.bytes_down) * per_round
-    # the validation's and the reduction's reads of the shards, and the state's: the organizer's eight
-    # dense reads a round with LAMB (parameters, the residual, the reduced gradient and its scratch, the
-    # slots twice); less the audits' of a chunk a part: the shards in each of the three exchanges, the
-    # parameters and slots for the sums, and for the answers those, the residual and the answer's objects
+    # the validation's and the reduction's reads of the shards, and the state's: the organizer's three
+    # dense reads a round with LAMB (the parameters and slots for the partial sums: the step takes the
+    # gradient and state it wrote, vector.Kept); less the audits' of a chunk a part: the shards in each
+    # of the three exchanges, the parameters and slots for the sums, and for the answers those, the
+    # residual and the answer's objects
     audited = helped.audited_chunks / helped.chunks
     assert helped.audited_chunks == len(range(0, helped.chunks, 8)) and helped.audit_survival == 7 / 8
     audits = audited * (3 * shards + 3 * dense + (4 + 4) * dense + DELTA_BYTES_PER_PARAM["int4"] * n)
-    assert saved == pytest.approx(2 * shards + 8 * dense - audits)
-    assert audits < 0.2 * (2 * shards + 8 * dense)
+    assert saved == pytest.approx(2 * shards + 3 * dense - audits)
+    assert audits < 0.25 * (2 * shards + 3 * dense)
     assert helped.scheduler_hour.bytes_up < alone.scheduler_hour.bytes_up / 1000
     s3 = helped.cost["s3"]
     assert s3.run == pytest.approx(40 * 14 * s3.volunteer_day.total + 14 * s3.scheduler_day.total

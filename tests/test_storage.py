@@ -196,11 +196,13 @@ def test_kept_vectors_are_taken_once_against_their_record_and_bounded():
     v = lambda x: {"values": np.full(256, x, np.float32)}  # noqa: E731 (1 KiB)
     kept = vector.Kept(limit_bytes=2048)
     kept.put("s/1", 0, {"params": v(1)}, {"params": ["a"]})
-    assert kept.take("s/1", 0, {"params": ["b"]}) is None  # rewritten since: read it
-    assert kept.take("s/1", 0, {"params": ["a"]}) is None  # and not held any more
+    assert kept.take("s/1", 0, lambda: {"params": ["b"]}) is None  # rewritten since: read it
+    assert kept.take("s/1", 0, lambda: {"params": ["a"]}) is None  # and not held any more
     kept.put("s/1", 0, {"params": v(1)}, {"params": ["a"]})
-    assert kept.take("s/1", 0, None) is None  # no record
+    assert kept.take("s/1", 0, lambda: None) is None  # no record
+    asked = []
+    assert kept.take("s/1", 0, lambda: asked.append(1)) is None and not asked  # nothing held: no record read
     for part in range(3):
         kept.put("s/2", part, {"params": v(part)}, {"params": [str(part)]})
-    assert kept.take("s/2", 0, {"params": ["0"]}) is None  # the oldest, dropped past 2 KiB
-    assert kept.take("s/2", 2, {"params": ["2"]})["params"]["values"][0] == 2
+    assert kept.take("s/2", 0, lambda: {"params": ["0"]}) is None  # the oldest, dropped past 2 KiB
+    assert kept.take("s/2", 2, lambda: {"params": ["2"]})["params"]["values"][0] == 2

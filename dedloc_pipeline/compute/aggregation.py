@@ -244,7 +244,7 @@ def _record(run: Run, key: str, field: str) -> dict | None:
 
 def _reduced(run: Run, r: int, part: int) -> np.ndarray:
     """Round r's reduced gradient over this part: as this process wrote it, or read."""
-    held = run.kept.take(run.keys.reduced(r), part, _record(run, run.keys.reduced_marker(r, part), "checksums"))
+    held = run.kept.take(run.keys.reduced(r), part, lambda: _record(run, run.keys.reduced_marker(r, part), "checksums"))
     if held is not None:
         return held["reduced"]["values"]
     return vector.read_vector(run.bucket, run.keys.reduced(r), run.dense_format, run.part_chunks(part)).copy()
@@ -252,7 +252,7 @@ def _reduced(run: Run, r: int, part: int) -> np.ndarray:
 
 def _kept_state(run: Run, r: int, part: int) -> tuple | None:
     """State r over this part as ``read_state`` gives it, if this process wrote it (None: read it)."""
-    held = run.kept.take(run.keys.state(r), part, _record(run, run.keys.applied(r, part), "vectors"))
+    held = run.kept.take(run.keys.state(r), part, lambda: _record(run, run.keys.applied(r, part), "vectors"))
     if held is None:
         return None
     slots = {n: held[n]["values"] for n in run.config.aggregator_optimizer.slots}

@@ -190,7 +190,8 @@ def estimate(config: RunConfig, peers: int, days: float, samples_per_s: float | 
              + traffic.lease_renewal() * (round_s / (LEASE_S * RENEW)))
     view_b = _view_bytes(config)
     dense = DENSE_BYTES_PER_PARAM * n
-    state_reads = (1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)
+    # the organizer steps from the gradient and state it wrote, where they fit (vector.Kept); LAMB's sums read it
+    state_reads = (0 if traffic.kept else 1 + 2 + traffic.slots) + (1 + traffic.slots if traffic.lamb else 0)
     optim_writes = traffic.slots + int(traffic.lossy_delta)
     # the reduction's reads of the shards and the state's reads and writes are the organizer's, or
     # the volunteer aggregators' (each part twice: two to a part), as is the shards' validation

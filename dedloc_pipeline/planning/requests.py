@@ -17,7 +17,7 @@ from ..checks import draw
 from ..protocol.run import LIVE_ROUNDS, Run
 from ..protocol.shard import DataRef, Manifest
 from ..storage.layout import LAYOUT_VERSION
-from ..storage.vector import VectorFormat
+from ..storage.vector import KEEP_BYTES, VectorFormat
 
 CHECKSUM_JSON_BYTES = 38  # one chunk's 32-hex checksum in indented JSON (COMMIT, CLOSE)
 SHARD_ENTRY_BYTES = 250  # a shard's entry in a COMMIT (key, peer, samples, loss, manifest hash)
@@ -81,6 +81,8 @@ class Traffic:
         self.slots = len(run.config.aggregator_optimizer.slots)  # optimizer state vectors beside the params
         self.lossy_delta = run.config.param_codec != "none"  # the organizer's residual is written
         self.lamb = run.config.aggregator_optimizer.name == "lamb"
+        # the reduced gradient and the state the organizer keeps of what it wrote (vector.Kept)
+        self.kept = (2 + self.slots + int(self.lossy_delta)) * 4 * self.n <= KEEP_BYTES
 
     @property
     def chunks(self) -> int:
@@ -156,9 +158,13 @@ class Traffic:
         generation's absence, then its own record rewritten."""
         return Requests(head=1, put=1)
 
-    def finish(self, shards: int) -> Requests:
+    def finish(self, shards: int, first: bool = False) -> Requests:
         """``Scheduler.finish`` of a closed round: reduce and apply every part, commit (``prune``
-        apart: ``prune_steady``); no array is made or opened (their metadata is the run's)."""
+        apart: ``prune_steady``); no array is made or opened (their metadata is the run's). The
+        step takes the reduced gradient and the state from what this scheduler wrote (``kept``,
+        ``vector.Kept``; the state not in a scheduler's ``first`` round): a GET of the marker that
+        vouches for each instead of their chunks."""
+        kept = self.kept and not first
         delta_arrays = len(self.delta.arrays())
         total = Requests()
         for c in self.parts:
@@ -166,7 +172,8 @@ class Traffic:
             if self.lamb:  # partial norms need the range's params and state
                 reduce += Requests(get=(1 + self.slots) * c)
             written = 1 + delta_arrays + self.slots + int(self.lossy_delta)
-            apply = Requests(head=1, get=c + (2 + self.slots) * c, put=written * c + 1)
+            apply = Requests(head=1, get=(1 if self.kept else c) + (1 if kept else (2 + self.slots) * c),
+                             put=written * c + 1)
             if self.lamb:  # the norms recorded for volunteer aggregators (none here), then every part's sums
                 apply += Requests(get=1 + len(self.parts))
             total += reduce + apply

@@ -24,6 +24,7 @@ import math
 import struct
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import zarr
@@ -122,6 +123,9 @@ def checksum(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).data).hexdigest()[:32]
 
 
+KEEP_BYTES = 1 << 30  # what the organizer holds of the state it wrote (``Kept``); a larger state is read back
+
+
 class Kept:
     """Vectors this process wrote, by key and part, with their chunk checksums: the organizer
     steps from the gradient and the state it wrote instead of reading them back (issue 50: the
@@ -130,7 +134,7 @@ class Kept:
     part another process rewrote is read), and at most ``limit_bytes`` are held, the newest
     (a large model's state is read back)."""
 
-    def __init__(self, limit_bytes: int = 1 << 30):
+    def __init__(self, limit_bytes: int = KEEP_BYTES):
         self.limit_bytes = limit_bytes
         self._held: dict[tuple[str, int], tuple[dict, dict]] = {}  # oldest first
         self._lock = threading.Lock()  # parts are computed on a pool's threads
@@ -145,12 +149,13 @@ class Kept:
             while sum(map(size, self._held.values())) > self.limit_bytes:
                 del self._held[next(iter(self._held))]
 
-    def take(self, key: str, part: int, sums: dict | None) -> dict[str, dict[str, np.ndarray]] | None:
-        """What ``put`` held for ``key`` and ``part``, if its record's checksums are ``sums``
-        (None: no record, read the bucket); it is held no more either way."""
+    def take(self, key: str, part: int, record: Callable[[], dict | None]) -> dict[str, dict[str, np.ndarray]] | None:
+        """What ``put`` held for ``key`` and ``part``, if the checksums its record names now
+        (``record()``, asked only then; None: no record) are those it was held with; it is held
+        no more either way."""
         with self._lock:
             held = self._held.pop((key, part), None)
-        return held[0] if held is not None and sums is not None and held[1] == sums else None
+        return held[0] if held is not None and held[1] == record() else None
 
 
 def chunk_checksums(fmt: VectorFormat, arrays: dict[str, np.ndarray], chunks: range) -> dict[str, list[str]]:

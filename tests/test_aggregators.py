@@ -270,7 +270,7 @@ def test_real_processes_on_s3_two_honest_aggregators_agree_on_every_part(tmp_pat
     assigned parts is one both offered for in time (processes start at their own pace): every
     part of every such round agreed by carol and mallory, in real processes that computed their
     parts apart, every state the organizer's own answer, nobody flagged."""
-    rounds, name = 4, "procs"
+    rounds, name = 3, "procs"
     tails = _processes(tmp_path, s3_bucket, name, rounds, {"mallory": "honest"})
     run = Run(s3_bucket, name)
     commits = [run.commit_of(s) for s in range(1, rounds + 1)]
@@ -278,7 +278,7 @@ def test_real_processes_on_s3_two_honest_aggregators_agree_on_every_part(tmp_pat
         assert commit["checksums"] == _organizers(run, r), f"state {r + 1} is not the organizer's answer"
     assigned = [r for r in range(rounds) if Close.read(run, r).aggregators]
     assert assigned, f"no round had two aggregators offering\n{tails}"
-    assert len(assigned) >= rounds // 2, (assigned, tails)
+    assert len(assigned) >= 2, (assigned, tails)
     assert all(sorted(by) == ["carol", "mallory"] for r in assigned for by in commits[r]["aggregated_by"]), tails
     assert flags.read(run) == {}
 

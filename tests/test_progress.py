@@ -99,7 +99,7 @@ def test_the_panel_says_a_state_is_being_downloaded_and_counts_this_peers_shards
     snap = alice.snapshot()
     mine = sum(n for r, _, n in snap.uploads if r == 0)
     stale = replace(snap, state=0, round=1, pending=4, fetching=1, view=None)  # state 1 on its way, 4 computed ahead
-    display._view = (0, replace(snap.view, manifest_samples=0, fresh_samples=0)) if snap.view else (0, None)
+    display._view = (0, replace(snap.view, manifest_samples=0, fresh_samples=0), 0.0) if snap.view else (0, None, 0.0)
     alice.snapshot = lambda: stale
     f = display.facts()
     assert f["activity"] == "state 1 committed: downloading it, computing round 1 meanwhile"

@@ -293,3 +293,39 @@ def test_the_latency_budget_adds_up_to_what_the_records_and_heartbeats_say(fake_
         assert min(row["total"]) == pytest.approx(organizer + min(row["poll"]) + row["download"][
             row["poll"].index(min(row["poll"]))])
     assert budget["stages"]["total"]["worst"] == max(t for row in budget["rounds"] for t in row["total"])
+
+
+def test_a_joining_peer_is_on_the_others_panels_at_their_next_view_read(fake_run):
+    """The report: a joining peer stayed invisible on the others' panels for about 20 s. Far from
+    the target a worker reads the round view seldom (a share of the ETA, at most ``poll_max_s``:
+    what its reads cost), so it sees a joiner at its first read after the scheduler's view counts
+    it, and its panel says how old its picture of the others is."""
+    import io
+
+    from rich.console import Console
+
+    from dedloc_pipeline.monitoring.display import Display
+    from dedloc_pipeline.protocol import view
+    run = fake_run(target_batch_size=256)  # 32 s rounds at two peers' 8 samples a second
+    with LockStep(run, step_s=STEP_S, scheduler_every=1) as c:
+        c.poll_s = None  # the run's own cadence from here on: workers joined now read as users' do
+        w0 = c.join("w0", 4)
+        c.join("w1", 4)
+        c.until(lambda: run.latest() >= 3, what="state 3")
+        shown = Display(w0, plain=True, console=Console(file=io.StringIO()))
+        c.join("joiner", 4)
+        counted_at = None
+        for _ in range(60):
+            c.tick()
+            now, published = run.clock.monotonic(), view.read(run.bucket, run.keys)
+            if counted_at is None and published.peers + published.ahead_peers == 3:
+                counted_at = now
+            f = shown.facts()
+            if w0.follower.view is not None:  # the view in hand, and how old it is
+                assert f"{f['peers']} peers, as of {now - w0.follower.read_at:.0f} s ago)" in shown.line(f)
+            if counted_at is not None and w0.follower.read_at >= counted_at:  # its first read since
+                assert f["peers"] == 2, shown.line(f)
+                break
+        else:
+            raise AssertionError("the joiner was not counted, or w0 did not read the view again")
+    assert now - counted_at <= run.config.cadence.poll_max_s

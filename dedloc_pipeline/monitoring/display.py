@@ -74,7 +74,7 @@ class Display:
         self.every = every
         self.ledger = Uploads(worker.run)
         self._rates: deque[tuple[float, int]] = deque()
-        self._view: tuple[int | None, RoundView | None] = (None, None)
+        self._view: tuple[int | None, RoundView | None, float] = (None, None, 0.0)  # state, view, when read
         self._counted: tuple[tuple | None, dict] = (None, {})
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,8 +148,9 @@ class Display:
         t0, c0 = self._rates[0]
         mine_per_s = (s.computed - c0) / (now - t0) if now > t0 else 0.0
         if s.view is not None:
-            self._view = (s.state, s.view)
+            self._view = (s.state, s.view, now - (s.view_age_s or 0.0))
         view = self._view[1] if self._view[0] == s.state and s.state is not None else None
+        read_at = self._view[2] if view is not None else None
         # this peer's own shards count in the round even where the view in hand is older than them
         manifest = max(view.manifest_samples if view else 0, sum(n for r, _, n in s.uploads if r == s.state))
         others = view.fresh_samples if view else 0
@@ -168,7 +169,8 @@ class Display:
                 "mine": mine, "full": full, "peers": view.peers + view.ahead_peers if view else 0, "eta_s": eta,
                 "mine_per_s": mine_per_s, "others_per_s": others_per_s,
                 "counted": self._counted[1].get("counted", 0),
-                "rounds": len({r for r, _, _ in s.uploads}), "aggregated": self._aggregated()}
+                "rounds": len({r for r, _, _ in s.uploads}), "aggregated": self._aggregated(),
+                "as_of": "" if read_at is None else f", as of {now - read_at:.0f} s ago"}
 
     def _aggregated(self) -> str | None:
         """What this volunteer did as an aggregator: parts computed and revealed, and the last round."""
@@ -210,7 +212,7 @@ class Display:
                 f"round {s.state} {total}/{s.target} ({_percent(total, s.target)}) {_eta(f)} | "
                 f"you: {s.pending} pending, {s.uploaded} uploaded in {len(s.uploads)} shards, "
                 f"{f['counted']} counted | {f['mine_per_s']:.1f} samples/s "
-                f"(others {f['others_per_s']:.1f}, {f['peers']} peers) | "
+                f"(others {f['others_per_s']:.1f}, {f['peers']} peers{f['as_of']}) | "
                 f"up {decimal(s.bytes_up)} down {decimal(s.bytes_down)}"
                 + (f" | aggregator: {f['aggregated']}" if f["aggregated"] else ""))
 
@@ -228,7 +230,7 @@ class Display:
         if s.state is not None:
             grid.add_row(f"round {s.state}", bar)
             grid.add_row("", f"{f['manifest']} in shards · {f['others']} pending at {f['peers']} other "
-                             f"peers · {f['mine']} yours")
+                             f"peers{f['as_of']} · {f['mine']} yours")
         grid.add_row("you", f"{s.pending} pending · {s.uploaded} uploaded ({len(s.uploads)} shards, "
                             f"{f['rounds']} rounds) · {f['counted']} counted")
         grid.add_row("speed", f"{f['mine_per_s']:.1f} samples/s yours · {f['others_per_s']:.1f} the others'")

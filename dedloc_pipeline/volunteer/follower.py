@@ -44,6 +44,7 @@ class Follower:
         self.stopped = False  # the organizer wrote the run's STOP marker
         self.view: RoundView | None = None
         self.looked = float("-inf")  # clock.monotonic() of the last round-view read
+        self.read_at: float | None = None  # the same, never reset: how old the view in hand is
         self.behind = False  # the fresh view is of an older state than this worker's
         self._closed_seen: float | None = None  # when the view first showed round ``state`` closed
         self._closed_at: float | None = None  # ... and when the scheduler closed it, by its own clock
@@ -169,7 +170,7 @@ class Follower:
         this peer's, or None without a fresh view of this state. It moves this peer to a newer
         state the view names, marks it stopped when the view says so, and, with no fresh view,
         reads LATEST and STOP itself every ``fallback_s``."""
-        self.looked = self.clock.monotonic()
+        self.looked = self.read_at = self.clock.monotonic()
         v = self.reader.read(self.run.bucket, self.run.keys)
         fresh = self.reader.fresh
         if v is not None:

@@ -73,6 +73,7 @@ class Progress:
     bytes_down: int
     scheduler: str | None = None  # what is wrong with the scheduler, as this peer sees it (None: nothing)
     fetching: int | None = None  # a newer state, committed, being downloaded
+    view_age_s: float | None = None  # since ``view`` was read: the others as of then (read seldom far from the target)
 
 
 class Worker:
@@ -374,7 +375,9 @@ class Worker:
                         target=self.run.config.target_batch_size, view=self.follower.view,
                         bytes_up=io.bytes_written, bytes_down=io.bytes_read,
                         scheduler=self.follower.scheduler_note() if self.state is not None else None,
-                        fetching=self.transfers.fetching[0] if self.transfers.fetching is not None else None)
+                        fetching=self.transfers.fetching[0] if self.transfers.fetching is not None else None,
+                        view_age_s=None if self.follower.view is None or self.follower.read_at is None
+                        else self.clock.monotonic() - self.follower.read_at)
 
     def leave(self) -> None:
         """Finish the uploads under way, then tell the others this peer's pending samples will

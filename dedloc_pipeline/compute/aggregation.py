@@ -219,7 +219,8 @@ def applied_marker(part: int, sums: dict[str, dict], by: list[str]) -> dict:
 
 
 def apply_part(run: Run, r: int, part: int) -> str:
-    """Optimizer step for this range: writes state r+1's params, delta and optimizer state."""
+    """Optimizer step for this range: writes state r+1's params, delta and optimizer state, and
+    keeps them for the next round's step (``Run.kept``), as it took round r's reduced gradient."""
     keys, bucket = run.keys, run.bucket
     marker = keys.applied(r + 1, part)
     if bucket.exists(marker):

@@ -177,14 +177,16 @@ def test_two_real_schedulers_one_refused_one_standing_by(tmp_path):
     try:
         _wait_for("the first scheduler takes the lease", lambda: holder() is not None, procs)
         assert holder() == f"{socket.gethostname()}:{first.pid}"
-        second = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 2, second.stdout + second.stderr
-        refusal = [x for x in second.stderr.splitlines() if x.startswith("error:")]
-        assert refusal and f"is scheduled by {socket.gethostname()}:{first.pid} (since" in refusal[0], second.stderr
+        second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         log = tmp_path / "standby.log"
-        with open(log, "w") as out:
+        with open(log, "w") as out:  # started beside the second: each takes seconds to import
             standby = start("--standby", out=out)
-        procs.append(standby)
+        procs += [second, standby]
+        _, err = second.communicate(timeout=120)
+        procs.remove(second)
+        assert second.returncode == 2, err
+        refusal = [x for x in err.splitlines() if x.startswith("error:")]
+        assert refusal and f"is scheduled by {socket.gethostname()}:{first.pid} (since" in refusal[0], err
         _wait_for("the standby says it waits", lambda: "waiting (standby)" in log.read_text(), procs)
         assert "with --standby" not in log.read_text()  # the refusal's advice is not the standby's
         first.send_signal(signal.SIGTERM)

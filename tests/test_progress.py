@@ -20,6 +20,7 @@ from dedloc_pipeline.monitoring.uploads import Uploads
 from dedloc_pipeline.monitoring.volunteer import summary, summary_text
 from dedloc_pipeline.organizer.scheduler import Scheduler
 from dedloc_pipeline.protocol.run import Run, init_run
+from dedloc_pipeline.protocol.view import RoundView
 from dedloc_pipeline.storage.bucket import Bucket
 from dedloc_pipeline.testing import collaborate, written
 
@@ -106,6 +107,25 @@ def test_the_panel_says_a_state_is_being_downloaded_and_counts_this_peers_shards
     assert f["full"] and f["manifest"] == mine > 0
     line = display.line(f)
     assert f"round 0 {mine}/24" in line and "closed" in line, line
+
+def test_while_a_round_is_reduced_the_panel_shows_the_others_as_its_last_open_view_had_them(make_run):
+    """The report: `(others 0.0, 0 peers)` beside live peers. A closed view counts only the peers
+    already heartbeating the next round at its CLOSE; while the round is reduced the panel shows
+    the others as the round's last open view had them, dated from that read. A closed view that
+    counts more (the others computing ahead) is shown as it is."""
+    run = make_run()
+    alice, _ = collaborate(run, [("alice", 4), ("bob", 4)], rounds=1)
+    display = Display(alice, plain=True, console=Console(file=io.StringIO()))
+    snap = replace(alice.snapshot(), fetching=None, view_age_s=0.0)
+    shown = []
+    for v in (RoundView(peers=2, samples_per_s=5.0), RoundView(closed=True),
+              RoundView(closed=True, ahead_peers=3, ahead_samples_per_s=7.0)):
+        alice.snapshot = lambda v=v: replace(snap, view=v)
+        f = display.facts()
+        shown.append((f["peers"], f["others_per_s"], display.line(f)))
+    assert [x[:2] for x in shown] == [(2, 5.0), (2, 5.0), (3, 7.0)]
+    assert "2 peers, as of " in shown[1][2]
+
 
 def test_join_returns_the_summary(make_run, bucket, capsys):
     """The notebook API: alone with a scheduler, until state 1, then until another thread says stop."""

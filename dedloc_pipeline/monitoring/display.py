@@ -75,6 +75,7 @@ class Display:
         self.ledger = Uploads(worker.run)
         self._rates: deque[tuple[float, int]] = deque()
         self._view: tuple[int | None, RoundView | None, float] = (None, None, 0.0)  # state, view, when read
+        self._open: tuple[int | None, RoundView | None, float] = (None, None, 0.0)  # the last one not closed
         self._counted: tuple[tuple | None, dict] = (None, {})
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
@@ -149,15 +150,23 @@ class Display:
         mine_per_s = (s.computed - c0) / (now - t0) if now > t0 else 0.0
         if s.view is not None:
             self._view = (s.state, s.view, now - (s.view_age_s or 0.0))
+            if not s.view.closed:
+                self._open = self._view
         view = self._view[1] if self._view[0] == s.state and s.state is not None else None
         read_at = self._view[2] if view is not None else None
+        # the others: a closed view counts only those already heartbeating the next round at its
+        # CLOSE, so while the round is reduced they are shown as the round's last open view had them
+        seen, seen_at = view, read_at
+        if view is not None and view.closed and self._open[0] == s.state and \
+                self._open[1].peers + self._open[1].ahead_peers > view.peers + view.ahead_peers:
+            seen, seen_at = self._open[1], self._open[2]
         # this peer's own shards count in the round even where the view in hand is older than them
         manifest = max(view.manifest_samples if view else 0, sum(n for r, _, n in s.uploads if r == s.state))
         others = view.fresh_samples if view else 0
         mine = s.pending if s.round == s.state else 0
         full = s.fetching is not None or view is not None and (view.closed or manifest >= s.target)
         speed = mine_per_s + (view.samples_per_s if view else 0.0)  # toward this round: the ETA's
-        others_per_s = view.samples_per_s + view.ahead_samples_per_s if view else 0.0  # ahead ones too
+        others_per_s = seen.samples_per_s + seen.ahead_samples_per_s if seen else 0.0  # ahead ones too
         eta = None if view is None else published.eta(s.target, manifest, others + mine, speed, full)
         done = (s.state, len(s.uploads))
         if self._counted[0] != done and s.state is not None:
@@ -166,11 +175,11 @@ class Display:
             except Exception as exc:  # a bucket hiccup: asked again next time, the display lives on
                 log.warning("%s: the ledger could not be read (%s)", s.peer, exc)
         return {"snapshot": s, "activity": self._activity(s, full), "manifest": manifest, "others": others,
-                "mine": mine, "full": full, "peers": view.peers + view.ahead_peers if view else 0, "eta_s": eta,
+                "mine": mine, "full": full, "peers": seen.peers + seen.ahead_peers if seen else 0, "eta_s": eta,
                 "mine_per_s": mine_per_s, "others_per_s": others_per_s,
                 "counted": self._counted[1].get("counted", 0),
                 "rounds": len({r for r, _, _ in s.uploads}), "aggregated": self._aggregated(),
-                "as_of": "" if read_at is None else f", as of {now - read_at:.0f} s ago"}
+                "as_of": "" if seen_at is None else f", as of {now - seen_at:.0f} s ago"}
 
     def _aggregated(self) -> str | None:
         """What this volunteer did as an aggregator: parts computed and revealed, and the last round."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -671,7 +672,6 @@ BASH = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
 def _shown(block: str) -> list[list[str]]:
     """The ``dedloc`` command lines of a shell block, as the README shows them: continuation lines
     joined, comments dropped."""
-    import shlex
     lines = block.replace("\\\n", " ").splitlines()
     return [shlex.split(ln, comments=True)[1:] for ln in lines if re.match(r"\s*(\.venv/bin/)?dedloc ", ln)]
 

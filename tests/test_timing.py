@@ -7,12 +7,16 @@ nothing depends on the machine's load. Workers read the view every ``POLL_S`` an
 
 from __future__ import annotations
 
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from rich.console import Console
 
 from benchmarks import latency
+from dedloc_pipeline.monitoring.display import Display
 from dedloc_pipeline.organizer.scheduler import Scheduler
+from dedloc_pipeline.protocol import view
 from dedloc_pipeline.protocol.run import Run, init_run
 from dedloc_pipeline.protocol.shard import Manifest
 from dedloc_pipeline.testing import LockStep, assert_counted_once, on_clock, small_config, written
@@ -300,12 +304,6 @@ def test_a_joining_peer_is_on_the_others_panels_at_their_next_view_read(fake_run
     the target a worker reads the round view seldom (a share of the ETA, at most ``poll_max_s``:
     what its reads cost), so it sees a joiner at its first read after the scheduler's view counts
     it, and its panel says how old its picture of the others is."""
-    import io
-
-    from rich.console import Console
-
-    from dedloc_pipeline.monitoring.display import Display
-    from dedloc_pipeline.protocol import view
     run = fake_run(target_batch_size=256)  # 32 s rounds at two peers' 8 samples a second
     with LockStep(run, step_s=STEP_S, scheduler_every=1) as c:
         c.poll_s = None  # the run's own cadence from here on: workers joined now read as users' do

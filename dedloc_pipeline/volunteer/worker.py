@@ -257,8 +257,7 @@ class Worker:
         sending = any(x.round == r for x in self.transfers.sending)  # a second part waits for the first to land
         first = r not in self.parts.uploaded
         # the others, projected to now: they computed too while this micro-batch ran
-        wanted = acc.round == r and not sending and upload_policy.should_upload(self._round(), acc.samples, target,
-                                                                                first)
+        wanted = acc.round == r and not sending and self._wants(acc, first)
         if not wanted:
             self.parts.not_short()
         elif self.parts.still_short(r, self.transfers.upload_s) and (first or self._still_wanted(acc)):
@@ -270,8 +269,11 @@ class Worker:
         others' parts that filled the round meanwhile and its CLOSE (a part sent after it is lost;
         held, it is carried to the next round). One GET, only when a second part looks needed."""
         v = self.follower.read(self._mine)  # None without a fresh view: its own samples decide, as before
-        return not (v is not None and v.closed) and self.transfers.fetching is None and upload_policy.should_upload(
-            self._round(), acc.samples, self.run.config.target_batch_size, first=False)
+        return not (v is not None and v.closed) and self.transfers.fetching is None and self._wants(acc, first=False)
+
+    def _wants(self, acc: Accumulator, first: bool) -> bool:
+        """The upload rule (``upload_policy.should_upload``) on round ``state`` as this peer sees it now."""
+        return upload_policy.should_upload(self._round(), acc.samples, self.run.config.target_batch_size, first)
 
     def _compute(self, round_: int) -> None:
         n = self.micro_batch

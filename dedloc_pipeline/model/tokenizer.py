@@ -7,6 +7,7 @@ Pre-tokenization marks whitespace (▁), splits digits one by one and isolates p
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from collections.abc import Iterable
@@ -19,6 +20,7 @@ from ..storage.bucket import Bucket
 # Same ids as model.SPECIAL_TOKENS: pad 0, unk 1, cls 2, sep 3, mask 4.
 SPECIALS = ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]"]
 BENGALI_LETTER = "[\u0980-\u09FF]"
+SCORE_DECIMALS = 4
 
 
 def normalizer() -> normalizers.Normalizer:
@@ -49,11 +51,35 @@ def train(texts: Iterable[str], vocab_size: int = 32000) -> PreTrainedTokenizerF
     tok = _backend()
     trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, unk_token="<unk>")
     tok.train_from_iterator(texts, trainer=trainer)
+    tok = _canonical(tok)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
         special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
     return _wrap(tok)
+
+
+def _canonical(tok: Tokenizer) -> Tokenizer:
+    """The trained model with its pieces' scores rounded (to ``SCORE_DECIMALS``) and ordered by
+    score, then by the piece itself, after the special tokens. The trainer visits its counts in a
+    hash map's order, which changes between processes: the same text gives the same pieces, with
+    scores that differ in their last bits, ties in another order and its last characters' scores
+    dealt in another order, so other ids. Canonical, the same text gives the same tokenizer, byte
+    for byte (a log-probability to 1e-4 leaves every segmentation as it was but near-exact ties)."""
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    specials = vocab[:len(SPECIALS)]
+    rest = sorted(([p, round(score, SCORE_DECIMALS)] for p, score in vocab[len(SPECIALS):]),
+                  key=lambda x: (-x[1], x[0]))
+    # the characters it must keep come last, each 1e-4 under the one before down to a floor, in
+    # that hash order: the same scores, given to the characters in their own order
+    k = len(rest) - 1
+    while k > 0 and rest[k - 1][1] - rest[k][1] < 1e-4 + 1e-6:
+        k -= 1
+    if k < len(rest) - 1:
+        rest[k:] = [[p, score] for p, (_, score) in zip(sorted(p for p, _ in rest[k:]), rest[k:])]
+    spec["model"]["vocab"] = specials + rest
+    return Tokenizer.from_str(json.dumps(spec, ensure_ascii=False))
 
 
 def for_generation(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:

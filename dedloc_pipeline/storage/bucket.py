@@ -227,6 +227,13 @@ class Bucket:
     def __repr__(self) -> str:
         return f"Bucket({self.url!r})"
 
+    def __reduce__(self):
+        """The same bucket in another process (a pool's worker), with counters of its own. One
+        whose writes are confined to other credentials (``confine_writes``) stays where it is."""
+        if self._writer is not None:
+            raise TypeError(f"{self!r} writes with a second credential: it is not sent to other processes")
+        return Bucket, (self.url, self._args[0], self.options, self._args[1], self.retry, None, False)
+
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"
 

@@ -20,10 +20,52 @@ class DataLayout:
     def tokenizer(self) -> str:
         return f"{self.root}/tokenizer"
 
-    def shard(self, split: str, i: int) -> str:
-        return f"{self.root}/{split}/{i:05d}.npz"
+    def shard(self, split: str, partition: int, i: int = 0) -> str:
+        """Shard ``i`` of one partition of a split (a card lists its shards' keys: data sets made
+        before partitions name theirs ``{split}/{i:05d}.npz``, read as they are listed)."""
+        return f"{self.root}/{split}/{partition:05d}-{i:04d}.npz"
 
     @property
     def unigram(self) -> str:
         """Token counts of the training split."""
         return f"{self.root}/unigram.npz"
+
+    # the making of a data set (dataset/build.py): records of each step under one recipe's folder,
+    # deleted once the card is written
+    def work(self, recipe: str) -> str:
+        return f"{self.root}/work/{recipe}"
+
+    def job(self, recipe: str) -> str:
+        """The recipe and the pieces listed at the start: a resumed run reads the same ones."""
+        return f"{self.work(recipe)}/JOB.json"
+
+    def survey(self, recipe: str, piece: int) -> str:
+        return f"{self.work(recipe)}/survey/{piece:05d}.npz"
+
+    def plan(self, recipe: str, piece: int | None = None) -> str:
+        """A piece's decisions; without ``piece``, the summary (written after every piece's)."""
+        return f"{self.work(recipe)}/plan/" + ("PLAN.json" if piece is None else f"{piece:05d}.npz")
+
+    def sample(self, recipe: str, piece: int) -> str:
+        return f"{self.work(recipe)}/sample/{piece:05d}.txt"
+
+    def trained(self, recipe: str) -> str:
+        """Written once the tokenizer is saved: its files' hashes."""
+        return f"{self.work(recipe)}/TOKENIZER.json"
+
+    def parts(self, recipe: str, partition: int) -> str:
+        return f"{self.work(recipe)}/parts/{partition:05d}"
+
+    def part(self, recipe: str, partition: int, piece: int, chunk: int) -> str:
+        return f"{self.parts(recipe, partition)}/{piece:05d}-{chunk:04d}.npz"
+
+    def tokenized(self, recipe: str, piece: int) -> str:
+        """A piece's record, written after its parts: what it holds, and that it is done."""
+        return f"{self.work(recipe)}/tokenized/{piece:05d}.json"
+
+    def packed(self, recipe: str, partition: int) -> str:
+        """A partition's record, written after its shards: their keys, sizes and hashes."""
+        return f"{self.work(recipe)}/packed/{partition:05d}.json"
+
+    def counts(self, recipe: str, partition: int) -> str:
+        return f"{self.work(recipe)}/packed/{partition:05d}.npz"

@@ -32,15 +32,12 @@ TASKS = ("ner", "news")
 
 def make_data(url: str, corpus_dir: str, vocab_size: int, seq_len: int, name: str = "bengali") -> dict:
     """The tokenize flow's steps, without Prefect: the tokenizer and the data set in ``url``."""
-    from dedloc_pipeline.model import corpus, packing, tokenizer
+    from dedloc_pipeline.dataset.build import Recipe, make
+    from dedloc_pipeline.dataset.sources import embedded
     from dedloc_pipeline.storage.bucket import Bucket
-    from dedloc_pipeline.storage.layout import DataLayout
 
-    corpus.build(corpus_dir)
-    docs = corpus.offline_documents(corpus_dir)
-    tok = tokenizer.train((s for d in docs for s in d), vocab_size)
-    tokenizer.save(tok, Bucket(url), DataLayout(name).tokenizer)
-    return packing.write_dataset(Bucket(url), name, tok, docs, seq_len, 0)
+    recipe = Recipe(sources=(embedded(corpus_dir),), vocab_size=vocab_size, seq_len=seq_len)
+    return make(Bucket(url), name, recipe)
 
 
 def one_process(run, states: list[int], threads: int, micro_batch: int = 16) -> dict[int, np.ndarray]:

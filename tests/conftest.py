@@ -129,12 +129,11 @@ CORPUS = os.path.join(os.path.dirname(__file__), os.pardir, ".dedloc", "corpus")
 def bengali(tmp_path_factory):
     """A small tokenized data set from the offline Bengali corpus (`make corpus`): 400 documents,
     a 2000-token tokenizer, sequences of 32, shards of 64 pairs. Returns (bucket URL, name)."""
-    from dedloc_pipeline.model import corpus, packing, tokenizer
-    docs = corpus.offline_documents(CORPUS)[:400]
-    tok = tokenizer.train((s for d in docs for s in d), 2000)
+    from dedloc_pipeline.dataset.build import Recipe, make
+    from dedloc_pipeline.dataset.sources import embedded
     url = f"file://{tmp_path_factory.mktemp('data')}/bucket"
-    tokenizer.save(tok, Bucket(url), "data/bn-test/tokenizer")
-    packing.write_dataset(Bucket(url), "bn-test", tok, docs, seq_len=SMALL["seq_len"], seed=0, shard_pairs=64)
+    make(Bucket(url), "bn-test", Recipe(sources=(embedded(CORPUS),), vocab_size=2000, seq_len=SMALL["seq_len"],
+                                        max_documents=400, shard_pairs=64))
     return url, "bn-test"
 
 

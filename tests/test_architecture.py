@@ -31,6 +31,7 @@ ALLOWED = {
     "monitoring": BELOW_SIDES | {"volunteer", "organizer"},
     "planning": BELOW_SIDES | {"volunteer", "organizer"},
     "evaluation": {"storage", "model", "protocol"},
+    "dataset": {"storage", "model"},  # the organizer's corpus made into a data set
 }
 ALLOWED["cli"] = set(ALLOWED)  # the command line, on top: every layer
 TORCH_FREE = ["storage.layout", "storage.bucket", "storage.retry", "storage.s3", "storage.stats", "storage.codec",

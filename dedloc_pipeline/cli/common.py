@@ -24,8 +24,8 @@ _cx = importlib.import_module(typer.BadParameter.__module__)
 _PASS = tuple({typer.Exit, typer.Abort, *(getattr(_cx, n) for n in ("Exit", "Abort", "NoArgsIsHelpError")
                                           if hasattr(_cx, n))})
 # the top-level modules of pyproject.toml's extras, which a volunteer's install leaves out
-EXTRAS = {"prefect": "organizer", "matplotlib": "organizer", "prefect_dask": "scale", "datasets": "eval",
-          "seqeval": "eval", "faker": "eval"}
+EXTRAS = {"prefect": "organizer", "matplotlib": "organizer", "pyarrow": "organizer", "zstandard": "organizer",
+          "prefect_dask": "scale", "datasets": "eval", "seqeval": "eval", "faker": "eval"}
 # what a user can fix: a bad value, a missing run, file or key, a bucket refusing access
 _ERRORS = (RunError, DataError, StorageError, IdentityError, ValueError, ValidationError, FileNotFoundError,
            PermissionError)

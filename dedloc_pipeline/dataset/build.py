@@ -67,7 +67,7 @@ class Job(BaseModel):
     started_at: float
 
     @property
-    def keys(self) -> DataLayout:
+    def layout(self) -> DataLayout:
         return DataLayout(self.name)
 
     @property
@@ -96,7 +96,7 @@ def start(bucket: Bucket, name: str, recipe: Recipe, storage_options: dict | Non
 
 def survey(bucket: Bucket, job: Job, i: int, storage_options: dict | None = None) -> int:
     """Piece i's documents' digests and sizes; the number of documents."""
-    key = job.keys.survey(job.id, i)
+    key = job.layout.survey(job.id, i)
     if (raw := bucket.read_bytes(key)) is not None:
         return int(_load(raw)["sizes"].shape[0])
     digests, sizes = [], []
@@ -110,7 +110,7 @@ def survey(bucket: Bucket, job: Job, i: int, storage_options: dict | None = None
 
 def decide(bucket: Bucket, job: Job) -> dict:
     """The plan, from every piece's survey: each piece's decisions, then the summary (PLAN.json)."""
-    keys, rid, r = job.keys, job.id, job.recipe
+    keys, rid, r = job.layout, job.id, job.recipe
     if (done := bucket.read_json(keys.plan(rid))) is not None:
         return done
     surveys = [_load(_read(bucket, keys.survey(rid, i))) for i in range(len(job.pieces))]
@@ -129,10 +129,10 @@ def decide(bucket: Bucket, job: Job) -> dict:
 def sample(bucket: Bucket, job: Job, i: int, storage_options: dict | None = None) -> int:
     """Piece i's share of the tokenizer's sample: its sampled documents, a JSON line each
     (``[order, sentences]``); the number of documents."""
-    key = job.keys.sample(job.id, i)
+    key = job.layout.sample(job.id, i)
     if (raw := bucket.read_bytes(key)) is not None:
         return raw.count(b"\n")
-    d = _load(_read(bucket, job.keys.plan(job.id, i)))
+    d = _load(_read(bucket, job.layout.plan(job.id, i)))
     lines = [json.dumps([int(d["order"][j]), sentences(doc)], ensure_ascii=False) + "\n"
              for j, doc in enumerate(_documents(job, i, storage_options)) if d["sample"][j]]
     bucket.create(key, "".join(lines).encode("utf-8"))
@@ -143,7 +143,7 @@ def train(bucket: Bucket, job: Job):
     """The tokenizer, trained on the sample's sentences in the canonical order (so on the same
     text in the same order however the corpus was cut into files), saved under the data set; one
     trained before under this recipe is loaded."""
-    keys, rid = job.keys, job.id
+    keys, rid = job.layout, job.id
     if bucket.read_json(keys.trained(rid)) is None:
         docs = [json.loads(line) for i in range(len(job.pieces))
                 for line in _read(bucket, keys.sample(rid, i)).decode("utf-8").splitlines()]
@@ -157,7 +157,7 @@ def train(bucket: Bucket, job: Job):
 def tokenize(bucket: Bucket, job: Job, i: int, tok, storage_options: dict | None = None) -> dict:
     """Piece i's kept documents as sentence-order pairs, each document's drawn with its own
     seeded generator, filed to their partitions in chunks of at most ``FLUSH_PAIRS``; the record."""
-    keys, rid, r = job.keys, job.id, job.recipe
+    keys, rid, r = job.layout, job.id, job.recipe
     if (done := bucket.read_json(keys.tokenized(rid, i))) is not None:
         return done
     d = _load(_read(bucket, keys.plan(rid, i)))
@@ -202,7 +202,7 @@ def pack(bucket: Bucket, job: Job, p: int, vocab: int) -> dict:
     """Partition p's pairs from every piece, in the canonical order (the documents' seeded order,
     then each one's pairs in turn), shuffled with a generator seeded by (seed, p, split), written
     as shards; the record (each split's shards, tokens, swapped pairs; token counts apart)."""
-    keys, rid, r = job.keys, job.id, job.recipe
+    keys, rid, r = job.layout, job.id, job.recipe
     if (done := bucket.read_json(keys.packed(rid, p))) is not None:
         return done
     parts = sorted(bucket.find(keys.parts(rid, p)))
@@ -236,12 +236,12 @@ def pack(bucket: Bucket, job: Job, p: int, vocab: int) -> dict:
 
 def finish(bucket: Bucket, job: Job, tok, summary: dict) -> dict:
     """DATA.json, from the partitions' records, written last; then the records go."""
-    keys, rid, r = job.keys, job.id, job.recipe
+    keys, rid, r = job.layout, job.id, job.recipe
     packed = [bucket.read_json(keys.packed(rid, p)) for p in range(summary["partitions"])]
     counts = sum(_load(_read(bucket, keys.counts(rid, p)))["counts"] for p in range(summary["partitions"]))
     card = {"name": job.name, "seq_len": r.seq_len, "seed": r.seed, "vocab_size": len(tok),
             "tokenizer": keys.tokenizer, "documents": summary["documents"],
-            "sources": _provenance(job, summary), "recipe": json.loads(r.model_dump_json()),
+            "sources": _provenance(job, summary), "recipe": r.model_dump(mode="json"),
             "objective": "masked LM (15%, dynamic) + sentence-order prediction", "splits": {}}
     for split in ("heldout", "train"):
         pairs = sum(x[split]["pairs"] for x in packed)
@@ -271,7 +271,7 @@ def make(bucket: Bucket, name: str, recipe: Recipe, pool: Executor | None = None
     steps in order, each piece's and partition's on ``pool`` (threads or processes) when given.
     ``progress(step, done, total)`` is told as each piece or partition is done (0 at a step's start)."""
     card = bucket.read_json(DataLayout(name).card)
-    if card is not None and card.get("recipe") == json.loads(recipe.model_dump_json()):
+    if card is not None and card.get("recipe") == recipe.model_dump(mode="json"):
         return card
     tell = progress or (lambda step, done, total: None)
 

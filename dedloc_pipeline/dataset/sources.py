@@ -11,6 +11,7 @@ text field per line) or Parquet (a text column); gzip, zstd, bz2 and xz are read
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 from collections.abc import Iterator
 
@@ -52,9 +53,18 @@ class SourceError(ValueError):
     """A source that cannot be read as it is named."""
 
 
+def embedded(corpus_dir: str) -> Source:
+    """The embedded corpus (`make corpus`, model/corpus.py) as a source: the dictionary's lines,
+    which have no document breaks, in runs of 12 (entries of neighbouring headwords)."""
+    from ..model import corpus
+    prov = corpus.build(corpus_dir)["shobdo.txt"]
+    return Source(url=f"{corpus_dir}/shobdo.txt", lines_per_document=12,
+                  licence=f"{prov['license']} ({prov['package']} {prov['version']}, {prov['registry']})")
+
+
 def format_of(path: str) -> tuple[str | None, str | None]:
     """(format, compression) from a file's name: ``a.jsonl.zst`` is ("jsonl", "zstd")."""
-    name = path.rsplit("/", 1)[-1].lower()
+    name = posixpath.basename(path).lower()  # a file's URL, not a bucket key
     compression = next((c for ext, c in COMPRESSIONS.items() if name.endswith(ext)), None)
     if compression is not None:
         name = name[:name.rindex(".")]

@@ -7,18 +7,17 @@
   catalog a string comes from (Calc, Writer, ...) is a real label for classification.
 
 No third-party text is committed to this repository; ``build`` fetches and extracts it, and
-records where every file came from in PROVENANCE.json. ``hub_documents`` streams the corpora
-sahajBERT trained on (Bengali Wikipedia and OSCAR); they need the Hugging Face hub.
+records where every file came from in PROVENANCE.json. The tokenize flow makes it a data set
+(``shobdo.txt``, documents of 12 lines); an organizer's own corpus, or the hub's Bengali
+Wikipedia and OSCAR that sahajBERT trained on, go through the same steps (dataset/).
 """
 
 from __future__ import annotations
 
 import gettext
 import glob
-import itertools
 import json
 import os
-import re
 import sqlite3
 import subprocess
 import sys
@@ -85,32 +84,6 @@ def libreoffice_strings(catalogs: Path) -> Iterator[tuple[str, str]]:
             text = " ".join(text.replace("~", "").split())
             if any("\u0980" <= ch <= "\u09ff" for ch in text):
                 yield module, text
-
-
-# sahajBERT's pretraining mixture: (dataset, config, share of the samples)
-HUB_MIX = (("wikimedia/wikipedia", "20231101.bn", 0.23), ("oscar", "unshuffled_deduplicated_bn", 0.77))
-_SENTENCE_END = re.compile(r"(?<=[।?!])\s+")
-
-
-def offline_documents(corpus_dir: str | os.PathLike, lines_per_document: int = 12) -> list[list[str]]:
-    """The shobdo text as documents of consecutive lines (entries of neighbouring headwords)."""
-    from .packing import documents
-    path = Path(corpus_dir) / "shobdo.txt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: build the corpus with `make corpus`")
-    return documents(path.read_text(encoding="utf-8").splitlines(), lines_per_document)
-
-
-def hub_documents(limit: int, seed: int = 0) -> Iterator[list[str]]:
-    """Up to ``limit`` documents streamed from the hub, mixed as in HUB_MIX, split into sentences."""
-    import datasets
-    parts = [datasets.load_dataset(path, name, split="train", streaming=True).select_columns(["text"])
-             for path, name, _ in HUB_MIX]
-    mixed = datasets.interleave_datasets(parts, probabilities=[p for *_, p in HUB_MIX], seed=seed)
-    for example in itertools.islice(mixed, limit):
-        sentences = [s for para in example["text"].splitlines() for s in _SENTENCE_END.split(para.strip()) if s]
-        if sentences:
-            yield sentences
 
 
 def build(dest: str | os.PathLike) -> dict:

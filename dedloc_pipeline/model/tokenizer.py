@@ -49,7 +49,8 @@ def _backend() -> Tokenizer:
 def train(texts: Iterable[str], vocab_size: int = 32000) -> PreTrainedTokenizerFast:
     """A Unigram model over ``texts``; ``vocab_size`` counts the special tokens."""
     tok = _backend()
-    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, unk_token="<unk>")
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, unk_token="<unk>",
+                                      show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     tok = _canonical(tok)
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")

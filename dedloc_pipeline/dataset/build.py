@@ -189,8 +189,8 @@ def tokenize(bucket: Bucket, job: Job, i: int, tok, storage_options: dict | None
                 held.append((int(d["partition"][j]), int(d["order"][j]), k, bool(d["heldout"][j]), pair))
                 pairs += 1
             docs += 1
-        if len(held) >= FLUSH_PAIRS:
-            flush()
+            if len(held) >= FLUSH_PAIRS:
+                flush()
     if held:
         flush()
     record = {"documents": docs, "pairs": pairs, "chunks": chunks}

@@ -131,15 +131,17 @@ def documents(piece: Piece, src: Source, storage_options: dict | None = None) ->
             yield from _text(row, src, piece)
         return
     _, compression = format_of(piece.url)
-    with fsspec.open(piece.url, "rb", compression=compression, **(storage_options or {})) as raw:
-        if piece.format == "parquet":
-            import pyarrow.parquet as pq  # the `organizer` extra
+    options = storage_options or {}
+    if piece.format == "parquet":
+        import pyarrow.parquet as pq  # the `organizer` extra
+        with fsspec.open(piece.url, "rb", compression=compression, **options) as raw:
             for batch in pq.ParquetFile(raw).iter_batches(columns=[src.text_field], batch_size=1024):
                 for text in batch.column(0).to_pylist():
                     if text and text.strip():
                         yield text.strip()
-            return
-        lines = (b.decode("utf-8", errors="replace") for b in raw)
+        return
+    with fsspec.open(piece.url, "rt", compression=compression, encoding="utf-8", errors="replace",
+                     **options) as lines:
         if piece.format == "jsonl":
             for n, line in enumerate(lines, 1):
                 if line.strip():

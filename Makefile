@@ -16,7 +16,7 @@ PREFECT_PORT ?= 4200
 export BUCKET RUN ROUNDS WORKERS PRESET TARGET DATA SEQ VOCAB PREFECT_PORT
 PREFECT_ENV = PREFECT_HOME=$(CURDIR)/.dedloc/prefect PREFECT_API_URL=http://127.0.0.1:$(PREFECT_PORT)/api
 
-.PHONY: install wheel lock lint browser corpus test test-fast bench bench-compare quality pretrain worker eval status server stop clean
+.PHONY: install wheel lock lint browser corpus big-corpus test test-fast bench bench-compare quality pretrain worker eval status server stop clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ CORPUS := .dedloc/corpus
 corpus: $(CORPUS)/PROVENANCE.json
 $(CORPUS)/PROVENANCE.json: | $(STAMP)
 	$(BIN)/python -m dedloc_pipeline.model.corpus $(CORPUS)
+
+# Benchmark 13's corpus: the embedded one's lines recombined, seeded, into CORPUS_GB (default 2) GB of
+# gzip text, zstd JSON lines, Parquet and plain text in .dedloc/big-corpus/ (never committed).
+CORPUS_GB ?= 2
+big-corpus: corpus
+	$(BIN)/python -m benchmarks.corpus $(CORPUS_GB)
 
 # Headless chromium renders the report page in the tests: Debian's package, installed if missing.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

@@ -4,9 +4,10 @@
 lines (`make corpus`) reshuffled and recombined, seeded, into documents of 4 to 40 lines, written
 as files of the four formats an organizer brings (gzip text, zstd JSON lines, Parquet, plain text),
 with one document in fifty repeated (exact duplicates to drop). ``run`` makes the data set from it
-with ``dedloc data make``'s steps on a pool of one process, then of two, and reports megabytes of
-text per second per core, each step's time, and the pool processes' peak memory against the same
-on a corpus a tenth the size: what one step holds does not grow with the corpus.
+with ``dedloc data make``'s steps on two cores, and from a tenth of it on one core and on two
+(``taskset``), and reports megabytes of text per second per core, each step's time, and the peak
+memory of the process and of its pool against the corpus's size: what one step holds does not
+grow with the corpus.
 """
 
 from __future__ import annotations
@@ -73,10 +74,13 @@ def write(dest: Path = BIG, gb: float = 2.0, seed: int = 0) -> dict:
     return made
 
 
-def _make(corpus: Path, bucket: str, jobs: int) -> dict:
-    """``dedloc data make``'s steps on ``jobs`` pool processes, in a process of its own, timed per step."""
+def _make(corpus: Path, bucket: str, cores: int) -> dict:
+    """``dedloc data make``'s steps in a process of its own confined to ``cores`` of this machine's
+    cores (``taskset``), a pool of as many processes: each step's time, and the peak memory of the
+    process (the plan, the tokenizer's training, the card) and of the pool's (surveys, samples,
+    pieces, partitions)."""
     code = f"""
-import json, resource, sys, time
+import json, resource, time
 from concurrent.futures import ProcessPoolExecutor
 from dedloc_pipeline.dataset.build import Recipe, make
 from dedloc_pipeline.dataset.sources import Source
@@ -84,41 +88,47 @@ from dedloc_pipeline.storage.bucket import Bucket
 steps, t0 = {{}}, time.monotonic()
 def progress(step, done, total):
     steps.setdefault(step, [time.monotonic(), None])[1] = time.monotonic()
-with ProcessPoolExecutor({jobs}) as pool:
-    card = make(Bucket({bucket!r}), "big", Recipe(sources=(Source(url={str(corpus)!r}),), vocab_size=8000),
-                pool, progress)
+with ProcessPoolExecutor({cores}) as pool:
+    card = make(Bucket({bucket!r}), "big", Recipe(sources=(Source(url={str(corpus / "part-*")!r}),)), pool, progress)
 wall = time.monotonic() - t0
-kids = resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({{"wall_s": wall, "steps": {{k: b - a for k, (a, b) in steps.items()}},
-                  "peak_rss_mb": kids.ru_maxrss / 1024, "summary": card["sources"]["summary"],
-                  "train_pairs": card["splits"]["train"]["pairs"], "shards": len(card["splits"]["train"]["shards"])}}))
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "pool_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024,
+                  "summary": card["sources"]["summary"], "train_pairs": card["splits"]["train"]["pairs"],
+                  "shards": len(card["splits"]["train"]["shards"])}}))
 """
-    env = dict(os.environ, OMP_NUM_THREADS="1", RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:cores])
+    out = subprocess.run(["taskset", "-c", cpus, sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=False)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run(gb: float = 2.0) -> dict:
+    """The corpus of ``gb`` GB on two cores; a tenth of it on one core and on two (two against
+    one, and the memory against the corpus's size)."""
     import shutil
     import tempfile
 
-    big = write(BIG, gb)
-    small = write(BIG.with_name(BIG.name + "-tenth"), gb / 10, seed=1)
-    res = {"corpus": {k: big[k] for k in ("text_bytes", "documents")}, "files": len(big["files"])}
-    for tag, corpus, jobs in (("two cores", BIG, 2), ("one core", BIG, 1), ("a tenth, two cores", BIG.with_name(
-            BIG.name + "-tenth"), 2)):
+    tenth = BIG.with_name(BIG.name + "-tenth")
+    made = {BIG: write(BIG, gb), tenth: write(tenth, gb / 10, seed=1)}
+    res: dict = {"corpus": {k: made[BIG][k] for k in ("text_bytes", "documents")}, "files": len(made[BIG]["files"]),
+                 "tenth": {k: made[tenth][k] for k in ("text_bytes", "documents")}}
+    runs = (("two cores", BIG, 2), ("a tenth, one core", tenth, 1), ("a tenth, two cores", tenth, 2))
+    for tag, corpus, cores in runs:
         tmp = tempfile.mkdtemp(prefix="dedloc-corpus-")
         try:
-            r = _make(corpus, f"file://{tmp}/bucket", jobs)
+            r = _make(corpus, f"file://{tmp}/bucket", cores)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        text = (big if corpus == BIG else small)["text_bytes"]
-        r["mb_per_s"] = text / 1e6 / r["wall_s"]
-        r["mb_per_s_per_core"] = r["mb_per_s"] / jobs
+        r["cores"] = cores
+        r["text_mb"] = made[corpus]["text_bytes"] / 1e6
+        r["mb_per_s"] = r["text_mb"] / r["wall_s"]
+        r["mb_per_s_per_core"] = r["mb_per_s"] / cores
         res[tag] = r
-    res["two_over_one"] = res["one core"]["wall_s"] / res["two cores"]["wall_s"]
+    res["two_over_one"] = res["a tenth, one core"]["wall_s"] / res["a tenth, two cores"]["wall_s"]
     return res
 
 
@@ -126,16 +136,16 @@ def table(res: dict):
     from rich.table import Table
 
     t = Table(title=f"13. A data set from {res['corpus']['text_bytes'] / 1e9:.2f} GB of text "
-                    f"({res['corpus']['documents']:,} documents, {res['files']} files; two cores "
-                    f"{res['two_over_one']:.2f}x one)")
-    for col in ("run", "wall s", "MB/s", "MB/s per core", "survey s", "sample s", "train s", "tokenize s",
-                "pack s", "peak RSS MB"):
+                    f"({res['corpus']['documents']:,} documents, {res['files']} files), and a tenth of it: "
+                    f"two cores {res['two_over_one']:.2f}x one")
+    for col in ("run", "text MB", "wall s", "MB/s per core", "survey s", "sample s", "train s", "tokenize s",
+                "pack s", "peak RSS MB: process", "pool"):
         t.add_column(col)
-    for tag in ("two cores", "one core", "a tenth, two cores"):
+    for tag in ("two cores", "a tenth, one core", "a tenth, two cores"):
         r = res[tag]
-        t.add_row(tag, f"{r['wall_s']:.0f}", f"{r['mb_per_s']:.2f}", f"{r['mb_per_s_per_core']:.2f}",
+        t.add_row(tag, f"{r['text_mb']:.0f}", f"{r['wall_s']:.0f}", f"{r['mb_per_s_per_core']:.2f}",
                   *[f"{r['steps'].get(s, 0):.0f}" for s in ("survey", "sample", "train", "tokenize", "pack")],
-                  f"{r['peak_rss_mb']:.0f}")
+                  f"{r['peak_rss_mb']:.0f}", f"{r['pool_peak_rss_mb']:.0f}")
     return t
 
 

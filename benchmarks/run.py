@@ -21,7 +21,7 @@ from rich.table import Table
 
 console = Console()
 BENCHMARKS = ("throughput", "wire", "aggregation", "compute", "scale", "coordination", "shaped", "local_steps",
-              "aggregators", "recovery")
+              "aggregators", "recovery", "corpus")
 
 
 # Each runner imports its benchmark: the scale benchmark's spawned writers re-import this module
@@ -107,6 +107,14 @@ def recovery_(out: dict) -> Table:
     return recovery.table(res)
 
 
+def corpus_(out: dict) -> Table:
+    """A data set made from gigabytes of text (`make big-corpus`): MB/s per core, two cores against one, memory."""
+    from . import corpus
+
+    out["corpus"] = res = corpus.run(float(os.environ.get("CORPUS_GB", "2")))
+    return corpus.table(res)
+
+
 def gpu(out: dict) -> Table:
     """Not in the default set: one `sahajbert` worker on the GPU, a CPU scheduler beside it."""
     from . import throughput
@@ -125,7 +133,7 @@ def soak_(out: dict) -> Table:
 
 RUNNERS = {"throughput": throughput_, "wire": wire_, "aggregation": aggregation_, "compute": compute,
            "scale": scale_, "coordination": coordination_, "shaped": shaped_, "local_steps": local_steps_,
-           "aggregators": aggregators_, "recovery": recovery_, "gpu": gpu, "soak": soak_}
+           "aggregators": aggregators_, "recovery": recovery_, "corpus": corpus_, "gpu": gpu, "soak": soak_}
 
 
 def main(only: Optional[list[str]] = typer.Argument(None, help=f"some of: {', '.join(BENCHMARKS)}; or gpu, soak"),

@@ -713,3 +713,23 @@ def test_the_readmes_commands_run_as_shown(tmp_path, s3_bucket):
     run_ = Run(Bucket(s3_bucket.url), "sahajbert")
     roster = identity.newest_roster(run_.bucket, run_.name, run_.config.organizer_key)
     assert run_.config.preset == "sahajbert" and run_.latest() == 0 and roster.volunteers["alice"] == put_in["KEY"]
+
+
+@pytest.mark.slow
+def test_the_readmes_data_set_command_runs_as_shown(tmp_path, s3_bucket):
+    """The README's `dedloc data make`, as printed, on moto's S3 server: only the bucket and the
+    corpus's folder put in (a few hundred documents of the embedded corpus, as JSON lines)."""
+    [block] = [b for b in BASH.findall(README.read_text()) if "dedloc data make" in b]
+    [args] = _shown(block)
+    lines = (README.parent / ".dedloc" / "corpus" / "shobdo.txt").read_text(encoding="utf-8").splitlines()[:3600]
+    folder = tmp_path / "bengali-corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(json.dumps({"text": "\n".join(lines[i:i + 12])}, ensure_ascii=False)
+                                            + "\n" for i in range(0, len(lines), 12)), encoding="utf-8")
+    put_in = {"~/bengali-corpus/": f"{folder}/", "s3://collab/sahajbert": s3_bucket.url}
+    res = cli(*[reduce(lambda a, kv: a.replace(*kv), put_in.items(), x) for x in args])
+    assert res.exit_code == 0, res.output
+    card = s3_bucket.read_json("data/bengali/DATA.json")
+    assert card["seq_len"] == 512 and card["documents"] == 300
+    assert card["sources"]["sources"][0]["licence"] == "CC BY-SA 4.0"
+    assert "300 documents" in res.output

@@ -113,8 +113,12 @@ def _dedloc_commands() -> dict[str, set[str]]:
     import typer
 
     from dedloc_pipeline.cli import app
-    return {name: {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
-            for name, cmd in typer.main.get_command(app).commands.items()}
+    found = {}
+    for name, cmd in typer.main.get_command(app).commands.items():
+        for sub, c in getattr(cmd, "commands", {}).items():  # a group's (dedloc data make)
+            found[f"{name} {sub}"] = {o for p in c.params for o in (*p.opts, *p.secondary_opts)}
+        found[name] = {o for p in cmd.params for o in (*p.opts, *p.secondary_opts)}
+    return found
 
 
 def _dedloc_lines(code: str) -> list[tuple[str, str]]:
@@ -122,7 +126,7 @@ def _dedloc_lines(code: str) -> list[tuple[str, str]]:
     lines = code.splitlines()
     found = []
     for i, line in enumerate(lines):
-        for m in re.finditer(r"(?<![\w/.-])(?:\S*/)?dedloc ([a-z][\w-]*)(.*)", line):
+        for m in re.finditer(r"(?<![\w/.-])(?:\S*/)?dedloc ((?:data )?[a-z][\w-]*)(.*)", line):
             rest, j = m.group(2), i + 1
             while j < len(lines) and (lines[j - 1].rstrip().endswith("\\") or lines[j].startswith(" ")):
                 rest, j = rest + " " + lines[j], j + 1

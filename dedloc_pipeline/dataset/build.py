@@ -180,7 +180,7 @@ def tokenize(bucket: Bucket, job: Job, i: int, tok, storage_options: dict | None
     for batch in _batches(kept, TOKENIZE_DOCUMENTS):
         split = [sentences(doc) for doc, _ in batch]
         flat = [s for ss in split for s in ss]
-        ids = tok(flat, add_special_tokens=False)["input_ids"] if flat else []
+        ids = [e.ids for e in tok.backend_tokenizer.encode_batch(flat, add_special_tokens=False)]
         at = 0
         for (_, j), ss in zip(batch, split):
             doc_ids, at = ids[at:at + len(ss)], at + len(ss)

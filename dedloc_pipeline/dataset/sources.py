@@ -19,7 +19,7 @@ import fsspec
 from fsspec.core import url_to_fs
 from pydantic import BaseModel, ConfigDict
 
-FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",
+FORMATS = {".txt": "text", ".text": "text", ".jsonl": "jsonl", ".ndjson": "jsonl",
            ".parquet": "parquet"}
 COMPRESSIONS = {".gz": "gzip", ".zst": "zstd", ".bz2": "bz2", ".xz": "lzma"}
 HUB = "hub:"

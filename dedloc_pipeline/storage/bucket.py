@@ -193,7 +193,8 @@ class Bucket:
             protocol, rest = "file", os.path.abspath(self.url)
         self.protocol = protocol
         self.local = protocol == "file"
-        self.options = dict(storage_options or {})
+        self.given = dict(storage_options or {})  # as the caller gave them; ``options`` gains the client's hooks
+        self.options = dict(self.given)
         self.stats = IOStats(sent_by_client=protocol == "s3") if stats is None else stats
         if protocol == "s3":
             s3.configure(self.options, endpoint_url, timeout, self.stats)
@@ -232,7 +233,7 @@ class Bucket:
         whose writes are confined to other credentials (``confine_writes``) stays where it is."""
         if self._writer is not None:
             raise TypeError(f"{self!r} writes with a second credential: it is not sent to other processes")
-        return Bucket, (self.url, self._args[0], self.options, self._args[1], self.retry, None, False)
+        return Bucket, (self.url, self._args[0], self.given, self._args[1], self.retry, None, False)
 
     def path(self, key: str) -> str:
         return f"{self.root}/{key}"

@@ -733,3 +733,11 @@ def test_the_readmes_data_set_command_runs_as_shown(tmp_path, s3_bucket):
     assert card["seq_len"] == 512 and card["documents"] == 300
     assert card["sources"]["sources"][0]["licence"] == "CC BY-SA 4.0"
     assert "300 documents" in res.output
+    # the corpus in the bucket too, by its s3:// URL: the same data set
+    s3_bucket.write_bytes("corpus/a.jsonl", (folder / "a.jsonl").read_bytes())
+    put_in["~/bengali-corpus/"] = f"{s3_bucket.url}/corpus/"
+    args = [reduce(lambda a, kv: a.replace(*kv), put_in.items(), x) for x in args]
+    res = cli(*[a if a != "bengali" else "from-s3" for a in args])
+    assert res.exit_code == 0, res.output
+    again = s3_bucket.read_json("data/from-s3/DATA.json")
+    assert again["splits"] == json.loads(json.dumps(card["splits"]).replace("data/bengali/", "data/from-s3/"))

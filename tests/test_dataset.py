@@ -87,6 +87,7 @@ def test_the_hub_loader_reads_a_data_set_of_files_shard_by_shard(tmp_path, docs)
     assert sorted(d for p in found for d in documents(p, src)) == sorted(docs)
 
 
+@pytest.mark.slow
 def test_the_same_documents_make_the_same_data_set_however_cut_split_or_run(tmp_path, docs):
     """One plain file against four files of four formats (the documents in another order,
     duplicates among them), in this process, on threads and on processes: the same shards,

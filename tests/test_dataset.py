@@ -28,7 +28,7 @@ from dedloc_pipeline.storage.layout import DataLayout
 
 from .conftest import CORPUS
 
-DOCS = 300  # documents of 12 lines of the embedded corpus
+DOCS = 200  # documents of 12 lines of the embedded corpus
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def write_formats(folder: Path, docs: list[str]) -> None:
     """The same documents cut into four files of four formats: gzip text, zstd JSON lines,
     Parquet, bz2 text; the text files' documents separated by blank lines."""
     folder.mkdir(parents=True, exist_ok=True)
-    cut = [0, 40, 150, 230, len(docs)]
+    cut = [0, len(docs) // 8, len(docs) // 2, 3 * len(docs) // 4, len(docs)]
     with gzip.open(folder / "a.txt.gz", "wt", encoding="utf-8") as f:
         f.write("\n\n".join(docs[cut[0]:cut[1]]) + "\n")
     rows = "".join(json.dumps({"id": i, "text": d}, ensure_ascii=False) + "\n"
@@ -80,7 +80,7 @@ def test_the_hub_loader_reads_a_data_set_of_files_shard_by_shard(tmp_path, docs)
     folder = tmp_path / "hub"
     folder.mkdir()
     for k in range(3):
-        pq.write_table(pa.table({"text": docs[k * 100:(k + 1) * 100]}), folder / f"train-{k}.parquet")
+        pq.write_table(pa.table({"text": docs[k::3]}), folder / f"train-{k}.parquet")
     src = Source(url=f"hub:{folder}")
     found = pieces([src])
     assert [(p.format, p.shard, p.shards) for p in found] == [("hub", k, 3) for k in range(3)]

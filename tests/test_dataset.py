@@ -237,3 +237,21 @@ def test_a_data_set_made_before_partitions_reads_as_it_did(tmp_path, docs):
     for i in (0, 7, 999):
         a, c = new_src.sample("bob", i), old_src.sample("bob", i)
         assert all(np.array_equal(a[k], c[k]) for k in a)
+
+
+def test_a_step_never_builds_on_other_bytes_than_it_makes(tmp_path, docs):
+    """A resumed step rewrites what it had written (the same bytes pass); an object at its key
+    with other bytes (another writer, a source changed under it) stops the run, in one line."""
+    (tmp_path / "one.txt").write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    r = recipe(Source(url=str(tmp_path / "one.txt")))
+    b = Bucket(f"file://{tmp_path}/b")
+    job = build.start(b, "bn", r)
+    build.survey(b, job, 0)
+    summary = build.decide(b, job)
+    build.sample(b, job, 0)
+    tok = build.train(b, job)
+    keys = DataLayout("bn")
+    for p in range(summary["partitions"]):
+        b.write_bytes(keys.part(r.id(), p, 0, 0), b"someone else's")
+    with pytest.raises(SourceError, match="other bytes than this run makes"):
+        build.tokenize(b, job, 0, tok)

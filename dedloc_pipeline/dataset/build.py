@@ -85,7 +85,7 @@ def start(bucket: Bucket, name: str, recipe: Recipe, storage_options: dict | Non
     raw = bucket.read_bytes(keys.job(rid))
     if raw is None:
         job = Job(name=name, recipe=recipe, pieces=found, started_at=time.time())
-        bucket.create(keys.job(rid), job.model_dump_json().encode())
+        bucket.create(keys.job(rid), job.model_dump_json().encode())  # or another process's, read next
         raw = bucket.read_bytes(keys.job(rid))  # another process may have started it first
     job = Job.model_validate_json(raw)
     if [(p.url, p.size) for p in job.pieces] != [(p.url, p.size) for p in found]:
@@ -104,7 +104,7 @@ def survey(bucket: Bucket, job: Job, i: int, storage_options: dict | None = None
         digests.append(planning.digest(doc))
         sizes.append(len(doc.encode("utf-8")))
     arr = np.frombuffer(b"".join(digests), np.uint8).reshape(-1, planning.DIGEST)
-    bucket.create(key, _npz(digests=arr, sizes=np.asarray(sizes, np.int64)))
+    _create(bucket, key, _npz(digests=arr, sizes=np.asarray(sizes, np.int64)))
     return len(sizes)
 
 
@@ -121,8 +121,8 @@ def decide(bucket: Bucket, job: Job) -> dict:
         raise SourceError(f"data set {job.name!r}: {summary['documents']} distinct documents in its sources; "
                           "a data set needs at least 2 (one held out)")
     for i, d in enumerate(decided):
-        bucket.create(keys.plan(rid, i), _npz(**d))
-    bucket.create_json(keys.plan(rid), summary)
+        _create(bucket, keys.plan(rid, i), _npz(**d))
+    _create(bucket, keys.plan(rid), _json(summary))
     return summary
 
 
@@ -135,7 +135,7 @@ def sample(bucket: Bucket, job: Job, i: int, storage_options: dict | None = None
     d = _load(_read(bucket, job.layout.plan(job.id, i)))
     lines = [json.dumps([int(d["order"][j]), sentences(doc)], ensure_ascii=False) + "\n"
              for j, doc in enumerate(_documents(job, i, storage_options)) if d["sample"][j]]
-    bucket.create(key, "".join(lines).encode("utf-8"))
+    _create(bucket, key, "".join(lines).encode("utf-8"))
     return len(lines)
 
 
@@ -150,7 +150,7 @@ def train(bucket: Bucket, job: Job):
         docs.sort(key=lambda d: d[0])
         tok = tokenizers.train((s for _, ss in docs for s in ss), job.recipe.vocab_size)
         files = tokenizers.save(tok, bucket, keys.tokenizer)
-        bucket.create_json(keys.trained(rid), {k: _hash(_read(bucket, k)) for k in files})
+        _create(bucket, keys.trained(rid), _json({k: _hash(_read(bucket, k)) for k in files}))
     return tokenizers.load(bucket, keys.tokenizer)
 
 
@@ -169,7 +169,7 @@ def tokenize(bucket: Bucket, job: Job, i: int, tok, storage_options: dict | None
         for p in sorted({h[0] for h in held}):
             mine = [h for h in held if h[0] == p]
             arrays = packing.pack([h[4] for h in mine], r.seq_len)
-            bucket.create(keys.part(rid, p, i, chunks), _npz(
+            _create(bucket, keys.part(rid, p, i, chunks), _npz(
                 **arrays, order=np.array([h[1] for h in mine], np.uint64), index=np.array([h[2] for h in mine],
                                                                                          np.uint32),
                 heldout=np.array([h[3] for h in mine], bool)))
@@ -194,7 +194,7 @@ def tokenize(bucket: Bucket, job: Job, i: int, tok, storage_options: dict | None
     if held:
         flush()
     record = {"documents": docs, "pairs": pairs, "chunks": chunks}
-    bucket.create_json(keys.tokenized(rid, i), record)
+    _create(bucket, keys.tokenized(rid, i), _json(record))
     return record
 
 
@@ -222,15 +222,15 @@ def pack(bucket: Bucket, job: Job, p: int, vocab: int) -> dict:
             data = _npz(**{name: rows[name][take] for name in ("input_ids", "b_start", "length",
                                                               "sentence_order_label")})
             key = keys.shard(split, p, j)
-            bucket.create(key, data)
+            _create(bucket, key, data)
             shards.append({"key": key, "pairs": len(take), "blake2b": _hash(data)})
         tokens = rows["input_ids"][_text_tokens(rows)] if n else np.zeros(0, np.int64)
         if split == "train":
             counts += np.bincount(tokens, minlength=vocab)[:vocab]
         record[split] = {"pairs": n, "tokens": int(rows["length"].sum()) if n else 0,
                          "swapped": int(rows["sentence_order_label"].sum()) if n else 0, "shards": shards}
-    bucket.create(keys.counts(rid, p), _npz(counts=counts))
-    bucket.create_json(keys.packed(rid, p), record)
+    _create(bucket, keys.counts(rid, p), _npz(counts=counts))
+    _create(bucket, keys.packed(rid, p), _json(record))
     return record
 
 
@@ -356,6 +356,19 @@ def _read(bucket: Bucket, key: str) -> bytes:
     if raw is None:
         raise FileNotFoundError(f"{bucket.url}/{key} is missing (an earlier step did not finish)")
     return raw
+
+
+def _create(bucket: Bucket, key: str, data: bytes) -> None:
+    """Write a step's output once: there already with the same bytes is a resumed step's, with
+    others a refusal (another recipe's writer, or the sources changed under it)."""
+    if not bucket.create(key, data):
+        raise SourceError(f"{bucket.url}/{key} is there with other bytes than this run makes: another run "
+                          "writes this recipe, or its sources changed; delete the data set's work/ folder "
+                          "to start again")
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True).encode()
 
 
 def _hash(data: bytes) -> str:

@@ -740,4 +740,6 @@ def test_the_readmes_data_set_command_runs_as_shown(tmp_path, s3_bucket):
     res = cli(*[a if a != "bengali" else "from-s3" for a in args])
     assert res.exit_code == 0, res.output
     again = s3_bucket.read_json("data/from-s3/DATA.json")
-    assert again["splits"] == json.loads(json.dumps(card["splits"]).replace("data/bengali/", "data/from-s3/"))
+    def unnamed(splits: dict) -> str:  # the shards' keys hold the data set's name and recipe
+        return re.sub(r"data/[\w-]+/(\w+)/[0-9a-f]{16}-", r"\1/", json.dumps(splits))
+    assert unnamed(again["splits"]) == unnamed(card["splits"])

@@ -156,6 +156,9 @@ def test_tokenize_makes_a_bengali_data_set_once(harness, tmp_path):
     other = tokenize(bucket=url, data="bn", vocab_size=500, seq_len=32, max_documents=50, corpus_dir=CORPUS)
     assert other["created_at"] != card["created_at"]  # another recipe: made anew
     assert other["splits"]["train"]["pairs"] < card["splits"]["train"]["pairs"]
+    from dedloc_pipeline.model.data import PairSource
+    PairSource(Bucket(url), "bn", seed=0).sample("x", 0)  # the new card's shards, checked by their hashes
+    assert sorted(Bucket(url).find("data/bn/train")) == sorted(s["key"] for s in other["splits"]["train"]["shards"])
 
 
 def test_evaluate_synthetic_run_scores_heldout_only(harness, tmp_path):

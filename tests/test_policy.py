@@ -198,7 +198,8 @@ def test_only_the_volunteers_own_keys_are_writable(prefix):
         assert _may_write(k, join(key)), key
     for key in _volunteer_writes(keys, OTHER):
         assert not _may_write(k, join(key)), key
-    for key in (DataLayout("bn").card, DataLayout("bn").shard("train", 0), DataLayout("bn").unigram):
+    data = DataLayout("bn")
+    for key in (data.card, data.shard("0123456789abcdef", "train", 0), data.unigram):
         assert not _may_write(k, join(key))
 
 
@@ -287,7 +288,7 @@ def test_reads_cover_the_run_and_the_data_only():
     k = policy.volunteer_keys(PREFIX, RUN, ME)
     keys = RunLayout(RUN)
     for key in (keys.config, keys.commit(3), keys.params(3) + "/values/c/0", keys.close(3), keys.stop(),
-                DataLayout("bn").card, DataLayout("bn").shard("train", 2)):
+                DataLayout("bn").card, DataLayout("bn").shard("0123456789abcdef", "train", 2)):
         assert any(_iam_match(p, f"{PREFIX}/{key}") for p in k.reads), key
     for key in (RunLayout("other").config, "secrets.txt"):
         assert not any(_iam_match(p, f"{PREFIX}/{key}") for p in k.reads), key

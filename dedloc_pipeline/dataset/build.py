@@ -221,7 +221,7 @@ def pack(bucket: Bucket, job: Job, p: int, vocab: int) -> dict:
             take = perm[at:at + r.shard_pairs]
             data = _npz(**{name: rows[name][take] for name in ("input_ids", "b_start", "length",
                                                               "sentence_order_label")})
-            key = keys.shard(split, p, j)
+            key = keys.shard(rid, split, p, j)
             _create(bucket, key, data)
             shards.append({"key": key, "pairs": len(take), "blake2b": _hash(data)})
         tokens = rows["input_ids"][_text_tokens(rows)] if n else np.zeros(0, np.int64)
@@ -235,7 +235,8 @@ def pack(bucket: Bucket, job: Job, p: int, vocab: int) -> dict:
 
 
 def finish(bucket: Bucket, job: Job, tok, summary: dict) -> dict:
-    """DATA.json, from the partitions' records, written last; then the records go."""
+    """DATA.json, from the partitions' records, written last; then the records go, and the
+    shards of a data set made before under this name that the card no longer lists."""
     keys, rid, r = job.layout, job.id, job.recipe
     packed = [bucket.read_json(keys.packed(rid, p)) for p in range(summary["partitions"])]
     counts = sum(_load(_read(bucket, keys.counts(rid, p)))["counts"] for p in range(summary["partitions"]))
@@ -259,6 +260,9 @@ def finish(bucket: Bucket, job: Job, tok, summary: dict) -> dict:
     card["preview"] = [tok.decode(row[:n]) for row, n in zip(first["input_ids"][:2], first["length"][:2])]
     card["created_at"] = job.started_at  # the job's: a resumed run writes the same card
     bucket.write_json(keys.card, card)
+    listed = {s["key"] for split in card["splits"].values() for s in split["shards"]}
+    for folder in keys.splits():  # a data set made before under this name: its shards, now unlisted
+        bucket.delete(folder, only=lambda k: k not in listed)
     bucket.delete(keys.work(rid))
     return card
 

@@ -20,10 +20,15 @@ class DataLayout:
     def tokenizer(self) -> str:
         return f"{self.root}/tokenizer"
 
-    def shard(self, split: str, partition: int, i: int = 0) -> str:
-        """Shard ``i`` of one partition of a split (a card lists its shards' keys: data sets made
-        before partitions name theirs ``{split}/{i:05d}.npz``, read as they are listed)."""
-        return f"{self.root}/{split}/{partition:05d}-{i:04d}.npz"
+    def shard(self, recipe: str, split: str, partition: int, i: int = 0) -> str:
+        """Shard ``i`` of one partition of a split, named by its recipe: a data set made again
+        with another recipe never writes over the shards the card in place lists (a card lists
+        its shards' keys: data sets made before partitions name theirs ``{split}/{i:05d}.npz``)."""
+        return f"{self.root}/{split}/{recipe}-{partition:05d}-{i:04d}.npz"
+
+    def splits(self) -> tuple[str, str]:
+        """The folders holding a data set's shards."""
+        return f"{self.root}/train", f"{self.root}/heldout"
 
     @property
     def unigram(self) -> str:
